@@ -1,0 +1,62 @@
+"""Grouped-query attention over a slot-indexed KV cache, with NoPE or (partial) RoPE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import AttentionConfig, HybridConfig
+from workers.model.state import ForwardBatch, KVCache
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of each head (half-split convention); x [b, heads, l, hd], positions [b, l]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [b, l, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, l, rotary_dim]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention whose keys/values live in a `KVCache` slot per request."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        a: AttentionConfig = config.attention
+        self.config = a
+        self.q_proj = nn.Linear(config.hidden_size, a.num_heads * a.head_dim, bias=a.bias)
+        self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
+        self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=a.bias)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
+        a = self.config
+        b, length, _ = hidden.shape
+        offsets = torch.arange(length, device=hidden.device)
+        positions = batch.cache_lens[:, None] + offsets  # [b, l]
+        q = self.q_proj(hidden).view(b, length, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        if a.rope_theta is not None:
+            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+        # 1. Write the valid new keys/values at their positions in each row's slot.
+        rows, cols = (offsets[None, :] < batch.num_tokens[:, None]).nonzero(as_tuple=True)
+        slots, where = batch.slot_ids[rows], positions[rows, cols]
+        cache.key[slots, :, where] = k[rows, :, cols]
+        cache.value[slots, :, where] = v[rows, :, cols]
+        # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
+        span = int((batch.cache_lens + batch.num_tokens).max())
+        keys = cache.key[batch.slot_ids, :, :span]  # [b, kv_heads, span, hd]
+        values = cache.value[batch.slot_ids, :, :span]
+        mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim))

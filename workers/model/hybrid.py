@@ -1,0 +1,81 @@
+"""The hybrid language model: embeddings, a list of pre-norm residual blocks, final norm, LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.attention import Attention
+from workers.model.config import ATTENTION, MAMBA, MLP, HybridConfig
+from workers.model.feed_forward import MLP as DenseMLP
+from workers.model.feed_forward import MoE
+from workers.model.mamba2 import Mamba2Mixer
+from workers.model.norm import RMSNorm
+from workers.model.state import ForwardBatch, KVCache, MambaState
+
+
+class Block(nn.Module):
+    """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, attention, an MLP or a MoE."""
+
+    def __init__(self, config: HybridConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        ff = config.feed_forward
+        if kind == MAMBA:
+            self.mixer: nn.Module = Mamba2Mixer(config)
+        elif kind == ATTENTION:
+            self.mixer = Attention(config)
+        elif kind == MLP:
+            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
+        else:
+            self.mixer = MoE(config)
+
+
+class HybridModel(nn.Module):
+    """A causal LM over explicit state: `forward` takes Mamba states and KV caches and returns new Mamba states."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.block_kinds)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def num_mamba_layers(self) -> int:
+        """How many Mamba2 mixers the model has (the length of its `MambaState` list)."""
+        return sum(block.kind == MAMBA for block in self.blocks)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        mamba_states: list[MambaState],
+        kv_caches: list[KVCache],
+    ) -> tuple[torch.Tensor, list[MambaState]]:
+        """input_ids [b, l] (right-padded to l) → (final hidden states [b, l, d], new Mamba states).
+
+        The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
+        """
+        hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
+        new_states: list[MambaState] = []
+        mamba_iter, kv_iter = iter(mamba_states), iter(kv_caches)
+        for block in self.blocks:
+            normed = block.norm(hidden)
+            if block.kind == MAMBA:
+                out, state = block.mixer(normed, next(mamba_iter), batch.num_tokens)
+                new_states.append(state)
+            elif block.kind == ATTENTION:
+                out = block.mixer(normed, batch, next(kv_iter))
+            else:
+                out = block.mixer(normed)
+            hidden = hidden + out * self.config.residual_multiplier
+        return self.final_norm(hidden), new_states
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., d] → float32 logits [..., vocab]."""
+        return self.lm_head(hidden).float() / self.config.logits_divisor

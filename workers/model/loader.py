@@ -1,0 +1,151 @@
+"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from workers.model.config import HybridConfig
+from workers.model.hybrid import HybridModel
+from workers.model.weights import Source, checkpoint_sources, is_ignored
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
+FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
+# What we fetch from the hub: configs, safetensors, tokenizer files. Never code, never pickles.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model with its weights, the directory it came from, and its raw generation config."""
+
+    model: HybridModel
+    config: HybridConfig
+    directory: Path
+    generation_config: dict[str, Any]
+
+
+def resolve_model_dir(path_or_repo: str, revision: str | None = None) -> Path:
+    """A local model directory as is, or a hub repo id downloaded (configs, safetensors, tokenizer files only)."""
+    if os.path.isdir(path_or_repo):
+        return Path(path_or_repo)
+    if os.path.exists(path_or_repo) or path_or_repo.count("/") != 1:
+        raise ValueError(f"model {path_or_repo!r} is neither a model directory nor a hub repo id ('org/name')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path_or_repo, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def resolve_dtype(name: str, config: HybridConfig) -> torch.dtype:
+    """'auto' follows the checkpoint's declared dtype (float32 when it declares none)."""
+    if name == "auto":
+        name = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _open_shards(directory: Path) -> dict[str, Any]:
+    """Checkpoint key → open safetensors handle."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in directory.iterdir())
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in {directory} (found: {found}); "
+            "hybridgen loads safetensors weights only"
+        )
+    handles = {}
+    for name in files:
+        handle = safe_open(str(directory / name), framework="pt")
+        handles.update({key: handle for key in handle.keys()})
+    return handles
+
+
+def _pick(sources: list[Source], handles: dict[str, Any]) -> Source | None:
+    return next((s for s in sources if all(k in handles for k in s.keys)), None)
+
+
+def _read(source: Source, handles: dict[str, Any]) -> torch.Tensor:
+    tensors = [handles[key].get_tensor(key) for key in source.keys]
+    if source.combine == "cat":
+        return torch.cat(tensors, dim=0)
+    if source.combine == "stack":
+        return torch.stack(tensors, dim=0)
+    return tensors[0]
+
+
+def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
+    """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key."""
+    config = model.config
+    sources = checkpoint_sources(config, set(handles))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    problems, used = [], set()
+    plan = {}
+    for name, param in params.items():
+        source = _pick(sources.get(name, []), handles)
+        if source is None:
+            wanted = [k for s in sources.get(name, [])[:1] for k in s.keys[:2]]
+            problems.append(f"missing weight {wanted or name} for parameter {name!r} of shape {tuple(param.shape)}")
+            continue
+        used.update(source.keys)
+        plan[name] = source
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # a tied checkpoint may still carry a copy
+    for key in sorted(set(handles) - used):
+        if not is_ignored(key):
+            shape = tuple(handles[key].get_slice(key).get_shape())
+            problems.append(f"unexpected weight {key!r} with shape {shape} in the checkpoint")
+    for name, source in plan.items():
+        shape = tuple(params[name].shape)
+        if source.combine == "one":
+            found = tuple(handles[source.keys[0]].get_slice(source.keys[0]).get_shape())
+            if found != shape:
+                problems.append(f"weight {source.keys[0]!r} has shape {found} in the checkpoint, model expects {shape}")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
+    with torch.no_grad():
+        for name, source in plan.items():
+            tensor = _read(source, handles)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+
+
+def load_checkpoint(path_or_repo: str, device: str | torch.device = "cpu", dtype: str = "auto") -> LoadedCheckpoint:
+    """Read config.json, build the model on `device` in `dtype` and load its safetensors weights."""
+    directory = resolve_model_dir(path_or_repo)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    config = HybridConfig.from_hf_dict(json.loads(config_path.read_text()))
+    torch_dtype = resolve_dtype(dtype, config)
+    handles = _open_shards(directory)
+    with torch.device("meta"):
+        model = HybridModel(config)
+    model = model.to(torch_dtype).to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name.endswith(FLOAT32_SUFFIXES):
+            param.data = param.data.float()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, handles)
+    model.eval().requires_grad_(False)
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    return LoadedCheckpoint(model, config, directory, generation)

@@ -1,0 +1,70 @@
+"""The Mamba2 mixer shared by Granite 4.0-H, Bamba and Nemotron-H.
+
+in_proj → causal depthwise conv over xBC → SSD scan → grouped gated RMSNorm → out_proj.
+State (conv window, SSM state) comes in as a `MambaState` and the new one is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import HybridConfig
+from workers.model.norm import GatedRMSNorm
+from workers.model.ssd import causal_conv, ssd_chunked, ssm_step
+from workers.model.state import MambaState
+
+
+class Mamba2Mixer(nn.Module):
+    """Selective state-space mixer; parameter names follow the hub checkpoints."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        m = config.mamba
+        self.config = m
+        self.in_proj = nn.Linear(config.hidden_size, m.intermediate_size + m.conv_dim + m.num_heads, bias=m.proj_bias)
+        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
+        # A_log, D and dt_bias are kept in float32 whatever the weight dtype (see loader).
+        self.dt_bias = nn.Parameter(torch.zeros(m.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(m.num_heads))
+        self.D = nn.Parameter(torch.ones(m.num_heads))
+        self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
+
+    def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
+
+        dt is softplus(dt + dt_bias) clamped to the family's limits, and 0 at padded positions.
+        """
+        m = self.config
+        z, xbc, dt = self.in_proj(hidden).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)
+        valid = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < num_tokens[:, None]  # [b, l]
+        return z, xbc, dt * valid[..., None]
+
+    def forward(
+        self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, MambaState]:
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token)."""
+        m = self.config
+        b, length, _ = hidden.shape
+        # 1. Projections.
+        z, xbc, dt = self.scan_inputs(hidden, num_tokens)
+        # 2. Causal conv over xBC, continuing the stored window.
+        xbc, conv_state = causal_conv(xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, num_tokens)
+        x, B, C = xbc.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
+        x = x.reshape(b, length, m.num_heads, m.head_dim)
+        B = B.reshape(b, length, m.num_groups, m.state_size)
+        C = C.reshape(b, length, m.num_groups, m.state_size)
+        A = -torch.exp(self.A_log.float())
+        # 3. SSM: the one-step recurrence for decode, chunked SSD for anything longer.
+        if length == 1:
+            y, ssm_state = ssm_step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)
+            y = y[:, None]
+        else:
+            y, ssm_state = ssd_chunked(x, dt, A, B, C, state.ssm, m.chunk_size)
+        y = y + self.D.float()[:, None] * x.float()
+        # 4. Gated norm and output projection.
+        y = self.norm(y.reshape(b, length, m.intermediate_size), z, hidden.dtype)
+        return self.out_proj(y), MambaState(conv_state, ssm_state)

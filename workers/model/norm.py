@@ -1,0 +1,39 @@
+"""RMS norms, computed in float32 and cast back to the input dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight · x / rms(x) over the last dimension."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] → [..., d]."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's grouped gated norm (norm_before_gate=False): rmsnorm(y · silu(z)) per group of channels."""
+
+    def __init__(self, size: int, num_groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.num_groups = num_groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., d] → [..., d] in `out_dtype`."""
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.view(*gated.shape[:-1], self.num_groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)

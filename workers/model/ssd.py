@@ -1,0 +1,119 @@
+"""Mamba2 scan kernels in pure PyTorch: causal depthwise conv, chunked SSD, one-step recurrence.
+
+Every function takes the state it starts from and returns the state it ends in; nothing is stored.
+Rows of a batch may carry different numbers of valid tokens (`num_tokens`, right padding): the caller zeroes
+`dt` at padded positions, which makes those steps exact no-ops on the SSM state (exp(0·A) = 1, x·dt = 0),
+and `causal_conv` reads each row's new window at that row's own offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(
+    xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + silu over new tokens, continuing from a window of the previous W-1 inputs.
+
+    xbc [b, l, c]; conv_state [b, c, W-1]; weight [c, W]; num_tokens [b] valid tokens per row.
+    Returns (out [b, l, c], new_conv_state [b, c, W-1]): the new window is the last W-1 entries of
+    `[old window, xbc_0 … xbc_{num_tokens-1}]`, so a row with 0 tokens keeps its window.
+    """
+    b, _, c = xbc.shape
+    width = weight.shape[1]
+    # 1. Append the new inputs to the old window: [b, c, W-1+l].
+    window = torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
+    # 2. Valid convolution over the extended window yields exactly l outputs.
+    out = F.silu(F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=c)).to(xbc.dtype)
+    # 3. Each row's new window ends at its last valid input.
+    index = num_tokens.view(b, 1, 1) + torch.arange(width - 1, device=xbc.device).view(1, 1, -1)
+    new_state = window.gather(2, index.expand(b, c, width - 1))
+    return out.transpose(1, 2), new_state.to(conv_state.dtype)
+
+
+def _expand_groups(t: torch.Tensor, num_heads: int, dim: int) -> torch.Tensor:
+    """[.., g, n] → [.., h, n]: head i reads group i // (h / g)."""
+    return t.repeat_interleave(num_heads // t.shape[dim], dim=dim)
+
+
+def ssm_step(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent step: h = exp(dt·A) h + dt · x ⊗ B;  y = h · C.
+
+    x [b, h, p]; dt [b, h] (after softplus and clamp); A [h]; B, C [b, g, n]; state [b, h, p, n] float32.
+    Returns (y [b, h, p] float32, without the D skip, new_state [b, h, p, n] float32).
+    """
+    num_heads = x.shape[1]
+    dt = dt.float()
+    B = _expand_groups(B.float(), num_heads, 1)  # [b, h, n]
+    C = _expand_groups(C.float(), num_heads, 1)
+    decay = torch.exp(dt * A)[..., None, None]  # [b, h, 1, 1]
+    new_state = state * decay + (dt[..., None] * x.float())[..., None] * B[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", new_state, C)
+    return y, new_state
+
+
+def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """[..., T] → [..., T, T] with out[i, j] = a[j+1] + … + a[i] for j ≤ i, -inf above the diagonal."""
+    length = a.shape[-1]
+    a = a[..., None].expand(*a.shape, length)
+    strictly_lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = torch.cumsum(a.masked_fill(~strictly_lower, 0), dim=-2)
+    lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=0)
+    return sums.masked_fill(~lower, -torch.inf)
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan over l tokens starting from `initial_state` (Mamba2 `ssd_minimal`).
+
+    x [b, l, h, p]; dt [b, l, h] (after softplus/clamp, 0 at padding); A [h]; B, C [b, l, g, n];
+    initial_state [b, h, p, n]. Returns (y [b, l, h, p] float32 without the D skip, final_state [b, h, p, n]).
+    Glossary: c chunk index, t/s positions inside a chunk.
+    """
+    b, length, num_heads, head_dim = x.shape
+    pad = (-length) % chunk_size
+    num_chunks = (length + pad) // chunk_size
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(b, num_chunks, chunk_size, *t.shape[2:])
+
+    # 1. Discretise: X = x·dt, a = A·dt; padded positions have dt = 0 and so change nothing.
+    dt = dt.float()
+    xs = chunks(x.float() * dt[..., None])  # [b, c, t, h, p]
+    a = chunks(A * dt).permute(0, 3, 1, 2)  # [b, h, c, t]
+    Bs = chunks(_expand_groups(B.float(), num_heads, 2))  # [b, c, t, h, n]
+    Cs = chunks(_expand_groups(C.float(), num_heads, 2))
+    a_cum = torch.cumsum(a, dim=-1)  # [b, h, c, t]
+
+    # 2. Inside each chunk: y_t = Σ_{s≤t} (C_t·B_s) exp(a_{s+1..t}) X_s.
+    decay_in = torch.exp(_segment_sum(a))  # [b, h, c, t, s]
+    scores = torch.einsum("bclhn,bcshn->bhcls", Cs, Bs) * decay_in
+    y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xs)
+
+    # 3. State contributed by each chunk alone, decayed to the chunk's end.
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, c, t]
+    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bs, decay_to_end, xs)
+
+    # 4. Carry states across chunks, starting from the initial state.
+    states = torch.cat([initial_state.float()[:, None], chunk_states], dim=1)  # [b, c+1, h, p, n]
+    decay_chunk = torch.exp(_segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, h, c+1, c+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
+    start_states, final_state = states[:, :-1], states[:, -1]
+
+    # 5. Contribution of each chunk's start state to its outputs.
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cs, start_states, torch.exp(a_cum))
+
+    y = (y_diag + y_off).reshape(b, num_chunks * chunk_size, num_heads, head_dim)[:, :length]
+    return y, final_state

@@ -1,0 +1,79 @@
+"""Explicit per-request state: Mamba2 conv windows and SSM states, attention KV caches, held in slots.
+
+The model reads states as values and returns new ones (`MambaState`); the runner decides what to keep and
+writes it back into the request's slot. KV caches are slot-indexed buffers the model writes new keys into;
+entries past a slot's committed length are scratch and get overwritten (that is what lets speculative
+verification write k+1 positions and keep only the accepted ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.model.config import ATTENTION, MAMBA, HybridConfig
+
+
+@dataclass
+class MambaState:
+    """Recurrent state of one Mamba2 layer for a batch of requests."""
+
+    conv: torch.Tensor  # [b, conv_dim, W-1], model dtype
+    ssm: torch.Tensor  # [b, h, p, n], float32
+
+
+@dataclass
+class KVCache:
+    """Key/value buffers of one attention layer, indexed by slot."""
+
+    key: torch.Tensor  # [num_slots, kv_heads, capacity, head_dim]
+    value: torch.Tensor  # [num_slots, kv_heads, capacity, head_dim]
+
+
+@dataclass
+class ForwardBatch:
+    """Where the rows of one forward pass live and how many of their tokens are real."""
+
+    slot_ids: torch.Tensor  # [b] int64: the slot of each row in the KV caches
+    cache_lens: torch.Tensor  # [b] int64: tokens already cached = position of the row's first new token
+    num_tokens: torch.Tensor  # [b] int64: valid new tokens in the row (the rest is right padding)
+
+
+class StatePool:
+    """Per-slot storage for every layer's state, allocated once per `generate` call."""
+
+    def __init__(self, config: HybridConfig, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype):
+        m, a = config.mamba, config.attention
+        num_mamba = sum(kind == MAMBA for kind in config.block_kinds)
+        num_attention = sum(kind == ATTENTION for kind in config.block_kinds)
+        self.capacity = capacity
+        # [layers, slots, ...]
+        self.conv = torch.zeros(num_mamba, num_slots, m.conv_dim, m.conv_kernel - 1, device=device, dtype=dtype)
+        self.ssm = torch.zeros(
+            num_mamba, num_slots, m.num_heads, m.head_dim, m.state_size, device=device, dtype=torch.float32
+        )
+        kv_shape = (num_attention, num_slots, a.num_kv_heads, capacity, a.head_dim)
+        self.key = torch.zeros(kv_shape, device=device, dtype=dtype)
+        self.value = torch.zeros(kv_shape, device=device, dtype=dtype)
+
+    def kv_caches(self) -> list[KVCache]:
+        """Views of each attention layer's buffers (writes go to the pool)."""
+        return [KVCache(self.key[i], self.value[i]) for i in range(self.key.shape[0])]
+
+    def read(self, slot_ids: torch.Tensor) -> list[MambaState]:
+        """Copies of the Mamba states of the given slots, one `MambaState` per Mamba layer."""
+        return [MambaState(self.conv[i, slot_ids], self.ssm[i, slot_ids]) for i in range(self.conv.shape[0])]
+
+    def write(self, slot_ids: torch.Tensor, states: list[MambaState]) -> None:
+        """Store new Mamba states into the given slots."""
+        for i, state in enumerate(states):
+            self.conv[i, slot_ids] = state.conv
+            self.ssm[i, slot_ids] = state.ssm
+
+    def zeros(self, batch_size: int) -> list[MambaState]:
+        """Fresh (all-zero) Mamba states for `batch_size` new requests."""
+        return [
+            MambaState(self.conv.new_zeros(batch_size, *self.conv.shape[2:]), self.ssm.new_zeros(batch_size, *self.ssm.shape[2:]))
+            for _ in range(self.conv.shape[0])
+        ]

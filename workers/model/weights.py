@@ -1,0 +1,112 @@
+"""Where each of our parameters lives in a hub checkpoint, per family.
+
+`checkpoint_sources` maps every parameter name of `HybridModel` to a `Source`: the checkpoint key(s) it is read
+from and how they combine (a single tensor, gate/up concatenated, or per-expert matrices stacked). A parameter
+may list alternatives (transformers 5 and the hub spell some keys differently); the first whose keys are all
+present wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.model.config import ATTENTION, MAMBA, MLP, HybridConfig
+
+# Checkpoint keys we knowingly do not use (Nemotron-H multi-token-prediction heads, cached RoPE tables).
+IGNORED_PREFIXES = ("mtp.",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+MAMBA_PARAMS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                "norm.weight", "out_proj.weight", "out_proj.bias")  # fmt: skip
+ATTENTION_PARAMS = tuple(f"{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one parameter is assembled from checkpoint tensors."""
+
+    keys: tuple[str, ...]
+    combine: str = "one"  # "one" | "cat" (along dim 0) | "stack" (new dim 0)
+
+
+def _one(*alternatives: str) -> list[Source]:
+    return [Source((key,)) for key in alternatives]
+
+
+def _ibm_sources(config: HybridConfig, ours: set[str]) -> dict[str, list[Source]]:
+    """Granite 4.0-H and Bamba: `model.layers.N.*`, two blocks per decoder layer."""
+    bamba = config.model_type == "bamba"
+    sources: dict[str, list[Source]] = {"embed_tokens.weight": _one("model.embed_tokens.weight")}
+    sources["final_norm.weight"] = _one("model.final_layernorm.weight" if bamba else "model.norm.weight")
+    for block, kind in enumerate(config.block_kinds):
+        layer, ours_prefix = block // 2, f"blocks.{block}"
+        hub = f"model.layers.{layer}"
+        if kind in (MAMBA, ATTENTION):
+            sources[f"{ours_prefix}.norm.weight"] = _one(f"{hub}.input_layernorm.weight")
+            names, sub = (MAMBA_PARAMS, "mamba") if kind == MAMBA else (ATTENTION_PARAMS, "self_attn")
+            for name in names:
+                sources[f"{ours_prefix}.mixer.{name}"] = _one(f"{hub}.{sub}.{name}")
+            continue
+        sources[f"{ours_prefix}.norm.weight"] = _one(f"{hub}.{'pre_ff_layernorm' if bamba else 'post_attention_layernorm'}.weight")
+        mlp = f"{ours_prefix}.mixer" if kind == MLP else f"{ours_prefix}.mixer.shared"
+        if bamba:
+            ff = f"{hub}.feed_forward"
+            sources[f"{mlp}.up_proj.weight"] = [Source((f"{ff}.gate_proj.weight", f"{ff}.up_proj.weight"), "cat")]
+            sources[f"{mlp}.down_proj.weight"] = _one(f"{ff}.down_proj.weight")
+            for name in ("up_proj.bias", "down_proj.bias"):
+                gate_up = (f"{ff}.gate_proj.bias", f"{ff}.up_proj.bias") if name == "up_proj.bias" else (f"{ff}.{name}",)
+                sources[f"{mlp}.{name}"] = [Source(gate_up, "cat")]
+        else:
+            sources[f"{mlp}.up_proj.weight"] = _one(f"{hub}.shared_mlp.input_linear.weight")
+            sources[f"{mlp}.down_proj.weight"] = _one(f"{hub}.shared_mlp.output_linear.weight")
+        moe = f"{hub}.block_sparse_moe"
+        sources[f"{ours_prefix}.mixer.router.weight"] = _one(f"{moe}.router.layer.weight")
+        sources[f"{ours_prefix}.mixer.experts_up"] = _one(f"{moe}.input_linear.weight", f"{moe}.experts.gate_up_proj")
+        sources[f"{ours_prefix}.mixer.experts_down"] = _one(f"{moe}.output_linear.weight", f"{moe}.experts.down_proj")
+    return sources
+
+
+def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Source]]:
+    """Nemotron-H: `backbone.layers.N.{norm, mixer.*}`, one block per layer."""
+    sources: dict[str, list[Source]] = {
+        "embed_tokens.weight": _one(f"{prefix}.embeddings.weight"),
+        "final_norm.weight": _one(f"{prefix}.norm_f.weight"),
+    }
+    num_experts = config.feed_forward.num_experts
+    for block, kind in enumerate(config.block_kinds):
+        hub, ours = f"{prefix}.layers.{block}", f"blocks.{block}"
+        sources[f"{ours}.norm.weight"] = _one(f"{hub}.norm.weight")
+        names = {MAMBA: MAMBA_PARAMS, ATTENTION: ATTENTION_PARAMS}.get(kind, ())
+        if kind == MLP:
+            names = ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias")
+        for name in names:
+            sources[f"{ours}.mixer.{name}"] = _one(f"{hub}.mixer.{name}")
+        if kind not in (MAMBA, ATTENTION, MLP):
+            mix = f"{hub}.mixer"
+            sources[f"{ours}.mixer.router.weight"] = _one(f"{mix}.gate.weight")
+            sources[f"{ours}.mixer.router.e_score_correction_bias"] = _one(f"{mix}.gate.e_score_correction_bias")
+            for ours_name, hub_name in (("experts_up", "up_proj"), ("experts_down", "down_proj")):
+                per_expert = tuple(f"{mix}.experts.{e}.{hub_name}.weight" for e in range(num_experts))
+                sources[f"{ours}.mixer.{ours_name}"] = [Source(per_expert, "stack"), Source((f"{mix}.experts.{hub_name}",))]
+            for name in ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias"):
+                sources[f"{ours}.mixer.shared.{name}"] = _one(f"{mix}.shared_experts.{name}")
+            for ours_name, hub_name in (("latent_in", "fc1_latent_proj"), ("latent_out", "fc2_latent_proj")):
+                for w in ("weight", "bias"):
+                    sources[f"{ours}.mixer.{ours_name}.{w}"] = _one(f"{mix}.{hub_name}.{w}")
+    return sources
+
+
+def checkpoint_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
+    """Every parameter name → its candidate sources in a checkpoint with `checkpoint_keys`."""
+    if config.model_type == "nemotron_h":
+        prefix = "model" if any(k.startswith("model.") for k in checkpoint_keys) else "backbone"
+        sources = _nemotron_sources(config, prefix)
+    else:
+        sources = _ibm_sources(config, checkpoint_keys)
+    sources["lm_head.weight"] = _one("lm_head.weight")
+    return sources
+
+
+def is_ignored(key: str) -> bool:
+    """Checkpoint keys that are present in real checkpoints but not part of the model we run."""
+    return key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES)

@@ -1,0 +1,7 @@
+"""The GPU side of hybridgen: the model runner, sampling, speculative decoding and the Ray actor."""
+
+from workers.requests import GenerationResult, ScoreResult
+from workers.runner import ModelRunner
+from workers.sampling import SamplingParams
+
+__all__ = ["GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult"]

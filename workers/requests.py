@@ -1,0 +1,85 @@
+"""Per-request bookkeeping of the runner: inputs, outputs, stop conditions, results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of one prompt, in input order."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+    text: str | None = None
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class ScoreResult:
+    """Log-probabilities of one token sequence: token_logprobs[t] = log p(token t+1 | tokens ≤ t)."""
+
+    token_logprobs: list[float]
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """A live request: its prompt, what it has generated, and when it must stop."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator
+    max_model_len: int
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        """The newest token, the next input of the model."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def append(self, token: int, tokenizer: Any | None) -> bool:
+        """Add one generated token; return True when the request has finished (and set its reason)."""
+        self.output.append(token)
+        if token in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.params.stop and tokenizer is not None and self._hit_stop_string(tokenizer):
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def _hit_stop_string(self, tokenizer: Any) -> bool:
+        text = tokenizer.decode(self.output, skip_special_tokens=True)
+        # Only a stop string that ends in the newest token's text can be new.
+        tail = len(tokenizer.decode(self.output[:-1], skip_special_tokens=True)) if len(self.output) > 1 else 0
+        for stop in self.params.stop:
+            start = text.find(stop, max(0, tail - len(stop) + 1))
+            if start != -1:
+                self.text = text[:start]
+                return True
+        return False
+
+    def result(self, tokenizer: Any | None) -> GenerationResult:
+        """Freeze into a `GenerationResult`; the text leaves out a final stop token and special tokens."""
+        text = self.text
+        if text is None and tokenizer is not None:
+            visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
+            text = tokenizer.decode(visible, skip_special_tokens=True)
+        return GenerationResult(list(self.output), self.finish_reason or "length", None, text, len(self.prompt))

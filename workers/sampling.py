@@ -1,0 +1,90 @@
+"""Sampling parameters (vLLM's names) and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request, with vLLM's field names and defaults.
+
+    temperature 0 means greedy. `seed` makes a request's samples reproducible whatever else is in the batch.
+    Generation stops at `max_tokens`, at any of `stop_token_ids` (plus the model's eos unless `ignore_eos`), or
+    when the text contains one of the `stop` strings (the text is cut before it).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer ≥ 1"),
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
+            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer ≥ 0 (0 = off)"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids ≥ 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token."""
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def make_generator(params: SamplingParams, device: torch.device, fallback_seed: int) -> torch.Generator:
+    """The request's own random stream: its seed, or a fresh one from the runner when it has none."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed if params.seed is not None else fallback_seed)
+    return generator
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., v] → the distribution a request samples from: temperature, then top-k, then top-p."""
+    logits = logits.float() / max(params.temperature, 1e-6)
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens strictly before it already reach top_p (the top one always stays).
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    return logits.softmax(-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [v] with the request's generator (exponential race: argmax p / Exp(1))."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """One next token per row of logits [b, v]."""
+    tokens = logits.argmax(-1).tolist()
+    for row, p in enumerate(params):
+        if not p.greedy:
+            tokens[row] = sample_from(target_probs(logits[row], p), generators[row])
+    return tokens

@@ -1,0 +1,103 @@
+"""Tiny random checkpoints of every supported family, saved with transformers' own `save_pretrained`.
+
+Weights are re-randomised to a large scale (NOTES.md §5): at the default 0.02 init the recurrent path barely
+moves the logits, and a wrong state would still "match".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+VOCAB_SIZE = 128
+PAD, BOS, EOS = 0, 1, 2
+WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "big", "red", "hello", "world", "."]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos> {{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<bos> assistant : {% endif %}"
+)
+
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)  # fmt: skip
+_IBM_MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+                  mamba_expand=2, mamba_chunk_size=16)  # fmt: skip
+_NEMOTRON = dict(head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
+                 conv_kernel=4, intermediate_size=96)  # fmt: skip
+
+FAMILIES = {
+    "granite_dense": lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **_COMMON, **_IBM_MAMBA, layer_types=["mamba", "mamba", "attention", "mamba"], num_hidden_layers=4,
+        num_local_experts=0, shared_intermediate_size=96, intermediate_size=48, tie_word_embeddings=True,
+        embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
+    "granite_moe": lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **_COMMON, **_IBM_MAMBA, layer_types=["mamba", "attention", "mamba", "mamba"], num_hidden_layers=4,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, intermediate_size=48,
+        position_embedding_type="rope", tie_word_embeddings=False)),
+    "bamba": lambda: BambaForCausalLM(BambaConfig(
+        **_COMMON, **_IBM_MAMBA, num_hidden_layers=4, attn_layer_indices=[2], intermediate_size=96)),
+    "nemotron_dense": lambda: NemotronHForCausalLM(NemotronHConfig(
+        **_COMMON, **_NEMOTRON, hybrid_override_pattern="M-*-M-", n_routed_experts=4, num_experts_per_tok=2)),
+    "nemotron_moe": lambda: NemotronHForCausalLM(NemotronHConfig(
+        **_COMMON, **_NEMOTRON, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5)),
+}  # fmt: skip
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=generator)
+
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("A_log"):
+                tensor.copy_(torch.log(1 + 7 * torch.rand(tensor.shape, generator=generator)))
+            elif name.endswith("dt_bias"):
+                tensor.copy_(-1 + randn(tensor) * 0.5)
+            elif name.endswith(".D") or "e_score_correction_bias" in name:
+                tensor.copy_(randn(tensor) * 0.5)
+            elif "norm" in name:
+                tensor.copy_(1 + 0.2 * randn(tensor))
+            else:
+                tensor.copy_(randn(tensor) * (0.5 if "conv1d" in name else 0.15))
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over a few English words, with a chat template."""
+    vocab = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS, "<unk>": 3}
+    vocab.update({word: 4 + i for i, word in enumerate(WORDS)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a tiny random `family` model, its tokenizer and a generation config into `directory`."""
+    torch.manual_seed(seed)
+    model = FAMILIES[family]()
+    randomise(model, seed)
+    model.to(dtype).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
+    return directory

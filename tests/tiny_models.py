@@ -55,6 +55,16 @@ FAMILIES = {
         routed_scaling_factor=1.5)),
 }  # fmt: skip
 
+# Small draft models with the same vocabulary: one without any recurrent layer, one hybrid.
+DRAFT_FAMILIES = {
+    "draft_attention": lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **{**_COMMON, "hidden_size": 32}, **_IBM_MAMBA, layer_types=["attention", "attention"], num_hidden_layers=2,
+        num_local_experts=0, shared_intermediate_size=64, position_embedding_type="rope", tie_word_embeddings=True)),
+    "draft_hybrid": lambda: BambaForCausalLM(BambaConfig(
+        **{**_COMMON, "hidden_size": 32}, **{**_IBM_MAMBA, "mamba_d_head": 16}, num_hidden_layers=2,
+        attn_layer_indices=[1], intermediate_size=48)),
+}  # fmt: skip
+
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D."""
@@ -95,7 +105,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """Save a tiny random `family` model, its tokenizer and a generation config into `directory`."""
     torch.manual_seed(seed)
-    model = FAMILIES[family]()
+    model = {**FAMILIES, **DRAFT_FAMILIES}[family]()
     randomise(model, seed)
     model.to(dtype).save_pretrained(directory)
     make_tokenizer().save_pretrained(directory)

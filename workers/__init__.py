@@ -3,5 +3,6 @@
 from workers.requests import GenerationResult, ScoreResult
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
+from workers.spec_decode import SpeculativeConfig
 
-__all__ = ["GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult"]
+__all__ = ["GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult", "SpeculativeConfig"]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from workers.sampling import SamplingParams
+from workers.spec_decode.metrics import SpecStats
 
 
 @dataclass
@@ -19,6 +20,9 @@ class GenerationResult:
     error: str | None = None
     text: str | None = None
     num_prompt_tokens: int = 0
+    num_drafts: int = 0  # speculative verification steps with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     text: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def num_tokens(self) -> int:
@@ -82,4 +87,7 @@ class Request:
         if text is None and tokenizer is not None:
             visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
             text = tokenizer.decode(visible, skip_special_tokens=True)
-        return GenerationResult(list(self.output), self.finish_reason or "length", None, text, len(self.prompt))
+        return GenerationResult(
+            list(self.output), self.finish_reason or "length", None, text, len(self.prompt),
+            self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
+        )  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,12 @@ import torch
 
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint
 from workers.requests import GenerationResult, Request, ScoreResult
-from workers.sampling import SamplingParams, make_generator, sample
+from workers.sampling import SamplingParams, make_generator
+from workers.scheduler import Scheduler
+from workers.spec_decode import SpeculativeConfig, SpecStats
+from workers.spec_decode.draft_model import DraftModelProposer
+from workers.spec_decode.ngram import NgramProposer
+from workers.spec_decode.proposal import Proposer
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -30,6 +34,11 @@ def _load_tokenizer(directory: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
 
 
+def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str) -> None:
+    if (target is None) != (draft is None) or (target is not None and target.get_vocab() != draft.get_vocab()):
+        raise ValueError(f"draft model {draft_path!r} has a different tokenizer vocabulary than the target")
+
+
 class ModelRunner:
     """Holds one hybrid model on one device and runs batched generation and scoring with it."""
 
@@ -40,7 +49,15 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: HybridModel | None = None,
+        proposer: Proposer | None = None,
     ):
+        """Wrap a loaded model; `from_pretrained` is the usual way in.
+
+        `speculative` with method "draft" needs `draft_model` (loaded with the same vocabulary). `proposer`
+        replaces the configured proposer (tests force acceptance patterns through it).
+        """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
@@ -54,6 +71,18 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.embed_tokens.weight.dtype
         self._seed_source = random.Random(0)
+        self.speculative = speculative
+        self.draft_model = draft_model
+        self._proposer_override = proposer
+        self._spec_stats = SpecStats()
+        if speculative is not None and speculative.method == "draft":
+            if draft_model is None:
+                raise ValueError("speculative method 'draft' needs a draft model")
+            if draft_model.config.vocab_size != self.config.vocab_size:
+                raise ValueError(
+                    f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
+                    f"{self.config.vocab_size}: a draft model must share the target's vocabulary"
+                )
 
     @classmethod
     def from_pretrained(
@@ -63,15 +92,37 @@ class ModelRunner:
         dtype: str = "float32",
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> ModelRunner:
-        """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto')."""
+        """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
+
+        With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
+        same device and dtype, and must have the same vocabulary and tokenizer.
+        """
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype)
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         tokenizer = _load_tokenizer(checkpoint.directory)
-        return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len)
+        draft_model = None
+        if speculative is not None and speculative.method == "draft":
+            draft = load_checkpoint(speculative.draft_model, checkpoint.model.embed_tokens.weight.device, dtype)
+            _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
+            draft_model = draft.model
+        return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model)
+
+    def _make_proposer(self) -> Proposer:
+        if self._proposer_override is not None:
+            return self._proposer_override
+        assert self.speculative is not None
+        if self.speculative.method == "ngram":
+            return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        return DraftModelProposer(self.draft_model)
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding counters over every request this runner has finished."""
+        return self._spec_stats.as_dict()
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(
@@ -118,65 +169,18 @@ class ModelRunner:
             return f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
         return None
 
-    @torch.inference_mode()
     def _run(self, requests: list[Request]) -> list[Request]:
-        """Continuous batching: fill free slots with prefills, decode all live requests together each step."""
+        """Run requests to completion with continuous batching (and speculation when configured)."""
         if not requests:
             return []
-        capacity = min(self.max_model_len, max(len(r.prompt) + r.params.max_tokens for r in requests))
-        num_slots = min(self.max_num_seqs, len(requests))
-        pool = StatePool(self.config, num_slots, capacity, self.device, self.dtype)
-        free_slots = list(range(num_slots - 1, -1, -1))
-        waiting, running, done = deque(requests), [], []
-        while waiting or running:
-            admitted = []
-            while waiting and free_slots:
-                request = waiting.popleft()
-                request.slot = free_slots.pop()
-                admitted.append(request)
-            if admitted:
-                self._prefill(admitted, pool)
-                running += admitted
-            elif running:
-                self._decode(running, pool)
-            still_running = []
-            for request in running:
-                if request.finish_reason is None:
-                    still_running.append(request)
-                else:
-                    free_slots.append(request.slot)
-                    done.append(request)
-            running = still_running
-        return done
-
-    def _prefill(self, requests: list[Request], pool: StatePool) -> None:
-        """Run the prompts of newly admitted requests from zero state and sample their first tokens."""
-        lengths = [len(r.prompt) for r in requests]
-        input_ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
-        for row, r in enumerate(requests):
-            input_ids[row, : len(r.prompt)] = torch.tensor(r.prompt)
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
-        num_tokens = torch.tensor(lengths, device=self.device)
-        batch = ForwardBatch(slots, torch.zeros_like(num_tokens), num_tokens)
-        hidden, states = self.model(input_ids.to(self.device), batch, pool.zeros(len(requests)), pool.kv_caches())
-        pool.write(slots, states)
-        last = hidden[torch.arange(len(requests), device=self.device), num_tokens - 1]
-        self._sample_and_append(requests, self.model.logits(last))
-
-    def _decode(self, requests: list[Request], pool: StatePool) -> None:
-        """One token for every live request, from its slot's state."""
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
-        input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
-        cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
-        batch = ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens))
-        hidden, states = self.model(input_ids, batch, pool.read(slots), pool.kv_caches())
-        pool.write(slots, states)
-        self._sample_and_append(requests, self.model.logits(hidden[:, 0]))
-
-    def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
-        for request, token in zip(requests, tokens):
-            request.append(token, self.tokenizer)
+        proposer = self._make_proposer() if self.speculative else None
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
+        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k)
+        while scheduler.has_work():
+            scheduler.step()
+        for request in scheduler.finished:
+            self._spec_stats.merge(request.spec)
+        return scheduler.finished
 
     # -------------------------------------------------------------------------------------------------- score
     @torch.inference_mode()
@@ -206,7 +210,7 @@ class ModelRunner:
         pool = StatePool(self.config, len(sequences), max(lengths), self.device, self.dtype)
         num_tokens = torch.tensor(lengths, device=self.device)
         batch = ForwardBatch(torch.arange(len(sequences), device=self.device), torch.zeros_like(num_tokens), num_tokens)
-        hidden, _ = self.model(input_ids, batch, pool.zeros(len(sequences)), pool.kv_caches())
+        hidden = self.model(input_ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
         out = []
         for row, length in enumerate(lengths):
             logprobs = self.model.logits(hidden[row, : length - 1]).log_softmax(-1)

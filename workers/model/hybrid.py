@@ -11,7 +11,18 @@ from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.feed_forward import MoE
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.norm import RMSNorm
-from workers.model.state import ForwardBatch, KVCache, MambaState
+from dataclasses import dataclass, field
+
+from workers.model.state import ForwardBatch, KVCache, MambaState, ScanInputs
+
+
+@dataclass
+class ForwardOutput:
+    """Result of one forward pass."""
+
+    hidden: torch.Tensor  # [b, l, d] final hidden states (after the final norm)
+    mamba_states: list[MambaState]  # per Mamba layer: state after each row's last valid token
+    scan_inputs: list[ScanInputs] = field(default_factory=list)  # per Mamba layer, when asked to keep them
 
 
 class Block(nn.Module):
@@ -56,25 +67,36 @@ class HybridModel(nn.Module):
         batch: ForwardBatch,
         mamba_states: list[MambaState],
         kv_caches: list[KVCache],
-    ) -> tuple[torch.Tensor, list[MambaState]]:
-        """input_ids [b, l] (right-padded to l) → (final hidden states [b, l, d], new Mamba states).
+        keep_scan_inputs: bool = False,
+    ) -> ForwardOutput:
+        """input_ids [b, l] (right-padded to l) → final hidden states, new Mamba states (and scan inputs).
 
         The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
         """
         hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
-        new_states: list[MambaState] = []
+        output = ForwardOutput(hidden, [])
         mamba_iter, kv_iter = iter(mamba_states), iter(kv_caches)
         for block in self.blocks:
             normed = block.norm(hidden)
             if block.kind == MAMBA:
-                out, state = block.mixer(normed, next(mamba_iter), batch.num_tokens)
-                new_states.append(state)
+                out, state, scan = block.mixer(normed, next(mamba_iter), batch.num_tokens)
+                output.mamba_states.append(state)
+                if keep_scan_inputs:
+                    output.scan_inputs.append(scan)
             elif block.kind == ATTENTION:
                 out = block.mixer(normed, batch, next(kv_iter))
             else:
                 out = block.mixer(normed)
             hidden = hidden + out * self.config.residual_multiplier
-        return self.final_norm(hidden), new_states
+        output.hidden = self.final_norm(hidden)
+        return output
+
+    def states_after(
+        self, mamba_states: list[MambaState], scan_inputs: list[ScanInputs], num_tokens: torch.Tensor
+    ) -> list[MambaState]:
+        """Every Mamba layer's state after each row's first `num_tokens` inputs of a kept forward."""
+        mixers = [block.mixer for block in self.blocks if block.kind == MAMBA]
+        return [m.state_after(s, scan, num_tokens) for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., d] → float32 logits [..., vocab]."""

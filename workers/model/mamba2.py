@@ -12,8 +12,8 @@ from torch import nn
 
 from workers.model.config import HybridConfig
 from workers.model.norm import GatedRMSNorm
-from workers.model.ssd import causal_conv, ssd_chunked, ssm_step
-from workers.model.state import MambaState
+from workers.model.ssd import causal_conv, conv_window_after, ssd_chunked, ssm_state_after, ssm_step
+from workers.model.state import MambaState, ScanInputs
 
 
 class Mamba2Mixer(nn.Module):
@@ -45,14 +45,14 @@ class Mamba2Mixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, MambaState]:
-        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token)."""
+    ) -> tuple[torch.Tensor, MambaState, ScanInputs]:
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs)."""
         m = self.config
         b, length, _ = hidden.shape
         # 1. Projections.
-        z, xbc, dt = self.scan_inputs(hidden, num_tokens)
+        z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
-        xbc, conv_state = causal_conv(xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, num_tokens)
+        xbc, conv_state = causal_conv(conv_in, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, num_tokens)
         x, B, C = xbc.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
         x = x.reshape(b, length, m.num_heads, m.head_dim)
         B = B.reshape(b, length, m.num_groups, m.state_size)
@@ -67,4 +67,18 @@ class Mamba2Mixer(nn.Module):
         y = y + self.D.float()[:, None] * x.float()
         # 4. Gated norm and output projection.
         y = self.norm(y.reshape(b, length, m.intermediate_size), z, hidden.dtype)
-        return self.out_proj(y), MambaState(conv_state, ssm_state)
+        return self.out_proj(y), MambaState(conv_state, ssm_state), ScanInputs(conv_in, x, B, dt)
+
+    def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
+        """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
+
+        Speculative decoding's state shifting: verification runs k+1 tokens, then keeps the state after input
+        num_accepted_tokens − 1. Recomputed from the scan inputs (conv window: a gather; SSM state: one weighted
+        sum), so no per-position state is ever stored.
+        """
+        valid = torch.arange(scan.dt.shape[1], device=scan.dt.device)[None, :] < num_tokens[:, None]
+        dt = scan.dt * valid[..., None]
+        A = -torch.exp(self.A_log.float())
+        return MambaState(
+            conv_window_after(state.conv, scan.conv_in, num_tokens), ssm_state_after(scan.x, dt, A, scan.B, state.ssm)
+        )

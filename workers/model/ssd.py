@@ -21,16 +21,42 @@ def causal_conv(
     Returns (out [b, l, c], new_conv_state [b, c, W-1]): the new window is the last W-1 entries of
     `[old window, xbc_0 … xbc_{num_tokens-1}]`, so a row with 0 tokens keeps its window.
     """
-    b, _, c = xbc.shape
-    width = weight.shape[1]
     # 1. Append the new inputs to the old window: [b, c, W-1+l].
     window = torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
     # 2. Valid convolution over the extended window yields exactly l outputs.
-    out = F.silu(F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=c)).to(xbc.dtype)
+    out = F.silu(F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=xbc.shape[2])).to(xbc.dtype)
     # 3. Each row's new window ends at its last valid input.
-    index = num_tokens.view(b, 1, 1) + torch.arange(width - 1, device=xbc.device).view(1, 1, -1)
-    new_state = window.gather(2, index.expand(b, c, width - 1))
-    return out.transpose(1, 2), new_state.to(conv_state.dtype)
+    return out.transpose(1, 2), _window_at(window, num_tokens, conv_state)
+
+
+def _window_at(window: torch.Tensor, num_tokens: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """The W-1 columns of window [b, c, W-1+l] that end at each row's input num_tokens-1."""
+    b, c, _ = window.shape
+    width_minus_one = conv_state.shape[-1]
+    index = num_tokens.view(b, 1, 1) + torch.arange(width_minus_one, device=window.device).view(1, 1, -1)
+    return window.gather(2, index.expand(b, c, width_minus_one)).to(conv_state.dtype)
+
+
+def conv_window_after(conv_state: torch.Tensor, xbc: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+    """The conv window after each row's first `num_tokens` inputs of xbc [b, l, c]: the last W-1 of
+    `[old window, xbc_0 … xbc_{num_tokens-1}]`, without computing any conv output."""
+    window = torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
+    return _window_at(window, num_tokens, conv_state)
+
+
+def ssm_state_after(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The SSM state after all l steps, without outputs: h_l = exp(Σa) h_0 + Σ_s exp(a_{s+1..l}) dt_s x_s ⊗ B_s.
+
+    x [b, l, h, p]; dt [b, l, h] (0 at positions to skip); A [h]; B [b, l, g, n]; state [b, h, p, n].
+    """
+    a_cum = torch.cumsum(A * dt.float(), dim=1)  # [b, l, h]
+    total = a_cum[:, -1]  # [b, h]
+    weights = torch.exp(total[:, None] - a_cum) * dt.float()  # [b, l, h]
+    B = _expand_groups(B.float(), x.shape[2], 2)  # [b, l, h, n]
+    update = torch.einsum("blh,blhp,blhn->bhpn", weights, x.float(), B)
+    return state * torch.exp(total)[..., None, None] + update
 
 
 def _expand_groups(t: torch.Tensor, num_heads: int, dim: int) -> torch.Tensor:

@@ -24,6 +24,16 @@ class MambaState:
 
 
 @dataclass
+class ScanInputs:
+    """What one Mamba2 layer computed from its input tokens: enough to rebuild its state after any prefix."""
+
+    conv_in: torch.Tensor  # [b, l, conv_dim] inputs of the causal conv (xBC before the conv)
+    x: torch.Tensor  # [b, l, h, p] SSM input (after conv + silu)
+    B: torch.Tensor  # [b, l, g, n]
+    dt: torch.Tensor  # [b, l, h] float32, after softplus/clamp, 0 at padding
+
+
+@dataclass
 class KVCache:
     """Key/value buffers of one attention layer, indexed by slot."""
 

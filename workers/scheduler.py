@@ -1,0 +1,143 @@
+"""Continuous batching over state slots: prefill new requests, then decode (or speculate) all live ones together.
+
+Invariant for every live request: its slot's Mamba states and KV cache cover all of its tokens but the last one,
+which is the next model input. A speculative step keeps that invariant through state shifting: it runs
+`[last token, d_1 … d_k]`, and keeps the state after input num_accepted_tokens − 1.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.requests import Request
+from workers.sampling import sample
+from workers.spec_decode.proposal import Proposer
+from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
+
+
+class Scheduler:
+    """Runs a fixed list of requests to completion, one `step()` at a time."""
+
+    def __init__(
+        self,
+        model: HybridModel,
+        requests: list[Request],
+        max_num_seqs: int,
+        tokenizer: object | None = None,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
+        self.rejection_sampler = RejectionSampler()
+        param = model.embed_tokens.weight
+        self.device = param.device
+        capacity = max(len(r.prompt) + r.params.max_tokens for r in requests) if requests else 1
+        capacity = min(capacity, max((r.max_model_len for r in requests), default=1)) + self.num_speculative_tokens
+        num_slots = max(1, min(max_num_seqs, len(requests)))
+        self.pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype)
+        if proposer is not None:
+            proposer.start(num_slots, capacity)
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.waiting: deque[Request] = deque(requests)
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit and prefill waiting requests into free slots; if none could be admitted, decode the live ones."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            request = self.waiting.popleft()
+            request.slot = self.free_slots.pop()
+            admitted.append(request)
+        if admitted:
+            if self.proposer is not None:
+                self.proposer.admit(admitted)
+            self._prefill(admitted)
+            self.running += admitted
+        elif self.proposer is not None:
+            self._speculate(self.running)
+        else:
+            self._decode(self.running)
+        for request in [r for r in self.running if r.finish_reason is not None]:
+            self.running.remove(request)
+            self.free_slots.append(request.slot)
+            self.finished.append(request)
+
+    def _slots(self, requests: list[Request]) -> torch.Tensor:
+        return torch.tensor([r.slot for r in requests], device=self.device)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Run the prompts of newly admitted requests from zero state and sample their first tokens."""
+        lengths = [len(r.prompt) for r in requests]
+        input_ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for row, r in enumerate(requests):
+            input_ids[row, : len(r.prompt)] = torch.tensor(r.prompt)
+        slots, num_tokens = self._slots(requests), torch.tensor(lengths, device=self.device)
+        batch = ForwardBatch(slots, torch.zeros_like(num_tokens), num_tokens)
+        out = self.model(input_ids.to(self.device), batch, self.pool.zeros(len(requests)), self.pool.kv_caches())
+        self.pool.write(slots, out.mamba_states)
+        last = out.hidden[torch.arange(len(requests), device=self.device), num_tokens - 1]
+        self._sample_and_append(requests, self.model.logits(last))
+
+    def _decode(self, requests: list[Request]) -> None:
+        """One token for every live request, from its slot's state."""
+        slots = self._slots(requests)
+        input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
+        cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
+        out = self.model(input_ids, ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens)),
+                         self.pool.read(slots), self.pool.kv_caches())  # fmt: skip
+        self.pool.write(slots, out.mamba_states)
+        self._sample_and_append(requests, self.model.logits(out.hidden[:, 0]))
+
+    def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        for request, token in zip(requests, tokens):
+            request.append(token, self.tokenizer)
+
+    def _speculate(self, requests: list[Request]) -> None:
+        """propose → verify → accept → shift state, for all live requests at once (k_i may be 0)."""
+        # 1. Propose: never draft past max_tokens or max_model_len.
+        budget = [
+            max(0, min(self.num_speculative_tokens, r.params.max_tokens - len(r.output) - 1,
+                       r.max_model_len - r.num_tokens - 1))
+            for r in requests
+        ]  # fmt: skip
+        proposal = self.proposer.propose(requests, budget)
+        drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
+        num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
+        if drafts.shape[1] == 0:
+            self._decode(requests)
+            self.proposer.accepted(requests, [1] * len(requests))
+            return
+        # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
+        slots = self._slots(requests)
+        last = torch.tensor([[r.last_token] for r in requests], device=self.device)
+        input_ids = torch.cat([last, drafts.clamp_min(0)], dim=1)  # [num_reqs, max_k + 1]
+        cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
+        old_states = self.pool.read(slots)
+        out = self.model(input_ids, ForwardBatch(slots, cache_lens, num_drafts + 1), old_states,
+                         self.pool.kv_caches(), keep_scan_inputs=True)  # fmt: skip
+        # 3. Accept: the count of valid tokens drives everything that follows.
+        output_token_ids = self.rejection_sampler(
+            proposal.token_ids, self.model.logits(out.hidden), proposal.probs,
+            [r.params for r in requests], [r.generator for r in requests],
+        )  # fmt: skip  # [num_reqs, max_k + 1]
+        accepted = num_accepted_tokens(output_token_ids)
+        # 4. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
+        self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
+        self.proposer.accepted(requests, accepted.tolist())
+        for request, row, k in zip(requests, output_token_ids.tolist(), proposal.num_draft_tokens):
+            tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+            request.spec.record(k, len(tokens) - 1)
+            for token in tokens:  # stop exactly where plain decoding would (eos, stop string, max_tokens)
+                if request.append(token, self.tokenizer):
+                    break

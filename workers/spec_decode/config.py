@@ -1,0 +1,43 @@
+"""Speculative decoding configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the runner proposes draft tokens for the target to verify.
+
+    method "ngram": prompt lookup over the request's prompt + generated tokens (n-grams of
+    `prompt_lookup_min`…`prompt_lookup_max` tokens). method "draft": a smaller model (`draft_model`, a local
+    directory or hub id with the target's vocabulary), attention-only or hybrid.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"SpeculativeConfig.method={self.method!r} is invalid: must be one of {', '.join(METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"SpeculativeConfig.num_speculative_tokens={self.num_speculative_tokens!r} is invalid: "
+                "must be an integer in [1, 16]"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("SpeculativeConfig.draft_model is required when method='draft' (a model dir or hub id)")
+        if self.method == "ngram" and self.draft_model:
+            raise ValueError("SpeculativeConfig.draft_model is only used with method='draft'")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            raise ValueError(f"SpeculativeConfig.prompt_lookup_min={self.prompt_lookup_min!r} is invalid: must be ≥ 1")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"SpeculativeConfig.prompt_lookup_max={self.prompt_lookup_max!r} is invalid: "
+                f"must be ≥ prompt_lookup_min ({self.prompt_lookup_min})"
+            )

@@ -1,0 +1,110 @@
+"""Draft-model proposer for attention-only *and hybrid* draft models.
+
+The draft keeps its own per-slot state. Invariant: the draft state of a request covers its first `covered`
+tokens; each proposal first feeds the tokens it has not seen (at least the newest one), then drafts one token
+per step. After verification the draft keeps, per request, the state after the last draft it fed that the target
+accepted — the same count-based state shifting as the target, applied to the draft's own recurrent layers —
+and remembers the rest (the recovered/bonus token, and d_k when all were accepted) as unseen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
+from workers.requests import Request
+from workers.sampling import sample_from, target_probs
+from workers.spec_decode.proposal import Proposal
+
+
+class DraftModelProposer:
+    """Proposes k tokens per request with a smaller model that shares the target's vocabulary."""
+
+    def __init__(self, model: HybridModel):
+        self.model = model
+        self.device = model.embed_tokens.weight.device
+        self.pool: StatePool | None = None
+        self.covered: dict[int, int] = {}  # slot → tokens the draft state has consumed
+        self._pending_shift: tuple[list[Request], list[list[MambaState]], list[int], list[int]] | None = None
+
+    def start(self, num_slots: int, capacity: int) -> None:
+        """Allocate the draft's state slots (same slot ids as the target's)."""
+        self.pool = StatePool(self.model.config, num_slots, capacity, self.device, self.model.embed_tokens.weight.dtype)
+
+    def admit(self, requests: list[Request]) -> None:
+        """New requests start from an empty draft state."""
+        slots = torch.tensor([r.slot for r in requests], device=self.device)
+        self.pool.write(slots, self.pool.zeros(len(requests)))
+        self.covered.update({r.slot: 0 for r in requests})
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
+        """k_i = num_drafts[i] draft tokens per request (rows with 0 do not run the draft)."""
+        rows = [i for i, k in enumerate(num_drafts) if k > 0]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not rows:
+            return Proposal.from_lists(drafts, None)
+        active = [requests[i] for i in rows]
+        budgets = [num_drafts[i] for i in rows]
+        contexts = [r.prompt + r.output for r in active]
+        slots = torch.tensor([r.slot for r in active], device=self.device)
+        sampled = any(not r.params.greedy for r in active)
+        probs = torch.zeros(len(requests), max(budgets), self.model.config.vocab_size) if sampled else None
+        # Step 0 feeds every unseen token; steps 1 … k-1 feed the previous draft.
+        unseen = [ctx[self.covered[r.slot] :] for r, ctx in zip(active, contexts)]
+        cache_lens = [self.covered[r.slot] for r in active]
+        states, states_by_step = self.pool.read(slots), []
+        chains: list[list[int]] = [[] for _ in active]  # tokens fed to the draft after `unseen`
+        for step in range(max(budgets)):
+            inputs = unseen if step == 0 else [[chain[-1]] for chain in chains]
+            lengths = [len(t) for t in inputs]
+            input_ids = torch.zeros(len(active), max(lengths), dtype=torch.long)
+            for row, tokens in enumerate(inputs):
+                input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            num_tokens = torch.tensor(lengths, device=self.device)
+            batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens)
+            out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
+            states = out.mamba_states
+            states_by_step.append(states)
+            cache_lens = [c + n for c, n in zip(cache_lens, lengths)]
+            logits = self.model.logits(out.hidden[torch.arange(len(active), device=self.device), num_tokens - 1])
+            for row, request in enumerate(active):
+                chains[row].append(self._choose(logits[row], request, step < budgets[row], probs, rows[row], step))
+        for row, i in enumerate(rows):
+            drafts[i] = chains[row][: budgets[row]]
+        self._pending_shift = (active, states_by_step, [len(c) for c in contexts], budgets)
+        return Proposal.from_lists(drafts, probs)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
+                row: int, step: int) -> int:  # fmt: skip
+        """The next draft token: argmax for greedy requests, else a sample from q (recorded for verification).
+
+        Steps past a request's own budget only keep the batch running; they draw nothing from its generator, so
+        its random stream does not depend on the other requests.
+        """
+        if request.params.greedy or not is_draft:
+            return int(logits.argmax())
+        q = target_probs(logits, request.params)
+        probs[row, step] = q.cpu()
+        return sample_from(q, request.generator)
+
+    def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
+        """Keep each request's draft state after its last accepted draft (the draft-side state shift)."""
+        if self._pending_shift is None:
+            return
+        active, states_by_step, context_lens, budgets = self._pending_shift
+        self._pending_shift = None
+        accepted_by_request = {id(r): n for r, n in zip(requests, num_accepted)}
+        # State j covers the context + d_1 … d_j; keep j = accepted drafts, capped by the drafts actually fed.
+        keep = [min(accepted_by_request[id(r)] - 1, k - 1) for r, k in zip(active, budgets)]
+        keep_index = torch.tensor(keep, device=self.device)
+        rows = torch.arange(len(active), device=self.device)
+        selected = []
+        for layer in range(len(states_by_step[0])):
+            conv = torch.stack([s[layer].conv for s in states_by_step])[keep_index, rows]
+            ssm = torch.stack([s[layer].ssm for s in states_by_step])[keep_index, rows]
+            selected.append(MambaState(conv, ssm))
+        self.pool.write(torch.tensor([r.slot for r in active], device=self.device), selected)
+        for request, context_len, j in zip(active, context_lens, keep):
+            self.covered[request.slot] = context_len + j

@@ -1,0 +1,49 @@
+"""What a proposer hands the verifier, and the interface every proposer implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.requests import Request
+from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for a batch of requests; rows may hold different numbers of drafts (k_i ≥ 0)."""
+
+    token_ids: torch.Tensor  # [num_reqs, max_k] drafts from column 0, PLACEHOLDER_TOKEN_ID after them
+    probs: torch.Tensor | None  # [num_reqs, max_k, v] draft distributions q, or None (n-gram: one-hot)
+
+    @classmethod
+    def from_lists(cls, drafts: list[list[int]], probs: torch.Tensor | None) -> Proposal:
+        """Pack ragged draft lists into the padded tensor form."""
+        width = max((len(d) for d in drafts), default=0)
+        token_ids = torch.full((len(drafts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        for row, draft in enumerate(drafts):
+            token_ids[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+        return cls(token_ids, probs)
+
+    @property
+    def num_draft_tokens(self) -> list[int]:
+        """k_i per request."""
+        return (self.token_ids != PLACEHOLDER_TOKEN_ID).sum(1).tolist()
+
+
+class Proposer(Protocol):
+    """Proposes drafts; a stateful proposer (a draft model) also shifts its own state after verification."""
+
+    def start(self, num_slots: int, capacity: int) -> None:
+        """A new batch of requests: `num_slots` slots of up to `capacity` tokens (drafts included)."""
+
+    def admit(self, requests: list[Request]) -> None:
+        """New requests took these slots: forget whatever the slots held."""
+
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
+        """At most num_drafts[i] drafts for each live request."""
+
+    def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
+        """The last proposal's outcome: num_accepted_tokens per request (accepted drafts + 1)."""

@@ -58,7 +58,7 @@ FAMILIES = {
 # Small draft models with the same vocabulary: one without any recurrent layer, one hybrid.
 DRAFT_FAMILIES = {
     "draft_attention": lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
-        **{**_COMMON, "hidden_size": 32}, **_IBM_MAMBA, layer_types=["attention", "attention"], num_hidden_layers=2,
+        **{**_COMMON, "hidden_size": 32}, **{**_IBM_MAMBA, "mamba_d_head": 16}, layer_types=["attention", "attention"], num_hidden_layers=2,
         num_local_experts=0, shared_intermediate_size=64, position_embedding_type="rope", tie_word_embeddings=True)),
     "draft_hybrid": lambda: BambaForCausalLM(BambaConfig(
         **{**_COMMON, "hidden_size": 32}, **{**_IBM_MAMBA, "mamba_d_head": 16}, num_hidden_layers=2,

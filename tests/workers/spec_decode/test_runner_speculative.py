@@ -1,0 +1,144 @@
+"""Speculative decoding through the runner: sampled exactness, truncation mid-run, config errors, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.model import ForwardBatch, StatePool
+from workers.sampling import target_probs
+from workers.spec_decode.ngram import propose_ngram
+
+
+def _next_token_probs(runner: ModelRunner, sequences: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """The target's sampling distribution after each sequence, from one plain forward."""
+    lengths = [len(s) for s in sequences]
+    ids = torch.tensor([s + [0] * (max(lengths) - len(s)) for s in sequences])
+    pool = StatePool(runner.config, len(sequences), max(lengths), torch.device("cpu"), torch.float32)
+    batch = ForwardBatch(torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long),
+                         torch.tensor(lengths))  # fmt: skip
+    with torch.no_grad():
+        hidden = runner.model(ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
+    last = hidden[torch.arange(len(sequences)), torch.tensor(lengths) - 1]
+    return torch.stack([target_probs(runner.model.logits(h), params) for h in last]).double()
+
+
+@pytest.fixture(scope="module")
+def near_draft(checkpoint_dir, tmp_path_factory):
+    """The target with its weights perturbed: a draft whose q overlaps p without equalling it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("near_draft") / "model"
+    shutil.copytree(checkpoint_dir("granite_moe"), path)
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    save_file({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}, path / "model.safetensors")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_speculative_tokens_follow_the_target_distribution(method, checkpoint_dir, near_draft):
+    """Chi-square on the second generated token (the first one a speculative step produces)."""
+    if method == "draft":
+        spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=str(near_draft))
+    else:
+        spec = SpeculativeConfig("ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_moe")), max_num_seqs=64, speculative=spec)
+    # Every vocabulary token occurs in the prompt, so an n-gram lookup always finds a draft.
+    prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()
+    n = 1500
+    params = [SamplingParams(temperature=1.0, top_k=16, max_tokens=3, seed=i, ignore_eos=True) for i in range(n)]
+    results = runner.generate([prompt] * n, params)
+    assert runner.spec_stats()["num_drafts"] >= n
+    assert 0 < runner.spec_stats()["acceptance_rate"] < 1  # both accepted and recovered tokens are exercised
+    # Exact marginal of token 2: Σ_t1 p(t1 | prompt) · p(t2 | prompt, t1).
+    first = _next_token_probs(runner, [prompt], params[0])[0]
+    candidates = first.nonzero().flatten().tolist()
+    second = _next_token_probs(runner, [prompt + [t] for t in candidates], params[0])
+    expected = (first[candidates, None] * second).sum(0)
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=128).double()
+    assert counts[expected == 0].sum() == 0
+    expected = expected * n
+    # Pool the rare tokens into one bin so that every bin expects at least 5 counts.
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare & (expected > 0)].sum()[None]])
+    expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    expected = expected / expected.sum() * observed.sum()  # scipy wants equal float64 totals
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_token", "max_tokens", "stop_string"])
+def test_stops_in_the_middle_of_an_accepted_run_truncate_like_plain(stop, checkpoint_dir):
+    path = str(checkpoint_dir("bamba"))
+    plain_runner = ModelRunner.from_pretrained(path)
+    spec_runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 4, draft_model=path))
+    prompt = plain_runner.tokenizer.encode("the cat sat on the mat")
+    free = plain_runner.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    if stop == "eos":
+        spec_runner.eos_token_ids = plain_runner.eos_token_ids = frozenset({free.token_ids[6]})
+        params = SamplingParams(temperature=0, max_tokens=30)
+    elif stop == "stop_token":
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free.token_ids[6]])
+    elif stop == "max_tokens":
+        params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    else:
+        word = next(w for w in free.text.split()[2:] if w)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[word])
+    plain = plain_runner.generate([prompt], params)[0]
+    spec = spec_runner.generate([prompt], params)[0]
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) < 30
+    assert (spec.finish_reason, spec.text) == (plain.finish_reason, plain.text)
+    produced = spec.num_accepted_draft_tokens + spec.num_drafts  # tokens the verification steps produced
+    if stop == "max_tokens":
+        assert produced <= len(spec.token_ids) - 1  # drafts never go past max_tokens
+    else:
+        assert produced > len(spec.token_ids) - 1  # the accepted run went past the stop and was cut
+
+
+def test_metrics_per_request_and_per_runner(checkpoint_dir):
+    path = str(checkpoint_dir("nemotron_dense"))
+    runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 3, draft_model=path))
+    results = runner.generate([[5, 6, 7], [9] * 5], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))
+    stats = runner.spec_stats()
+    # Self-drafting under greedy: every draft is accepted; 12 tokens after the first come in 3 steps of 4.
+    assert [(r.num_drafts, r.num_draft_tokens, r.num_accepted_draft_tokens) for r in results] == [(3, 9, 9)] * 2
+    assert stats["acceptance_rate"] == 1.0 and stats["mean_accepted_length"] == 4.0
+    assert stats["acceptance_per_position"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [(dict(method="eagle"), "method='eagle'"), (dict(num_speculative_tokens=0), "num_speculative_tokens=0"),
+     (dict(method="draft"), "draft_model is required"), (dict(prompt_lookup_min=0), "prompt_lookup_min=0"),
+     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max=2")],
+)  # fmt: skip
+def test_invalid_speculative_config_names_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**kwargs)
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path, checkpoint_dir):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint_dir("draft_attention"), other)
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    vocab["model"]["vocab"]["cat"], vocab["model"]["vocab"]["dog"] = vocab["model"]["vocab"]["dog"], vocab["model"]["vocab"]["cat"]
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match="different tokenizer vocabulary"):
+        ModelRunner.from_pretrained(str(checkpoint_dir("bamba")), speculative=SpeculativeConfig("draft", draft_model=str(other)))
+
+
+def test_ngram_lookup():
+    context = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert propose_ngram(context, 3, 1, 3) == [4, 9, 1]  # longest suffix [1, 2, 3] matched
+    assert propose_ngram(context, 10, 1, 3) == [4, 9, 1, 2, 3]  # as far as the context goes
+    assert propose_ngram([5, 6, 7, 8], 3, 1, 3) == []  # nothing repeats: no drafts
+    assert propose_ngram([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]  # most recent match wins
+    assert propose_ngram([4, 4], 2, 2, 3) == []  # too short for a 2-gram plus a continuation

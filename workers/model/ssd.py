@@ -108,6 +108,7 @@ def ssd_chunked(
     Glossary: c chunk index, t/s positions inside a chunk.
     """
     b, length, num_heads, head_dim = x.shape
+    chunk_size = min(chunk_size, length)  # exact for any chunk size: never pad a short input up to a full chunk
     pad = (-length) % chunk_size
     num_chunks = (length + pad) // chunk_size
 

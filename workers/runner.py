@@ -13,7 +13,7 @@ from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler
-from workers.spec_decode import SpeculativeConfig, SpecStats
+from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.proposal import Proposer
@@ -126,7 +126,9 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt; results in input order. A bad prompt fails only its own request."""
         params = self._per_prompt(prompt_token_ids, sampling)

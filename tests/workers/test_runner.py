@@ -16,7 +16,9 @@ def runner(checkpoint_dir):
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 128, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(4, 128, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(runner):
@@ -43,7 +45,9 @@ def test_slot_reuse_gives_the_same_tokens_as_running_alone(runner):
 
 def test_top_k_one_and_tiny_top_p_are_greedy(runner):
     prompts = _prompts(3, seed=2)
-    greedy = [r.token_ids for r in runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    greedy = [
+        r.token_ids for r in runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    ]
     top_k = runner.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=0, max_tokens=8, ignore_eos=True))
     top_p = runner.generate(prompts, SamplingParams(temperature=1.5, top_p=1e-6, seed=0, max_tokens=8, ignore_eos=True))
     assert [r.token_ids for r in top_k] == greedy == [r.token_ids for r in top_p]
@@ -77,7 +81,9 @@ def test_stop_strings_cut_the_text(runner):
     words = free.text.split()
     assert len(words) >= 3, free.text
     stop_word = words[2]
-    result = runner.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_word]))[0]
+    result = runner.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_word]))[
+        0
+    ]
     assert result.finish_reason == "stop"
     assert stop_word not in result.text.split() and free.text.startswith(result.text.rstrip())
 

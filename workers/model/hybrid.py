@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -11,8 +13,6 @@ from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.feed_forward import MoE
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.norm import RMSNorm
-from dataclasses import dataclass, field
-
 from workers.model.state import ForwardBatch, KVCache, MambaState, ScanInputs
 
 
@@ -96,7 +96,9 @@ class HybridModel(nn.Module):
     ) -> list[MambaState]:
         """Every Mamba layer's state after each row's first `num_tokens` inputs of a kept forward."""
         mixers = [block.mixer for block in self.blocks if block.kind == MAMBA]
-        return [m.state_after(s, scan, num_tokens) for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)]
+        return [
+            m.state_after(s, scan, num_tokens) for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)
+        ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., d] → float32 logits [..., vocab]."""

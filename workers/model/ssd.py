@@ -13,7 +13,11 @@ import torch.nn.functional as F
 
 
 def causal_conv(
-    xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_tokens: torch.Tensor
+    xbc: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_tokens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + silu over new tokens, continuing from a window of the previous W-1 inputs.
 

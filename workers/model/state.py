@@ -84,6 +84,9 @@ class StatePool:
     def zeros(self, batch_size: int) -> list[MambaState]:
         """Fresh (all-zero) Mamba states for `batch_size` new requests."""
         return [
-            MambaState(self.conv.new_zeros(batch_size, *self.conv.shape[2:]), self.ssm.new_zeros(batch_size, *self.ssm.shape[2:]))
+            MambaState(
+                self.conv.new_zeros(batch_size, *self.conv.shape[2:]),
+                self.ssm.new_zeros(batch_size, *self.ssm.shape[2:]),
+            )
             for _ in range(self.conv.shape[0])
         ]

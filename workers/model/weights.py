@@ -33,7 +33,7 @@ def _one(*alternatives: str) -> list[Source]:
     return [Source((key,)) for key in alternatives]
 
 
-def _ibm_sources(config: HybridConfig, ours: set[str]) -> dict[str, list[Source]]:
+def _ibm_sources(config: HybridConfig) -> dict[str, list[Source]]:
     """Granite 4.0-H and Bamba: `model.layers.N.*`, two blocks per decoder layer."""
     bamba = config.model_type == "bamba"
     sources: dict[str, list[Source]] = {"embed_tokens.weight": _one("model.embed_tokens.weight")}
@@ -47,15 +47,16 @@ def _ibm_sources(config: HybridConfig, ours: set[str]) -> dict[str, list[Source]
             for name in names:
                 sources[f"{ours_prefix}.mixer.{name}"] = _one(f"{hub}.{sub}.{name}")
             continue
-        sources[f"{ours_prefix}.norm.weight"] = _one(f"{hub}.{'pre_ff_layernorm' if bamba else 'post_attention_layernorm'}.weight")
+        sources[f"{ours_prefix}.norm.weight"] = _one(
+            f"{hub}.{'pre_ff_layernorm' if bamba else 'post_attention_layernorm'}.weight"
+        )
         mlp = f"{ours_prefix}.mixer" if kind == MLP else f"{ours_prefix}.mixer.shared"
         if bamba:
             ff = f"{hub}.feed_forward"
             sources[f"{mlp}.up_proj.weight"] = [Source((f"{ff}.gate_proj.weight", f"{ff}.up_proj.weight"), "cat")]
+            sources[f"{mlp}.up_proj.bias"] = [Source((f"{ff}.gate_proj.bias", f"{ff}.up_proj.bias"), "cat")]
             sources[f"{mlp}.down_proj.weight"] = _one(f"{ff}.down_proj.weight")
-            for name in ("up_proj.bias", "down_proj.bias"):
-                gate_up = (f"{ff}.gate_proj.bias", f"{ff}.up_proj.bias") if name == "up_proj.bias" else (f"{ff}.{name}",)
-                sources[f"{mlp}.{name}"] = [Source(gate_up, "cat")]
+            sources[f"{mlp}.down_proj.bias"] = _one(f"{ff}.down_proj.bias")
         else:
             sources[f"{mlp}.up_proj.weight"] = _one(f"{hub}.shared_mlp.input_linear.weight")
             sources[f"{mlp}.down_proj.weight"] = _one(f"{hub}.shared_mlp.output_linear.weight")
@@ -87,7 +88,10 @@ def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Sourc
             sources[f"{ours}.mixer.router.e_score_correction_bias"] = _one(f"{mix}.gate.e_score_correction_bias")
             for ours_name, hub_name in (("experts_up", "up_proj"), ("experts_down", "down_proj")):
                 per_expert = tuple(f"{mix}.experts.{e}.{hub_name}.weight" for e in range(num_experts))
-                sources[f"{ours}.mixer.{ours_name}"] = [Source(per_expert, "stack"), Source((f"{mix}.experts.{hub_name}",))]
+                sources[f"{ours}.mixer.{ours_name}"] = [
+                    Source(per_expert, "stack"),
+                    Source((f"{mix}.experts.{hub_name}",)),
+                ]
             for name in ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias"):
                 sources[f"{ours}.mixer.shared.{name}"] = _one(f"{mix}.shared_experts.{name}")
             for ours_name, hub_name in (("latent_in", "fc1_latent_proj"), ("latent_out", "fc2_latent_proj")):
@@ -102,7 +106,7 @@ def checkpoint_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[
         prefix = "model" if any(k.startswith("model.") for k in checkpoint_keys) else "backbone"
         sources = _nemotron_sources(config, prefix)
     else:
-        sources = _ibm_sources(config, checkpoint_keys)
+        sources = _ibm_sources(config)
     sources["lm_head.weight"] = _one("lm_head.weight")
     return sources
 

@@ -24,7 +24,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"SpeculativeConfig.method={self.method!r} is invalid: must be one of {', '.join(METHODS)}")
+            raise ValueError(
+                f"SpeculativeConfig.method={self.method!r} is invalid: must be one of {', '.join(METHODS)}"
+            )
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"SpeculativeConfig.num_speculative_tokens={self.num_speculative_tokens!r} is invalid: "

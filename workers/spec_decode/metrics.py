@@ -55,5 +55,7 @@ class SpecStats:
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_per_position": [c / self.num_drafts if self.num_drafts else 0.0 for c in self.accepted_per_position],
+            "acceptance_per_position": [
+                c / self.num_drafts if self.num_drafts else 0.0 for c in self.accepted_per_position
+            ],
         }

@@ -40,9 +40,7 @@ class NgramProposer:
 
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
         """Up to num_drafts[i] tokens for each request; fewer (even 0) when the context has no match."""
-        drafts = [
-            propose_ngram(r.prompt + r.output, k, self.min_n, self.max_n) for r, k in zip(requests, num_drafts)
-        ]
+        drafts = [propose_ngram(r.prompt + r.output, k, self.min_n, self.max_n) for r, k in zip(requests, num_drafts)]
         return Proposal.from_lists(drafts, None)
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:

@@ -57,7 +57,9 @@ def test_unexpected_weight_is_named(tmp_path, checkpoint_dir):
 def test_misshaped_weight_names_key_and_both_shapes(tmp_path, checkpoint_dir):
     path = _copy(checkpoint_dir("nemotron_dense"), tmp_path)
     _rewrite_weights(path, lambda t: t.update({"backbone.layers.0.mixer.out_proj.weight": torch.zeros(64, 100)}))
-    with pytest.raises(ValueError, match=r"'backbone.layers.0.mixer.out_proj.weight' has shape \(64, 100\).*\(64, 128\)"):
+    with pytest.raises(
+        ValueError, match=r"'backbone.layers.0.mixer.out_proj.weight' has shape \(64, 100\).*\(64, 128\)"
+    ):
         load_checkpoint(str(path))
 
 

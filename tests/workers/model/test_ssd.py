@@ -30,7 +30,9 @@ def _reference(x, dt, A, Bm, Cm, state):
         for head in range(H):
             group = head // (H // G)
             decay = torch.exp(dt[:, t, head] * A[head])[:, None, None]
-            h[:, head] = h[:, head] * decay + dt[:, t, head, None, None] * x[:, t, head, :, None] * Bm[:, t, group, None, :]
+            h[:, head] = (
+                h[:, head] * decay + dt[:, t, head, None, None] * x[:, t, head, :, None] * Bm[:, t, group, None, :]
+            )
             y_t[:, head] = (h[:, head] * Cm[:, t, group, None, :]).sum(-1)
         ys.append(y_t)
     return (torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape[0], 0, H, P)), h

@@ -44,7 +44,7 @@ def test_valid_tokens_are_contiguous_and_counted(rows):
     logits = _greedy_logits([t[: proposal.token_ids.shape[1] + 1] for t in targets])
     out = rejection_sample(proposal.token_ids, logits, None, [GREEDY] * len(rows), [torch.Generator()] * len(rows))
     counts = num_accepted_tokens(out)
-    for row, (k, a) in zip(out.tolist(), rows):
+    for row, (_, a) in zip(out.tolist(), rows):
         first_placeholder = row.index(PLACEHOLDER_TOKEN_ID) if PLACEHOLDER_TOKEN_ID in row else len(row)
         assert all(t == PLACEHOLDER_TOKEN_ID for t in row[first_placeholder:])
         assert all(t != PLACEHOLDER_TOKEN_ID for t in row[:first_placeholder])
@@ -67,7 +67,7 @@ def _first_token_distribution(q: torch.Tensor | None, draft_token: int, p_logits
 
 def test_sampled_output_distribution_is_the_target_distribution():
     """Chi-square: whatever the draft distribution q (or an n-gram's fixed draft), tokens follow p."""
-    vocab, n = 6, 6000
+    n = 6000
     params = SamplingParams(temperature=0.9, top_k=5)
     p_logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0]] * 2)
     p = torch.softmax(p_logits[0].double() / 0.9, -1)

@@ -129,10 +129,15 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, checkpoint_dir):
     other = tmp_path / "other"
     shutil.copytree(checkpoint_dir("draft_attention"), other)
     vocab = json.loads((other / "tokenizer.json").read_text())
-    vocab["model"]["vocab"]["cat"], vocab["model"]["vocab"]["dog"] = vocab["model"]["vocab"]["dog"], vocab["model"]["vocab"]["cat"]
+    vocab["model"]["vocab"]["cat"], vocab["model"]["vocab"]["dog"] = (
+        vocab["model"]["vocab"]["dog"],
+        vocab["model"]["vocab"]["cat"],
+    )
     (other / "tokenizer.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="different tokenizer vocabulary"):
-        ModelRunner.from_pretrained(str(checkpoint_dir("bamba")), speculative=SpeculativeConfig("draft", draft_model=str(other)))
+        ModelRunner.from_pretrained(
+            str(checkpoint_dir("bamba")), speculative=SpeculativeConfig("draft", draft_model=str(other))
+        )
 
 
 def test_ngram_lookup():

@@ -64,7 +64,10 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 
 
 def _requests(prompts, max_model_len=512) -> list[Request]:
-    return [Request(i, p, PARAMS, frozenset(), torch.Generator().manual_seed(i), max_model_len) for i, p in enumerate(prompts)]
+    return [
+        Request(i, p, PARAMS, frozenset(), torch.Generator().manual_seed(i), max_model_len)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _reference_states(model, tokens: list[int]):
@@ -120,7 +123,9 @@ def test_hybrid_draft_state_is_shifted_to_what_it_has_seen(draft, checkpoint_dir
                 tokens = (request.prompt + request.output)[:covered]
                 # The draft reached this state through a long prefill and up to 24 single steps, the reference
                 # through one chunked prefill: float32 rounding accumulates, so compare relatively (1e-4).
-                _assert_slot_matches(proposer.pool, request.slot, draft_runner.model, tokens, dict(atol=1e-5, rtol=1e-4))
+                _assert_slot_matches(
+                    proposer.pool, request.slot, draft_runner.model, tokens, dict(atol=1e-5, rtol=1e-4)
+                )
                 steps_checked += 1
             _assert_slot_matches(scheduler.pool, request.slot, target.model, (request.prompt + request.output)[:-1])
     assert steps_checked > 10

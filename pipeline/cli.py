@@ -1,0 +1,84 @@
+"""Command-line flags generated from the config dataclasses, with an optional YAML `--config` underneath.
+
+Precedence: dataclass defaults < YAML file < flags given on the command line. YAML keys are the flag names with
+underscores (`max_tokens: 64`), flat or grouped under the section names (`sampling: {max_tokens: 64}`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _base_type(annotation: Any) -> Any:
+    """int | None → int; tuple[str, ...] → tuple."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return origin or annotation
+
+
+def _field_types(section: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section)
+    return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(section)}
+
+
+def build_parser(description: str, sections: dict[str, type]) -> argparse.ArgumentParser:
+    """One flag per dataclass field of every section; defaults are shown but applied later (to see what was given)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="YAML file with any of the flags below (flags given here win)")
+    for name, section in sections.items():
+        group = parser.add_argument_group(name)
+        for f in dataclasses.fields(section):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _field_types(section)[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_text = f.metadata.get("help", "") + (
+                f" (default: {default!r})" if default not in (None, "", ()) else ""
+            )
+            if kind is bool:
+                group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            elif kind is tuple:
+                group.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
+            else:
+                group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def _yaml_values(path: str, sections: dict[str, type]) -> dict[str, Any]:
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    known = {f.name for section in sections.values() for f in dataclasses.fields(section)}
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        key = key.replace("-", "_")
+        if key in sections and isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key] = value
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {unknown}; allowed: {sorted(known)}")
+    return flat
+
+
+def parse_sections(description: str, sections: dict[str, type], argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse argv (and --config) into one instance per section; `ValueError` names a bad value."""
+    args = vars(build_parser(description, sections).parse_args(argv))
+    values = _yaml_values(args.pop("config"), sections) if args.get("config") else {}
+    args.pop("config", None)
+    values.update(args)
+    out = {}
+    for name, section in sections.items():
+        kwargs = {f.name: values[f.name] for f in dataclasses.fields(section) if f.name in values}
+        if "stop" in kwargs and isinstance(kwargs["stop"], (list, str)):
+            kwargs["stop"] = (kwargs["stop"],) if isinstance(kwargs["stop"], str) else tuple(kwargs["stop"])
+        out[name] = section(**kwargs)
+    return out

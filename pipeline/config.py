@@ -1,0 +1,165 @@
+"""Typed job configuration, one frozen dataclass per concern; every default is written here, once.
+
+The CLI (`pipeline/cli.py`) builds its flags from these fields, so a flag's default and help text come from the
+field that defines it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field carrying its CLI help text."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
+    flag = "--" + name.replace("_", "-")
+    raise ValueError(f"{flag} ({cls}.{name}) = {value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """Where the rows come from and which columns hold what."""
+
+    input: str = _doc("hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory",
+                      default="")  # fmt: skip
+    split: str = _doc("dataset split to read", default="train")
+    prompt_column: str | None = _doc("column with raw prompt text", default=None)
+    messages_column: str | None = _doc("column with chat messages (list of {role, content})", default=None)
+    id_column: str | None = _doc("column whose values become the output `id` (default: the row index)", default=None)
+
+    def __post_init__(self) -> None:
+        if not self.input:
+            _fail("InputConfig", "input", self.input, "give a dataset name, file, directory or glob")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model each worker loads and how."""
+
+    model: str = _doc("local HF model directory or hub repo id (safetensors only)", default="")
+    device: str = _doc(f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)",
+                       default="auto")  # fmt: skip
+    dtype: str = _doc(f"weight dtype: {', '.join(DTYPES)}", default="auto")
+    max_num_seqs: int = _doc("requests decoded together per worker", default=64)
+    max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            _fail("ModelConfig", "model", self.model, "give a model directory or hub repo id")
+        if self.device not in DEVICES:
+            _fail("ModelConfig", "device", self.device, f"must be one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            _fail("ModelConfig", "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            _fail("ModelConfig", "max_num_seqs", self.max_num_seqs, "must be an integer ≥ 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            _fail("ModelConfig", "max_model_len", self.max_model_len, "must be an integer ≥ 1")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """vLLM's sampling names; validated again by `workers.SamplingParams`."""
+
+    max_tokens: int = _doc("tokens to generate per row at most", default=256)
+    temperature: float = _doc("0 = greedy", default=1.0)
+    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=1.0)
+    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=0)
+    seed: int | None = _doc("base seed: row i samples with seed + i, so results do not depend on sharding",
+                            default=None)  # fmt: skip
+    stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
+    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=False)
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Speculative decoding flags (see `workers.SpeculativeConfig`)."""
+
+    speculative: str = _doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
+    draft_model: str | None = _doc("draft model directory or hub id (with --speculative draft)", default=None)
+    num_speculative_tokens: int = _doc("draft tokens per step", default=4)
+    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=2)
+    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=5)
+
+    def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            _fail(
+                "SpeculativeOptions",
+                "speculative",
+                self.speculative,
+                f"must be one of {', '.join(SPECULATIVE_METHODS)}",
+            )
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How many workers, how rows are cut into shards, how failures are retried."""
+
+    num_workers: int | None = _doc("fixed number of workers (default: autoscale between min and max)", default=None)
+    min_workers: int = _doc("autoscaling: workers to wait for before starting", default=1)
+    max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
+    rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
+    max_shard_retries: int = _doc("times a shard is retried after its worker dies", default=3)
+    ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
+                             "Ray), 'local' (always a new local Ray) or an address", default="auto")  # fmt: skip
+    worker_startup_timeout_s: float = _doc("fail when no worker has started after this many seconds", default=1800.0)
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
+            _fail("ScalingConfig", "num_workers", self.num_workers, "must be an integer ≥ 1")
+        if not isinstance(self.min_workers, int) or self.min_workers < 1:
+            _fail("ScalingConfig", "min_workers", self.min_workers, "must be an integer ≥ 1")
+        if not isinstance(self.max_workers, int) or self.max_workers < self.min_workers:
+            _fail(
+                "ScalingConfig",
+                "max_workers",
+                self.max_workers,
+                f"must be an integer ≥ min_workers ({self.min_workers})",
+            )
+        if self.rows_per_shard is not None and (not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1):
+            _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")
+        if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
+            _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(fewest, most) workers the job runs with."""
+        return (self.num_workers, self.num_workers) if self.num_workers else (self.min_workers, self.max_workers)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go."""
+
+    output: str = _doc("output directory: local path or a URI pyarrow.fs understands (s3://, gs://)", default="output")
+    overwrite: bool = _doc("replace an existing output written with a different job config", default=False)
+
+
+@dataclass(frozen=True)
+class GenerateJobConfig:
+    """Everything `jobs/generate.py` needs."""
+
+    input: InputConfig
+    model: ModelConfig
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        if (self.input.prompt_column is None) == (self.input.messages_column is None):
+            raise ValueError("give exactly one of --prompt-column or --messages-column")
+        if self.speculative.speculative == "draft" and not self.speculative.draft_model:
+            raise ValueError("--speculative draft needs --draft-model")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready nested dict (for the manifest)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,57 @@
+"""Read the input dataset with Hugging Face `datasets` and check its columns before any worker starts."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import datasets
+
+# File suffix → `datasets` builder name.
+_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+def _builder_for(files: list[str]) -> str:
+    suffixes = {Path(f).suffix.lower() for f in files}
+    builders = {_BUILDERS.get(s) for s in suffixes}
+    if None in builders or len(builders) != 1:
+        raise ValueError(
+            f"cannot read input files with suffixes {sorted(suffixes)}: use one of {sorted(_BUILDERS)} (one kind at a time)"
+        )
+    return builders.pop()
+
+
+def load_rows(source: str, split: str = "train") -> datasets.Dataset:
+    """A `datasets.Dataset` from a hub name, a file / directory / glob of Parquet, JSONL or CSV, or save_to_disk."""
+    if os.path.isdir(source) and (Path(source) / "dataset_info.json").exists():
+        loaded = datasets.load_from_disk(source)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"split {split!r} not in {source}; available: {sorted(loaded)}")
+            loaded = loaded[split]
+        return loaded
+    if os.path.isdir(source):
+        files = sorted(str(p) for p in Path(source).rglob("*") if p.suffix.lower() in _BUILDERS)
+    elif any(ch in source for ch in "*?["):
+        files = sorted(glob.glob(source, recursive=True))
+    elif os.path.exists(source):
+        files = [source]
+    elif source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
+        raise FileNotFoundError(f"input {source!r} does not exist")
+    else:
+        return datasets.load_dataset(source, split=split)  # a hub dataset name
+    if not files:
+        raise ValueError(f"no Parquet/JSONL/CSV files found for input {source!r}")
+    return datasets.load_dataset(_builder_for(files), data_files=files, split="train")
+
+
+def check_columns(rows: datasets.Dataset, required: dict[str, str | None], reserved: tuple[str, ...]) -> None:
+    """Every named column exists, and no input column would collide with an output column."""
+    present = list(rows.column_names)
+    for flag, column in required.items():
+        if column is not None and column not in present:
+            raise ValueError(f"{flag} {column!r} is not a column of the input; columns: {present}")
+    clash = sorted(set(present) & set(reserved))
+    if clash:
+        raise ValueError(f"input columns {clash} collide with output columns; rename them (reserved: {list(reserved)})")

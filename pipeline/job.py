@@ -1,0 +1,70 @@
+"""A job as the driver sees it: rows, shard plan, worker spec, output schema, identity for resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow as pa
+
+from pipeline.config import OutputConfig, ScalingConfig
+from pipeline.sharding import Shard
+from workers.actor import ShardOutput, WorkerSpec
+
+
+@dataclass
+class Job:
+    """Everything the driver needs to run one generate or score job."""
+
+    name: str
+    rows: datasets.Dataset
+    worker: WorkerSpec
+    task_fields: list[pa.Field]  # the columns the workers add
+    id_column: str | None
+    plan: list[Shard]
+    scaling: ScalingConfig
+    output: OutputConfig
+    config: dict[str, Any]  # the full job config, for the manifest
+    fingerprint: dict[str, Any]  # what must match for a rerun to resume
+
+    @property
+    def schema(self) -> pa.Schema:
+        """Output schema: `id`, every input column, then the task's columns."""
+        input_schema = self.rows.data.table.schema
+        id_type = input_schema.field(self.id_column).type if self.id_column else pa.int64()
+        return pa.schema([pa.field("id", id_type), *input_schema, *self.task_fields])
+
+    def shard_rows(self, shard: Shard) -> pa.Table:
+        """The input rows of one shard as an Arrow table."""
+        return self.rows.select(range(shard.start, shard.stop)).data.table.combine_chunks()
+
+    def output_table(self, shard: Shard, rows: pa.Table, result: ShardOutput) -> pa.Table:
+        """Input rows + id + the worker's columns, in the job's schema."""
+        schema = self.schema
+        ids = rows.column(self.id_column) if self.id_column else pa.array(range(shard.start, shard.stop), pa.int64())
+        arrays = [ids, *rows.columns]
+        arrays += [pa.array(result.columns[f.name], type=f.type) for f in self.task_fields]
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """Who the model is: its path or repo id, model_type and a hash of its config.json (no weights are read)."""
+    path = Path(model)
+    if path.is_dir():
+        config_text = (path / "config.json").read_text() if (path / "config.json").exists() else None
+    else:
+        from huggingface_hub import hf_hub_download
+
+        config_text = Path(hf_hub_download(model, "config.json")).read_text()
+    if config_text is None:
+        raise FileNotFoundError(f"model directory {model!r} has no config.json")
+    config = json.loads(config_text)
+    return {
+        "model": model,
+        "model_type": config.get("model_type"),
+        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+    }

@@ -1,0 +1,63 @@
+"""Shared pieces of the pipeline tests: a small JSONL dataset with bad rows, a local Ray session, a job builder."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+
+from pipeline.config import GenerateJobConfig, InputConfig, ModelConfig, OutputConfig, SamplingConfig, ScalingConfig
+from tests.tiny_models import WORDS
+
+NUM_ROWS = 48
+BAD_ROWS = {5: "", 11: 123, 17: " ".join(["cat"] * 60)}  # empty, not a string, longer than max_model_len
+
+
+def write_dataset(path: Path, num_rows: int = NUM_ROWS) -> Path:
+    """JSONL rows {key, text} of random words, with the bad rows above."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(num_rows):
+            text = BAD_ROWS.get(i, " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10))))
+            f.write(json.dumps({"key": f"row-{i:03d}", "text": text}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("data") / "prompts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module's in-process jobs, shut down at the end."""
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+def job_config(model: Path, data: Path, output: Path, **overrides) -> GenerateJobConfig:
+    """A greedy 2-worker job over `data`; `overrides` replace section fields by name."""
+    sections = {
+        "input": dict(input=str(data), prompt_column="text", id_column="key"),
+        "model": dict(model=str(model), max_model_len=40, max_num_seqs=8),
+        "sampling": dict(max_tokens=6, temperature=0.0, ignore_eos=True),
+        "scaling": dict(num_workers=2, rows_per_shard=8, ray_address="local"),
+        "output": dict(output=str(output)),
+    }
+    classes = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig, "scaling": ScalingConfig,
+               "output": OutputConfig}  # fmt: skip
+    for key, value in overrides.items():
+        section = next(name for name, cls in classes.items() if key in cls.__dataclass_fields__)
+        sections[section][key] = value
+    return GenerateJobConfig(**{name: classes[name](**values) for name, values in sections.items()})
+
+
+def read_output(directory: Path) -> list[dict]:
+    """All output rows, sorted by id."""
+    table = pads.dataset(str(directory), format="parquet").to_table()
+    return sorted(table.to_pylist(), key=lambda row: row["id"])

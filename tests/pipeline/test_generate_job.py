@@ -1,0 +1,126 @@
+"""End to end through a local Ray with 2 CPU workers: exactly-once output, bad rows, resume, worker crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.driver import run
+from pipeline.generate import build_generate_job
+from pipeline.output import MANIFEST, SUCCESS
+from tests.pipeline.conftest import BAD_ROWS, NUM_ROWS, job_config, read_output
+from workers import ModelRunner, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_dir) -> Path:
+    return checkpoint_dir("granite_moe")
+
+
+@pytest.fixture(scope="module")
+def undisturbed(model, dataset, tmp_path_factory, ray_session) -> list[dict]:
+    """The reference run; its output is what every disturbed run must reproduce."""
+    output = tmp_path_factory.mktemp("undisturbed")
+    totals = run(build_generate_job(job_config(model, dataset, output)))
+    assert totals["rows"] == NUM_ROWS
+    return read_output(output)
+
+
+def test_every_row_once_with_errors_and_runner_equal_text(model, dataset, undisturbed):
+    assert [row["id"] for row in undisturbed] == [f"row-{i:03d}" for i in range(NUM_ROWS)]
+    errors = {int(row["id"][4:]): row["error"] for row in undisturbed if row["error"]}
+    assert set(errors) == set(BAD_ROWS)
+    assert errors[5] == "prompt text is empty"
+    assert "must be a string" in errors[11]
+    assert "more than max_model_len=40" in errors[17]
+    runner = ModelRunner.from_pretrained(str(model), max_model_len=40)
+    good = [row for row in undisturbed if not row["error"]]
+    # The mixed-type `text` column (strings and an int) is stored by `datasets` as JSON text.
+    direct = runner.generate(
+        [runner.tokenizer.encode(json.loads(row["text"])) for row in good],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
+    assert [row["generated_token_ids"] for row in good] == [r.token_ids for r in direct]
+    assert [row["generated_text"] for row in good] == [r.text for r in direct]
+    assert all(row["finish_reason"] == "length" and row["num_generated_tokens"] == 6 for row in good)
+
+
+def test_manifest_and_success_marker(model, dataset, tmp_path, ray_session):
+    totals = run(build_generate_job(job_config(model, dataset, tmp_path)))
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert (tmp_path / SUCCESS).exists() and manifest["status"] == "complete"
+    assert [(p["start"], p["stop"]) for p in manifest["plan"]] == [(i, i + 8) for i in range(0, NUM_ROWS, 8)]
+    assert totals["generated_tokens"] == 6 * (NUM_ROWS - len(BAD_ROWS)) == manifest["totals"]["generated_tokens"]
+    assert manifest["model"]["model_type"] == "granitemoehybrid"
+
+
+def test_rerun_keeps_finished_files_and_other_config_needs_overwrite(model, dataset, tmp_path, ray_session):
+    run(build_generate_job(job_config(model, dataset, tmp_path)))
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("part-*.parquet")}
+    run(build_generate_job(job_config(model, dataset, tmp_path)))
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("part-*.parquet")} == stamps
+    with pytest.raises(ValueError, match=r"different job \(sampling.max_tokens: 6 → 7.*--overwrite"):
+        run(build_generate_job(job_config(model, dataset, tmp_path, max_tokens=7)))
+    run(build_generate_job(job_config(model, dataset, tmp_path, max_tokens=7, overwrite=True)))
+    assert {row["num_generated_tokens"] for row in read_output(tmp_path) if not row["error"]} == {7}
+
+
+def test_killed_worker_shard_is_retried_and_output_identical(
+    model, dataset, tmp_path, undisturbed, ray_session, monkeypatch
+):
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"kill_during_shard": 2, "marker": str(marker)}))
+    run(build_generate_job(job_config(model, dataset, tmp_path / "out")))
+    assert marker.exists()  # a worker process really died in the middle of shard 2
+    assert read_output(tmp_path / "out") == undisturbed
+
+
+def test_chat_messages_column(model, tmp_path, ray_session):
+    rows = [{"messages": [{"role": "user", "content": "the cat sat"}]},
+            {"messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "a dog"},
+                          {"role": "user", "content": "big red mat"}]},
+            {"messages": []}]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = job_config(model, data, tmp_path / "out", prompt_column=None, messages_column="messages", id_column=None,
+                        max_model_len=64)  # fmt: skip
+    run(build_generate_job(config))
+    out = read_output(tmp_path / "out")
+    assert [row["id"] for row in out] == [0, 1, 2]
+    runner = ModelRunner.from_pretrained(str(model))
+    ids = runner.tokenizer.apply_chat_template(rows[1]["messages"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)  # fmt: skip
+    assert out[1]["num_prompt_tokens"] == len(ids) and out[1]["error"] is None
+    assert "non-empty list" in out[2]["error"]
+
+
+def test_killed_driver_resumes_to_the_same_output(model, dataset, tmp_path, undisturbed):
+    output = tmp_path / "out"
+    command = [sys.executable, "jobs/generate.py", "--model", str(model), "--input", str(dataset), "--prompt-column",
+               "text", "--id-column", "key", "--max-model-len", "40", "--max-num-seqs", "8", "--max-tokens", "6",
+               "--temperature", "0", "--ignore-eos", "--num-workers", "1", "--rows-per-shard", "8",
+               "--ray-address", "local", "--output", str(output)]  # fmt: skip
+    root = Path(__file__).parents[2]
+    driver = subprocess.Popen(command, cwd=root, start_new_session=True, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(output.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started, at once
+    driver.wait()
+    finished = {p.name: p.stat().st_mtime_ns for p in output.glob("part-*.parquet")}
+    assert 2 <= len(finished) < NUM_ROWS // 8 and not (output / SUCCESS).exists()
+    rerun = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert {
+        n: t for n, t in ((p.name, p.stat().st_mtime_ns) for p in output.glob("part-*.parquet")) if n in finished
+    } == finished
+    assert read_output(output) == undisturbed

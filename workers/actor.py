@@ -1,0 +1,124 @@
+"""The Ray actor: a plain class holding one `ModelRunner`; the driver wraps it with `ray.remote(...)`.
+
+It receives small typed values (a `WorkerSpec` once, then one `ShardTask` per shard) and returns an Arrow table
+plus the shard's counters. Nothing here depends on Ray, so tests build it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from workers.rows import PromptSource, generate_shard
+from workers.runner import ModelRunner
+from workers.spec_decode import SpeculativeConfig
+
+# Test hook: {"kill_during_shard": N, "marker": path} makes the worker kill its own process (SIGKILL) while it
+# processes shard N, once (the marker file remembers). Used by the pipeline's crash tests; unset in normal runs.
+FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to load its model and process shards."""
+
+    task: str  # "generate" | "score"
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_threads: int | None = None  # CPU workers: torch threads
+    speculative: SpeculativeConfig | None = None
+    prompt: PromptSource = field(default_factory=PromptSource)
+    task_options: dict[str, Any] = field(default_factory=dict)  # sampling (generate) or scoring options
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard's input rows."""
+
+    index: int
+    first_row: int  # dataset index of the shard's first row
+    rows: pa.Table
+
+
+@dataclass
+class ShardOutput:
+    """The new columns for a shard's rows and what it took to make them."""
+
+    index: int
+    columns: dict[str, list[Any]]
+    seconds: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _python_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Rows as dicts; columns that `datasets` stored as JSON text (mixed-type JSONL columns) are decoded."""
+    rows = table.to_pylist()
+    json_columns = [f.name for f in table.schema if "arrow.json" in str(f.type)]
+    for row in rows:
+        for name in json_columns:
+            if isinstance(row[name], str):
+                row[name] = json.loads(row[name])
+    return rows
+
+
+class ShardWorker:
+    """Loads the model once, then turns shards of rows into output columns."""
+
+    def __init__(self, spec: WorkerSpec):
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.runner = ModelRunner.from_pretrained(
+            spec.model, spec.device, spec.dtype, spec.max_num_seqs, spec.max_model_len, spec.speculative
+        )
+        if spec.task == "generate" and self.runner.tokenizer is None:
+            raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text prompts into tokens")
+
+    def ready(self) -> dict[str, Any]:
+        """Called once by the driver: the worker is up; where it runs."""
+        return {"pid": os.getpid(), "device": str(self.runner.device)}
+
+    def process(self, task: ShardTask) -> ShardOutput:
+        """Generate (or score) every row of a shard."""
+        start = time.perf_counter()
+        rows = _python_rows(task.rows)
+        self._maybe_inject_fault(task, rows)
+        before = self.runner.spec_stats()
+        if self.spec.task == "generate":
+            columns = generate_shard(self.runner, rows, self.spec.prompt, self.spec.task_options, task.first_row)
+        else:
+            from workers.scoring import score_shard
+
+            columns = score_shard(self.runner, rows, self.spec.task_options)
+        after = self.runner.spec_stats()
+        stats = {
+            key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_draft_tokens")
+        }
+        if "num_generated_tokens" in columns:
+            stats["generated_tokens"] = sum(columns["num_generated_tokens"])
+        for key in ("num_scored_tokens", "sum_logprob"):
+            if key in columns:
+                stats[key.replace("num_", "")] = sum(v for v in columns[key] if v is not None)
+        return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
+
+    @staticmethod
+    def _maybe_inject_fault(task: ShardTask, rows: list[dict[str, Any]]) -> None:
+        plan = os.environ.get(FAULT_INJECTION_ENV)
+        if not plan:
+            return
+        plan = json.loads(plan)
+        marker = Path(plan["marker"])
+        if task.index == plan["kill_during_shard"] and not marker.exists():
+            marker.write_text("killed once")
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -42,7 +42,11 @@ def build_parser(description: str, sections: dict[str, type]) -> argparse.Argume
             help_text = f.metadata.get("help", "") + (
                 f" (default: {default!r})" if default not in (None, "", ()) else ""
             )
-            if kind is bool:
+            if kind is bool and default is None:  # three states: on, off, or "let the model decide"
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+                )
+            elif kind is bool:
                 group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
             elif kind is tuple:
                 group.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)

@@ -68,3 +68,41 @@ def model_identity(model: str) -> dict[str, Any]:
         "model_type": config.get("model_type"),
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
     }
+
+
+def build_job(
+    name: str,
+    config: Any,
+    source: tuple[str, str],
+    columns: dict[str, str | None],
+    id_column: str | None,
+    worker: WorkerSpec,
+    task_fields: list[pa.Field],
+) -> Job:
+    """Read and check the input (before any worker starts), plan the shards and describe the job.
+
+    `config` is the job's config dataclass (with `model`, `scaling` and `output` sections); `source` is
+    (input, split); `columns` maps each column flag to the column it names.
+    """
+    from pipeline.inputs import check_columns, load_rows
+    from pipeline.sharding import plan_shards
+
+    rows = load_rows(*source)
+    check_columns(rows, columns, reserved=("id", *(f.name for f in task_fields)))
+    fingerprint = config.to_dict()
+    fingerprint.pop("output")
+    fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
+    for performance_only in ("device", "max_num_seqs"):
+        fingerprint["model"].pop(performance_only)
+    return Job(
+        name=name,
+        rows=rows,
+        worker=worker,
+        task_fields=task_fields,
+        id_column=id_column,
+        plan=plan_shards(len(rows), config.scaling.rows_per_shard),
+        scaling=config.scaling,
+        output=config.output,
+        config=config.to_dict(),
+        fingerprint=fingerprint,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -82,6 +83,8 @@ def finalize_output(out: OutputDir, job: Job, wall_seconds: float) -> dict[str, 
     for tokens in ("generated_tokens", "scored_tokens"):
         if tokens in totals:
             totals[f"{tokens}_per_second"] = totals[tokens] / wall_seconds if wall_seconds else 0.0
+    if totals.get("scored_tokens"):
+        totals["corpus_perplexity"] = math.exp(-totals["sum_logprob"] / totals["scored_tokens"])
     if totals.get("num_draft_tokens"):
         totals["acceptance_rate"] = totals["num_accepted_draft_tokens"] / totals["num_draft_tokens"]
         totals["mean_accepted_length"] = 1 + totals["num_accepted_draft_tokens"] / totals["num_drafts"]

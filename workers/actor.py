@@ -19,6 +19,7 @@ import torch
 
 from workers.rows import PromptSource, generate_shard
 from workers.runner import ModelRunner
+from workers.scoring import score_shard
 from workers.spec_decode import SpeculativeConfig
 
 # Test hook: {"kill_during_shard": N, "marker": path} makes the worker kill its own process (SIGKILL) while it
@@ -82,8 +83,8 @@ class ShardWorker:
         self.runner = ModelRunner.from_pretrained(
             spec.model, spec.device, spec.dtype, spec.max_num_seqs, spec.max_model_len, spec.speculative
         )
-        if spec.task == "generate" and self.runner.tokenizer is None:
-            raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text prompts into tokens")
+        if self.runner.tokenizer is None:
+            raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
 
     def ready(self) -> dict[str, Any]:
         """Called once by the driver: the worker is up; where it runs."""
@@ -98,8 +99,6 @@ class ShardWorker:
         if self.spec.task == "generate":
             columns = generate_shard(self.runner, rows, self.spec.prompt, self.spec.task_options, task.first_row)
         else:
-            from workers.scoring import score_shard
-
             columns = score_shard(self.runner, rows, self.spec.task_options)
         after = self.runner.spec_stats()
         stats = {

@@ -18,6 +18,10 @@ from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.proposal import Proposer
 
+# Scoring batches: at most this many (padded) tokens per forward, and logits for this many positions at a time.
+SCORE_BATCH_TOKENS = 16384
+SCORE_LOGITS_CHUNK = 1024
+
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -197,11 +201,20 @@ class ModelRunner:
             else:
                 valid.append(i)
         valid.sort(key=lambda i: len(token_ids[i]))  # similar lengths together: little padding
-        for start in range(0, len(valid), self.max_num_seqs):
-            group = valid[start : start + self.max_num_seqs]
-            for i, logprobs in zip(group, self._score_group([list(token_ids[i]) for i in group])):
-                results[i] = ScoreResult(logprobs)
+        group: list[int] = []
+        for i in valid:
+            padded_tokens = (len(group) + 1) * len(token_ids[i])  # sorted: the newcomer is the longest
+            if group and (len(group) == self.max_num_seqs or padded_tokens > SCORE_BATCH_TOKENS):
+                self._score_into(results, group, token_ids)
+                group = []
+            group.append(i)
+        if group:
+            self._score_into(results, group, token_ids)
         return results  # type: ignore[return-value]
+
+    def _score_into(self, results: list, group: list[int], token_ids: Sequence[Sequence[int]]) -> None:
+        for i, logprobs in zip(group, self._score_group([list(token_ids[i]) for i in group])):
+            results[i] = ScoreResult(logprobs)
 
     def _score_group(self, sequences: list[list[int]]) -> list[list[float]]:
         lengths = [len(s) for s in sequences]
@@ -215,6 +228,10 @@ class ModelRunner:
         hidden = self.model(input_ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
         out = []
         for row, length in enumerate(lengths):
-            logprobs = self.model.logits(hidden[row, : length - 1]).log_softmax(-1)
-            out.append(logprobs.gather(-1, input_ids[row, 1:length, None]).squeeze(-1).tolist())
+            row_logprobs = []
+            for start in range(0, length - 1, SCORE_LOGITS_CHUNK):  # bounded [chunk, vocab] logits at a time
+                stop = min(start + SCORE_LOGITS_CHUNK, length - 1)
+                logprobs = self.model.logits(hidden[row, start:stop]).log_softmax(-1)
+                row_logprobs += logprobs.gather(-1, input_ids[row, start + 1 : stop + 1, None]).squeeze(-1).tolist()
+            out.append(row_logprobs)
         return out

@@ -53,7 +53,9 @@ def test_ray_job_submit_runs_the_generate_job(cluster, checkpoint_dir, tmp_path)
               "--max-model-len", "40", "--num-workers", "2", "--rows-per-shard", "16", "--output", str(output)]  # fmt: skip
     result = subprocess.run(submit, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    status = subprocess.run([RAY, "job", "status", "--address", cluster, job_id], capture_output=True, text=True, env=ENV)
+    status = subprocess.run(
+        [RAY, "job", "status", "--address", cluster, job_id], capture_output=True, text=True, env=ENV
+    )
     assert "succeeded" in (status.stdout + status.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
     rows = read_output(output)
     assert [row["id"] for row in rows] == [f"row-{i:03d}" for i in range(NUM_ROWS)]

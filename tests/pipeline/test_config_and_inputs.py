@@ -58,7 +58,9 @@ def test_missing_column_lists_the_columns(tmp_path, capsys, checkpoint_dir):
     argv = ["--model", str(checkpoint_dir("bamba")), "--input", str(data), "--prompt-column", "text",
             "--output", str(tmp_path / "out")]  # fmt: skip
     assert main(argv) == 2
-    assert "--prompt-column 'text' is not a column of the input; columns: ['question', 'key']" in capsys.readouterr().err
+    assert (
+        "--prompt-column 'text' is not a column of the input; columns: ['question', 'key']" in capsys.readouterr().err
+    )
 
 
 def test_input_column_colliding_with_output_is_refused(tmp_path, capsys, checkpoint_dir):

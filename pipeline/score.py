@@ -1,0 +1,36 @@
+"""Build a scoring job from its config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.config import ScoreJobConfig
+from pipeline.job import Job, build_job
+from workers.actor import WorkerSpec
+from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
+
+
+def build_score_job(config: ScoreJobConfig) -> Job:
+    """Validate everything that can be checked before a worker starts, then describe the job."""
+    columns, model = config.input, config.model
+    spec = ScoreSpec(
+        text_column=columns.text_column,
+        prompt_column=columns.prompt_column,
+        completion_column=columns.completion_column,
+        messages_column=columns.messages_column,
+        **dataclasses.asdict(config.scoring),
+    )
+    worker = WorkerSpec(
+        task="score",
+        model=model.model,
+        device=model.device,
+        dtype=model.dtype,
+        max_num_seqs=model.max_num_seqs,
+        max_model_len=model.max_model_len,
+        task_options=dataclasses.asdict(spec),
+    )
+    flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
+             "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
+             "--id-column": columns.id_column}  # fmt: skip
+    fields = SCORE_FIELDS + ([TOKEN_LOGPROBS_FIELD] if config.scoring.token_logprobs else [])
+    return build_job("score", config, (columns.input, columns.split), flags, columns.id_column, worker, fields)

@@ -9,7 +9,9 @@ is replaced; a shard that keeps failing ends the job with a message naming it. A
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import signal
 import time
 from collections import Counter, deque
 from typing import Any
@@ -98,7 +100,7 @@ class ShardLoop:
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
         self.attempts: Counter[int] = Counter()
-        self.num_ready = 0
+        self.num_ready, self.num_written = 0, 0
         self.counts = Counter()  # generated tokens, drafts … for the progress bar
 
     def run(self) -> None:
@@ -165,6 +167,8 @@ class ShardLoop:
                 "seconds": value.seconds, **value.stats}  # fmt: skip
         self.out.write_table(shard.file_name, table, info)
         self._show(table.num_rows, value.stats)
+        self.num_written += 1
+        _maybe_kill_driver(self.num_written)
 
     def _show(self, rows: int, stats: dict[str, float]) -> None:
         self.counts.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
@@ -184,6 +188,14 @@ class ShardLoop:
                 f"times; last error: {type(error).__name__}: {error}"
             ) from error
         self.queue.appendleft(shard)
+
+
+def _maybe_kill_driver(num_written: int) -> None:
+    """Crash-test hook: {"kill_driver_after_shards": N} in HYBRIDGEN_FAULT_INJECTION kills this driver (SIGKILL)
+    right after it has written N shard files."""
+    plan = json.loads(os.environ.get(FAULT_INJECTION_ENV) or "{}")
+    if plan.get("kill_driver_after_shards") == num_written:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(job: Job) -> dict[str, Any]:

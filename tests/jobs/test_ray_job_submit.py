@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -37,10 +38,23 @@ def cluster():
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dashboard}", "--disable-usage-stats"],
                    check=True, capture_output=True, timeout=120, env=ENV)  # fmt: skip
+    address = f"http://127.0.0.1:{dashboard}"
     try:
-        yield f"http://127.0.0.1:{dashboard}"
+        _wait_for_job_agent(address)
+        yield address
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=ENV)
+
+
+def _wait_for_job_agent(address: str, timeout_s: float = 90.0) -> None:
+    """`ray start` returns before the job agent accepts submissions; wait until `ray job list` answers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listing = subprocess.run([RAY, "job", "list", "--address", address], capture_output=True, env=ENV, timeout=60)
+        if listing.returncode == 0:
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"the Ray job server at {address} did not come up within {timeout_s:.0f} s")
 
 
 def test_ray_job_submit_runs_the_generate_job(cluster, checkpoint_dir, tmp_path):
@@ -51,7 +65,11 @@ def test_ray_job_submit_runs_the_generate_job(cluster, checkpoint_dir, tmp_path)
               "python", "jobs/generate.py", "--model", str(checkpoint_dir("bamba")), "--input", str(dataset),
               "--prompt-column", "text", "--id-column", "key", "--max-tokens", "4", "--temperature", "0",
               "--max-model-len", "40", "--num-workers", "2", "--rows-per-shard", "16", "--output", str(output)]  # fmt: skip
-    result = subprocess.run(submit, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    for _ in range(10):  # the job agent may still be starting: Ray answers "No available agent", try again
+        result = subprocess.run(submit, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+        if "No available agent" not in result.stderr + result.stdout:
+            break
+        time.sleep(3.0)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     status = subprocess.run(
         [RAY, "job", "status", "--address", cluster, job_id], capture_output=True, text=True, env=ENV

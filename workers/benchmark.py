@@ -1,0 +1,118 @@
+"""Benchmark building blocks: model presets with random weights, timed hybridgen and transformers runs.
+
+Both engines load the same checkpoint (saved once with transformers' `save_pretrained`) and get the same prompts.
+Times are medians over repeats; prefill and decode are separated by timing a 1-token run.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Shapes of the runs compared. "bench" is NOTES.md's anchor config; "granite-4.0-h-1b" follows the published
+# Granite 4.0-H-1B config (hidden 1536, 40 layers, 4 of them attention); "tiny" is for smoke tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 attention_layers=[2], shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32,
+                 mamba_d_state=16, dtype="float32"),
+    "bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  attention_layers=[3, 7], shared_intermediate_size=1536, mamba_n_heads=16, mamba_d_head=64,
+                  mamba_d_state=128, dtype="float32"),
+    "granite-4.0-h-1b": dict(vocab_size=100352, hidden_size=1536, num_hidden_layers=40, num_attention_heads=12,
+                             num_key_value_heads=4, attention_layers=[5, 15, 25, 35], shared_intermediate_size=4096,
+                             mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, dtype="bfloat16"),
+}  # fmt: skip
+
+
+def build_preset(name: str, directory: Path) -> Path:
+    """Save a random-weight GraniteMoeHybrid checkpoint with the preset's shapes (reused when already there)."""
+    if (directory / "config.json").exists():
+        return directory
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    shape = dict(PRESETS[name])
+    attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
+    layer_types = ["attention" if i in attention else "mamba" for i in range(shape["num_hidden_layers"])]
+    config = GraniteMoeHybridConfig(**shape, layer_types=layer_types, num_local_experts=0, mamba_n_groups=1,
+                                    mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of `length` random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def copy_heavy_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short phrase: a model that continues the pattern lets drafts be accepted."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(batch):
+        phrase = torch.randint(10, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        prompts.append((phrase * (length // len(phrase) + 1))[:length])
+    return prompts
+
+
+@dataclass
+class Timing:
+    """Median seconds of a run and what it produced."""
+
+    seconds: float
+    runs: list[float]
+
+
+def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> Timing:
+    """Run `fn` once to warm up, then `repeats` times; median wall time."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        runs.append(time.perf_counter() - start)
+    return Timing(statistics.median(runs), runs)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def hf_generate_fn(model: Any, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
+    """transformers' greedy `generate` on equal-length prompts (no padding)."""
+    ids = torch.tensor(prompts, device=model.device)
+
+    def run() -> Any:
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+
+    return run
+
+
+def hf_score_fn(model: Any, rows: list[list[int]]) -> Callable[[], Any]:
+    """transformers' forward pass and token log-probs on equal-length rows."""
+    ids = torch.tensor(rows, device=model.device)
+
+    def run() -> Any:
+        with torch.inference_mode():
+            logits = model(ids).logits.float()
+            return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])
+
+    return run

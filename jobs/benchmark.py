@@ -1,0 +1,193 @@
+"""Benchmark hybridgen against transformers on the same weights and prompts, in one run; prints a table, writes JSON.
+
+    python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
+    python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
+    python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
+    python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 32 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.benchmark import (
+    PRESETS,
+    build_preset,
+    copy_heavy_prompts,
+    hf_generate_fn,
+    hf_score_fn,
+    peak_memory_mb,
+    random_prompts,
+    timed,
+)
+
+H200_BANDWIDTH_GBS = 4800.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Benchmark flags."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--task", choices=["generate", "score"], default="generate", help="what to measure")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
+    p.add_argument("--model", help="a local checkpoint instead of a preset")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="auto", help="weight dtype (auto: the checkpoint's)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per run")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (score: tokens per row)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--speculative", choices=["ngram", "draft"], help="add spec-decode runs on copy-heavy prompts")
+    p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--json", default="benchmark.json", help="where to write the results")
+    return p.parse_args(argv)
+
+
+def _hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def bench_generate(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
+    """Prefill, decode and end-to-end tokens/s per batch size, for hybridgen and transformers."""
+    hf = None if args.no_transformers else _hf_model(path, runner.device, runner.dtype)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size)
+        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+        first = timed(lambda: runner.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+                      args.repeats, runner.device)  # fmt: skip
+        full = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
+        row = _rates("hybridgen", batch, args, first.seconds, full.seconds)
+        if hf is not None:
+            hf_first = timed(hf_generate_fn(hf, prompts, 1), args.repeats, runner.device)
+            hf_full = timed(hf_generate_fn(hf, prompts, args.new_tokens), args.repeats, runner.device)
+            row["transformers"] = _rates("transformers", batch, args, hf_first.seconds, hf_full.seconds)
+            row["ratio_to_transformers"] = row["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
+        row["peak_memory_mb"] = peak_memory_mb(runner.device)
+        rows.append(row)
+    return rows
+
+
+def _rates(engine: str, batch: int, args: argparse.Namespace, prefill_s: float, total_s: float) -> dict[str, Any]:
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "engine": engine,
+        "batch": batch,
+        "prefill_tokens_per_s": batch * args.prompt_len / prefill_s,
+        "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s,
+        "output_tokens_per_s": batch * args.new_tokens / total_s,
+        "seconds": total_s,
+    }
+
+
+def bench_score(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
+    """Scored tokens/s per batch size for hybridgen's `score` and transformers' forward."""
+    hf = None if args.no_transformers else _hf_model(path, runner.device, runner.dtype)
+    rows = []
+    for batch in args.batch_sizes:
+        data = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=1)
+        tokens = batch * (args.prompt_len - 1)
+        ours = timed(lambda: runner.score(data), args.repeats, runner.device)
+        row: dict[str, Any] = {"engine": "hybridgen", "batch": batch, "scored_tokens_per_s": tokens / ours.seconds}
+        if hf is not None:
+            theirs = timed(hf_score_fn(hf, data), args.repeats, runner.device)
+            row["transformers"] = {"scored_tokens_per_s": tokens / theirs.seconds}
+            row["ratio_to_transformers"] = row["scored_tokens_per_s"] / row["transformers"]["scored_tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
+    """Spec decode vs plain on copy-heavy prompts, same run; greedy outputs must agree."""
+    spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
+                             draft_model=(args.draft_model or path) if args.speculative == "draft" else None)  # fmt: skip
+    spec_runner = ModelRunner.from_pretrained(path, device=str(runner.device), dtype=args.dtype, speculative=spec)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = copy_heavy_prompts(batch, args.prompt_len, runner.config.vocab_size)
+        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+        plain = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
+        before = spec_runner.spec_stats()
+        fast = timed(lambda: spec_runner.generate(prompts, params), args.repeats, runner.device)
+        after = spec_runner.spec_stats()
+        drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
+        steps = after["num_drafts"] - before["num_drafts"]
+        same = [r.token_ids for r in runner.generate(prompts, params)] == [
+            r.token_ids for r in spec_runner.generate(prompts, params)
+        ]
+        rows.append({"engine": f"hybridgen+{args.speculative}", "batch": batch, "identical_to_plain": same,
+                     "acceptance_rate": accepted / drafts if drafts else 0.0,
+                     "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                     "plain_tokens_per_s": batch * args.new_tokens / plain.seconds,
+                     "spec_tokens_per_s": batch * args.new_tokens / fast.seconds,
+                     "speedup": plain.seconds / fast.seconds})  # fmt: skip
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """Rows as an aligned text table (nested transformers numbers flattened with a tf_ prefix)."""
+    flat = []
+    for row in rows:
+        item = {k: v for k, v in row.items() if not isinstance(v, dict)}
+        item.update({f"tf_{k}": v for k, v in row.get("transformers", {}).items() if k not in ("engine", "batch")})
+        flat.append(item)
+    keys = list(dict.fromkeys(k for item in flat for k in item))
+    cells = [[f"{item.get(k, ''):.1f}" if isinstance(item.get(k), float) else str(item.get(k, "")) for k in keys] for item in flat]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print(f"\n{title}")
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build or load the model, run the requested measurements, print and save them."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
+    runner = ModelRunner.from_pretrained(str(path), device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes))
+    result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
+                              "device": str(runner.device), "dtype": str(runner.dtype),
+                              "threads": torch.get_num_threads(), "args": vars(args)}  # fmt: skip
+    if args.task == "score":
+        result["score"] = bench_score(args, str(path), runner)
+        print_table("scoring (tokens/s)", result["score"])
+    elif args.speculative:
+        result["speculative"] = bench_speculative(args, str(path), runner)
+        print_table(f"speculative decoding ({args.speculative}, k={args.num_speculative_tokens})", result["speculative"])
+    else:
+        result["generate"] = bench_generate(args, str(path), runner)
+        print_table("generation (tokens/s)", result["generate"])
+        if runner.device.type == "cuda":
+            result["roofline_batch1"] = _roofline(runner, result["generate"])
+            print(f"batch 1 reaches {result['roofline_batch1']:.1%} of the {H200_BANDWIDTH_GBS:.0f} GB/s roofline")
+    print(f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}")
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _roofline(runner: ModelRunner, rows: list[dict[str, Any]]) -> float:
+    """Share of memory bandwidth used at batch 1: every decode step reads all weights once."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    batch1 = next((r for r in rows if r["batch"] == 1), None)
+    if batch1 is None:
+        return 0.0
+    return weight_bytes * batch1["decode_tokens_per_s"] / (H200_BANDWIDTH_GBS * 1e9)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """Benchmark hybridgen against transformers on the same weights and prompts, in one run; prints a table, writes JSON.
 
-    python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
-    python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
-    python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
-    python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 32 256
+python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
+python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
+python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
+python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 32 256
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ H200_BANDWIDTH_GBS = 4800.0
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Benchmark flags."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--task", choices=["generate", "score"], default="generate", help="what to measure")
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
@@ -145,7 +147,10 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         item.update({f"tf_{k}": v for k, v in row.get("transformers", {}).items() if k not in ("engine", "batch")})
         flat.append(item)
     keys = list(dict.fromkeys(k for item in flat for k in item))
-    cells = [[f"{item.get(k, ''):.1f}" if isinstance(item.get(k), float) else str(item.get(k, "")) for k in keys] for item in flat]
+    cells = [
+        [f"{item.get(k, ''):.1f}" if isinstance(item.get(k), float) else str(item.get(k, "")) for k in keys]
+        for item in flat
+    ]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     print(f"\n{title}")
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
@@ -159,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
-    runner = ModelRunner.from_pretrained(str(path), device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes))
+    runner = ModelRunner.from_pretrained(
+        str(path), device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes)
+    )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
                               "threads": torch.get_num_threads(), "args": vars(args)}  # fmt: skip
@@ -168,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table("scoring (tokens/s)", result["score"])
     elif args.speculative:
         result["speculative"] = bench_speculative(args, str(path), runner)
-        print_table(f"speculative decoding ({args.speculative}, k={args.num_speculative_tokens})", result["speculative"])
+        print_table(
+            f"speculative decoding ({args.speculative}, k={args.num_speculative_tokens})", result["speculative"]
+        )
     else:
         result["generate"] = bench_generate(args, str(path), runner)
         print_table("generation (tokens/s)", result["generate"])

@@ -71,6 +71,21 @@ class Scheduler:
             self.running.remove(request)
             self.free_slots.append(request.slot)
             self.finished.append(request)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Keep live requests in slots 0 … n-1 (in order), so decode reads and updates states as views."""
+        self.running.sort(key=lambda r: r.slot)
+        self.free_slots.sort(reverse=True)  # pop() hands out the lowest free slot
+        while self.free_slots and self.running and self.free_slots[-1] < self.running[-1].slot:
+            target, request = self.free_slots.pop(), self.running.pop()
+            self.pool.move(request.slot, target)
+            if self.proposer is not None:
+                self.proposer.move(request.slot, target)
+            self.free_slots.append(request.slot)
+            self.free_slots.sort(reverse=True)
+            request.slot = target
+            self.running.insert(target, request)
 
     def _slots(self, requests: list[Request]) -> torch.Tensor:
         return torch.tensor([r.slot for r in requests], device=self.device)
@@ -89,13 +104,16 @@ class Scheduler:
         self._sample_and_append(requests, self.model.logits(last))
 
     def _decode(self, requests: list[Request]) -> None:
-        """One token for every live request, from its slot's state."""
+        """One token for every live request; states are updated in place in their slots."""
         slots = self._slots(requests)
+        prefix = [r.slot for r in requests] == list(range(len(requests)))  # compacted: views, no copies
         input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
         cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
-        out = self.model(input_ids, ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens)),
-                         self.pool.read(slots), self.pool.kv_caches())  # fmt: skip
-        self.pool.write(slots, out.mamba_states)
+        batch = ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens), slots_are_prefix=prefix)
+        states = self.pool.prefix(len(requests)) if prefix else self.pool.read(slots)
+        out = self.model(input_ids, batch, states, self.pool.kv_caches(), in_place=True)
+        if not prefix:
+            self.pool.write(slots, out.mamba_states)
         self._sample_and_append(requests, self.model.logits(out.hidden[:, 0]))
 
     def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:

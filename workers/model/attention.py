@@ -53,8 +53,10 @@ class Attention(nn.Module):
         cache.value[slots, :, where] = v[rows, :, cols]
         # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
         span = int((batch.cache_lens + batch.num_tokens).max())
-        keys = cache.key[batch.slot_ids, :, :span]  # [b, kv_heads, span, hd]
-        values = cache.value[batch.slot_ids, :, :span]
+        if batch.slots_are_prefix:
+            keys, values = cache.key[:b, :, :span], cache.value[:b, :, :span]  # [b, kv_heads, span, hd] views
+        else:
+            keys, values = cache.key[batch.slot_ids, :, :span], cache.value[batch.slot_ids, :, :span]
         mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads

@@ -68,10 +68,12 @@ class HybridModel(nn.Module):
         mamba_states: list[MambaState],
         kv_caches: list[KVCache],
         keep_scan_inputs: bool = False,
+        in_place: bool = False,
     ) -> ForwardOutput:
         """input_ids [b, l] (right-padded to l) → final hidden states, new Mamba states (and scan inputs).
 
         The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
+        `in_place` (decode, one token per row): the given Mamba state tensors are updated and returned.
         """
         hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
         output = ForwardOutput(hidden, [])
@@ -79,7 +81,7 @@ class HybridModel(nn.Module):
         for block in self.blocks:
             normed = block.norm(hidden)
             if block.kind == MAMBA:
-                out, state, scan = block.mixer(normed, next(mamba_iter), batch.num_tokens)
+                out, state, scan = block.mixer(normed, next(mamba_iter), batch.num_tokens, in_place)
                 output.mamba_states.append(state)
                 if keep_scan_inputs:
                     output.scan_inputs.append(scan)

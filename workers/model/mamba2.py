@@ -12,7 +12,15 @@ from torch import nn
 
 from workers.model.config import HybridConfig
 from workers.model.norm import GatedRMSNorm
-from workers.model.ssd import causal_conv, conv_window_after, ssd_chunked, ssm_state_after, ssm_step
+from workers.model.ssd import (
+    causal_conv,
+    conv_step_,
+    conv_window_after,
+    ssd_chunked,
+    ssm_state_after,
+    ssm_step,
+    ssm_step_,
+)
 from workers.model.state import MambaState, ScanInputs
 
 
@@ -44,22 +52,33 @@ class Mamba2Mixer(nn.Module):
         return z, xbc, dt * valid[..., None]
 
     def forward(
-        self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor
+        self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor, in_place: bool = False
     ) -> tuple[torch.Tensor, MambaState, ScanInputs]:
-        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs)."""
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
+
+        `in_place` (one token per row only): update `state`'s tensors instead of allocating new ones — the decode
+        loop's fast path, for callers that never need the old state again.
+        """
         m = self.config
         b, length, _ = hidden.shape
+        in_place = in_place and length == 1
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
-        xbc, conv_state = causal_conv(conv_in, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, num_tokens)
+        weight = self.conv1d.weight.squeeze(1)
+        if in_place:
+            xbc, conv_state = conv_step_(conv_in, state.conv, weight, self.conv1d.bias), state.conv
+        else:
+            xbc, conv_state = causal_conv(conv_in, state.conv, weight, self.conv1d.bias, num_tokens)
         x, B, C = xbc.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
         x = x.reshape(b, length, m.num_heads, m.head_dim)
         B = B.reshape(b, length, m.num_groups, m.state_size)
         C = C.reshape(b, length, m.num_groups, m.state_size)
         A = -torch.exp(self.A_log.float())
         # 3. SSM: the one-step recurrence for decode, chunked SSD for anything longer.
-        if length == 1:
+        if in_place:
+            y, ssm_state = ssm_step_(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None], state.ssm
+        elif length == 1:
             y, ssm_state = ssm_step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)
             y = y[:, None]
         else:

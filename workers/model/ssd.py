@@ -148,3 +148,33 @@ def ssd_chunked(
 
     y = (y_diag + y_off).reshape(b, num_chunks * chunk_size, num_heads, head_dim)[:, :length]
     return y, final_state
+
+
+def ssm_step_(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """`ssm_step` updating `state` in place (no state-sized temporaries); returns y [b, h, p] float32.
+
+    For the plain decode loop, whose old state is never needed again; state must be contiguous float32.
+    """
+    b, num_heads, head_dim = x.shape
+    size = state.shape[-1]
+    dt = dt.float()
+    B = _expand_groups(B.float(), num_heads, 1).reshape(b * num_heads, 1, size)
+    C = _expand_groups(C.float(), num_heads, 1).reshape(b * num_heads, size, 1)
+    state.mul_(torch.exp(dt * A)[..., None, None])
+    flat = state.view(b * num_heads, head_dim, size)
+    flat.baddbmm_((dt[..., None] * x.float()).reshape(b * num_heads, head_dim, 1), B)
+    return torch.bmm(flat, C).view(b, num_heads, head_dim)
+
+
+def conv_step_(
+    xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One token through the causal conv, shifting `conv_state` in place; xbc [b, 1, c] → out [b, 1, c]."""
+    window = torch.cat([conv_state.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)  # [b, c, W]
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    conv_state.copy_(window[..., 1:])
+    return F.silu(out).to(xbc.dtype)[:, None, :]

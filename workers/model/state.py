@@ -48,6 +48,7 @@ class ForwardBatch:
     slot_ids: torch.Tensor  # [b] int64: the slot of each row in the KV caches
     cache_lens: torch.Tensor  # [b] int64: tokens already cached = position of the row's first new token
     num_tokens: torch.Tensor  # [b] int64: valid new tokens in the row (the rest is right padding)
+    slots_are_prefix: bool = False  # slot_ids == 0 … b-1: caches can be sliced instead of gathered
 
 
 class StatePool:
@@ -74,6 +75,15 @@ class StatePool:
     def read(self, slot_ids: torch.Tensor) -> list[MambaState]:
         """Copies of the Mamba states of the given slots, one `MambaState` per Mamba layer."""
         return [MambaState(self.conv[i, slot_ids], self.ssm[i, slot_ids]) for i in range(self.conv.shape[0])]
+
+    def prefix(self, batch_size: int) -> list[MambaState]:
+        """Views (not copies) of the Mamba states of slots 0 … batch_size-1."""
+        return [MambaState(self.conv[i, :batch_size], self.ssm[i, :batch_size]) for i in range(self.conv.shape[0])]
+
+    def move(self, source: int, target: int) -> None:
+        """Copy every layer's state of slot `source` into slot `target` (slot compaction)."""
+        for buffer in (self.conv, self.ssm, self.key, self.value):
+            buffer[:, target] = buffer[:, source]
 
     def write(self, slot_ids: torch.Tensor, states: list[MambaState]) -> None:
         """Store new Mamba states into the given slots."""

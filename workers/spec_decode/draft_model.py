@@ -31,6 +31,11 @@ class DraftModelProposer:
         """Allocate the draft's state slots (same slot ids as the target's)."""
         self.pool = StatePool(self.model.config, num_slots, capacity, self.device, self.model.embed_tokens.weight.dtype)
 
+    def move(self, source: int, target: int) -> None:
+        """Follow a request to its new slot."""
+        self.pool.move(source, target)
+        self.covered[target] = self.covered.pop(source)
+
     def admit(self, requests: list[Request]) -> None:
         """New requests start from an empty draft state."""
         slots = torch.tensor([r.slot for r in requests], device=self.device)

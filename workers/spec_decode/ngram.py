@@ -35,6 +35,9 @@ class NgramProposer:
     def start(self, num_slots: int, capacity: int) -> None:
         """Nothing to allocate."""
 
+    def move(self, source: int, target: int) -> None:
+        """Nothing is kept per slot."""
+
     def admit(self, requests: list[Request]) -> None:
         """Nothing to set up per request."""
 

@@ -39,6 +39,9 @@ class Proposer(Protocol):
     def start(self, num_slots: int, capacity: int) -> None:
         """A new batch of requests: `num_slots` slots of up to `capacity` tokens (drafts included)."""
 
+    def move(self, source: int, target: int) -> None:
+        """A live request moved from slot `source` to slot `target` (its state moves with it)."""
+
     def admit(self, requests: list[Request]) -> None:
         """New requests took these slots: forget whatever the slots held."""
 

@@ -83,3 +83,21 @@ def test_causal_conv_windows_and_outputs():
             torch.testing.assert_close(out[row, t], expected, atol=1e-5, rtol=1e-5)
         n = int(num_tokens[row])
         torch.testing.assert_close(new_window[row], history[:, n : n + width - 1])
+
+
+def test_in_place_decode_steps_equal_the_functional_ones():
+    from workers.model.ssd import conv_step_, ssm_step_
+
+    x, dt, A, Bm, Cm, state = _inputs(1, seed=5)
+    y_ref, state_ref = ssm_step(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], state)
+    updated = state.clone()
+    y = ssm_step_(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], updated)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(updated, state_ref, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(2)
+    xbc, window = torch.randn(3, 1, 5, generator=g), torch.randn(3, 5, 3, generator=g)
+    weight, bias = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    out_ref, window_ref = causal_conv(xbc, window, weight, bias, torch.ones(3, dtype=torch.long))
+    shifted = window.clone()
+    torch.testing.assert_close(conv_step_(xbc, shifted, weight, bias), out_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shifted, window_ref)

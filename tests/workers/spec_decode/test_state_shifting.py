@@ -39,6 +39,9 @@ class ScriptedProposer:
     def admit(self, requests: list[Request]) -> None:
         pass
 
+    def move(self, source: int, target: int) -> None:
+        pass
+
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
         self.step += 1
         drafts, self.expected = [], []

@@ -19,7 +19,7 @@ from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.proposal import Proposer
 
 # Scoring batches: at most this many (padded) tokens per forward, and logits for this many positions at a time.
-SCORE_BATCH_TOKENS = 16384
+SCORE_BATCH_TOKENS = 4096
 SCORE_LOGITS_CHUNK = 1024
 
 

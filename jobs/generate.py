@@ -4,14 +4,17 @@
     ray job submit --working-dir . -- python jobs/generate.py --model MODEL --input DATA ...
 
 Every flag can also come from a YAML file (--config job.yaml). Rerunning the same command resumes.
+With no arguments at all it runs the embedded demo (examples/demo.yaml): a small trained hybrid model with a
+hybrid draft model as speculative decoder, on ~200 code-completion prompts, writing output/.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import sys
+from pathlib import Path
 
-from pipeline.cli import parse_sections
+from pipeline.cli import run_job_cli
 from pipeline.config import (
     GenerateJobConfig,
     InputConfig,
@@ -22,24 +25,22 @@ from pipeline.config import (
     SpeculativeOptions,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
+
 SECTIONS = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig,
             "speculative": SpeculativeOptions, "scaling": ScalingConfig, "output": OutputConfig}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, run the job, print the summary; a bad flag or input exits with status 2 and a message."""
-    try:
-        config = GenerateJobConfig(**parse_sections(__doc__.splitlines()[0], SECTIONS, argv))
-        from pipeline.driver import run
-        from pipeline.generate import build_generate_job
+    """Run the job the flags describe (the embedded demo when there are none); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # the embedded demo; its paths are relative to the project root
+        os.chdir(ROOT)
+        argv = ["--config", str(DEMO_CONFIG)]
+    from pipeline.generate import build_generate_job
 
-        job = build_generate_job(config)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    totals = run(job)
-    print(json.dumps({"output": config.output.output, **totals}, indent=2))
-    return 0
+    return run_job_cli(__doc__.splitlines()[0], SECTIONS, GenerateJobConfig, build_generate_job, argv)
 
 
 if __name__ == "__main__":

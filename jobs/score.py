@@ -8,10 +8,9 @@ Every flag can also come from a YAML file (--config job.yaml). Rerunning the sam
 
 from __future__ import annotations
 
-import json
 import sys
 
-from pipeline.cli import parse_sections
+from pipeline.cli import run_job_cli
 from pipeline.config import ModelConfig, OutputConfig, ScalingConfig, ScoreInputConfig, ScoreJobConfig, ScoreOptions
 
 SECTIONS = {"input": ScoreInputConfig, "model": ModelConfig, "scoring": ScoreOptions, "scaling": ScalingConfig,
@@ -19,19 +18,10 @@ SECTIONS = {"input": ScoreInputConfig, "model": ModelConfig, "scoring": ScoreOpt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, run the job, print the summary; a bad flag or input exits with status 2 and a message."""
-    try:
-        config = ScoreJobConfig(**parse_sections(__doc__.splitlines()[0], SECTIONS, argv))
-        from pipeline.driver import run
-        from pipeline.score import build_score_job
+    """Run the scoring job the flags describe; returns the exit status."""
+    from pipeline.score import build_score_job
 
-        job = build_score_job(config)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    totals = run(job)
-    print(json.dumps({"output": config.output.output, **totals}, indent=2))
-    return 0
+    return run_job_cli(__doc__.splitlines()[0], SECTIONS, ScoreJobConfig, build_score_job, argv)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +89,23 @@ def parse_sections(description: str, sections: dict[str, type], argv: list[str] 
             kwargs["stop"] = (kwargs["stop"],) if isinstance(kwargs["stop"], str) else tuple(kwargs["stop"])
         out[name] = section(**kwargs)
     return out
+
+
+def run_job_cli(
+    description: str, sections: dict[str, type], config_class: type, build: Callable[[Any], Any], argv: list[str]
+) -> int:
+    """The whole life of a job command: flags → config → job → run → printed summary.
+
+    A bad flag, input or column exits with status 2 and a one-line message, before any worker starts.
+    """
+    try:
+        config = config_class(**parse_sections(description, sections, argv))
+        job = build(config)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from pipeline.driver import run
+
+    totals = run(job)
+    print(json.dumps({"output": config.output.output, **totals}, indent=2))
+    return 0

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import GenerateJobConfig
-from pipeline.job import Job, build_job
-from workers.actor import WorkerSpec
+from pipeline.job import Job, build_job, worker_spec
 from workers.rows import GENERATE_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
@@ -31,13 +30,9 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     sampling = dataclasses.asdict(config.sampling)
     SamplingParams(**sampling)  # the same validation the workers apply, now
     model, columns = config.model, config.input
-    worker = WorkerSpec(
-        task="generate",
-        model=model.model,
-        device=model.device,
-        dtype=model.dtype,
-        max_num_seqs=model.max_num_seqs,
-        max_model_len=model.max_model_len,
+    worker = worker_spec(
+        "generate",
+        model,
         speculative=speculative_config(config),
         prompt=PromptSource(columns.prompt_column, columns.messages_column),
         task_options=sampling,

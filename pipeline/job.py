@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 import pyarrow as pa
 
-from pipeline.config import OutputConfig, ScalingConfig
+from pipeline.config import ModelConfig, OutputConfig, ScalingConfig
 from pipeline.sharding import Shard
 from workers.actor import ShardOutput, WorkerSpec
 
@@ -49,6 +49,12 @@ class Job:
         arrays = [ids, *rows.columns]
         arrays += [pa.array(result.columns[f.name], type=f.type) for f in self.task_fields]
         return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec:
+    """The `WorkerSpec` of a job's workers: the model section plus task-specific fields."""
+    return WorkerSpec(task=task, model=model.model, device=model.device, dtype=model.dtype,
+                      max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len, **task_fields)  # fmt: skip
 
 
 def model_identity(model: str) -> dict[str, Any]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import ScoreJobConfig
-from pipeline.job import Job, build_job
-from workers.actor import WorkerSpec
+from pipeline.job import Job, build_job, worker_spec
 from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
 
 
@@ -20,15 +19,7 @@ def build_score_job(config: ScoreJobConfig) -> Job:
         messages_column=columns.messages_column,
         **dataclasses.asdict(config.scoring),
     )
-    worker = WorkerSpec(
-        task="score",
-        model=model.model,
-        device=model.device,
-        dtype=model.dtype,
-        max_num_seqs=model.max_num_seqs,
-        max_model_len=model.max_model_len,
-        task_options=dataclasses.asdict(spec),
-    )
+    worker = worker_spec("score", model, task_options=dataclasses.asdict(spec))
     flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
              "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip

@@ -79,13 +79,4 @@ def rejection_sample(
 class RejectionSampler:
     """Thin callable shell over `rejection_sample` (the object the runner holds, as in vLLM)."""
 
-    def __call__(
-        self,
-        draft_token_ids: torch.Tensor,
-        target_logits: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        params: list[SamplingParams],
-        generators: list[torch.Generator],
-    ) -> torch.Tensor:
-        """See `rejection_sample`."""
-        return rejection_sample(draft_token_ids, target_logits, draft_probs, params, generators)
+    __call__ = staticmethod(rejection_sample)

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--speculative", choices=["ngram", "draft"], help="add spec-decode runs on copy-heavy prompts")
+    p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
+                   "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
@@ -118,7 +120,11 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     spec_runner = ModelRunner.from_pretrained(path, device=str(runner.device), dtype=args.dtype, speculative=spec)
     rows = []
     for batch in args.batch_sizes:
-        prompts = copy_heavy_prompts(batch, args.prompt_len, runner.config.vocab_size)
+        if args.prompts:
+            texts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()[:batch]]
+            prompts = [runner.tokenizer.encode(text) for text in texts]
+        else:
+            prompts = copy_heavy_prompts(batch, args.prompt_len, runner.config.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
         plain = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
         before = spec_runner.spec_stats()

@@ -19,7 +19,7 @@ def speculative_config(config: GenerateJobConfig) -> SpeculativeConfig | None:
     return SpeculativeConfig(
         method=options.speculative,
         num_speculative_tokens=options.num_speculative_tokens,
-        draft_model=options.draft_model,
+        draft_model=options.draft_model if options.speculative == "draft" else None,
         prompt_lookup_min=options.prompt_lookup_min,
         prompt_lookup_max=options.prompt_lookup_max,
     )

@@ -32,11 +32,17 @@ class Job:
     fingerprint: dict[str, Any]  # what must match for a rerun to resume
 
     @property
+    def input_columns(self) -> list[str]:
+        """Input columns copied to the output (an input column named `id` that is the id column becomes `id`)."""
+        return [name for name in self.rows.column_names if not (name == "id" and self.id_column == "id")]
+
+    @property
     def schema(self) -> pa.Schema:
         """Output schema: `id`, every input column, then the task's columns."""
         input_schema = self.rows.data.table.schema
         id_type = input_schema.field(self.id_column).type if self.id_column else pa.int64()
-        return pa.schema([pa.field("id", id_type), *input_schema, *self.task_fields])
+        copied = [input_schema.field(name) for name in self.input_columns]
+        return pa.schema([pa.field("id", id_type), *copied, *self.task_fields])
 
     def shard_rows(self, shard: Shard) -> pa.Table:
         """The input rows of one shard as an Arrow table."""
@@ -46,7 +52,7 @@ class Job:
         """Input rows + id + the worker's columns, in the job's schema."""
         schema = self.schema
         ids = rows.column(self.id_column) if self.id_column else pa.array(range(shard.start, shard.stop), pa.int64())
-        arrays = [ids, *rows.columns]
+        arrays = [ids, *(rows.column(name) for name in self.input_columns)]
         arrays += [pa.array(result.columns[f.name], type=f.type) for f in self.task_fields]
         return pa.Table.from_arrays(arrays, schema=schema)
 
@@ -94,7 +100,8 @@ def build_job(
     from pipeline.sharding import plan_shards
 
     rows = load_rows(*source)
-    check_columns(rows, columns, reserved=("id", *(f.name for f in task_fields)))
+    reserved = ("id",) * (id_column != "id") + tuple(f.name for f in task_fields)
+    check_columns(rows, columns, reserved=reserved)
     fingerprint = config.to_dict()
     fingerprint.pop("output")
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}

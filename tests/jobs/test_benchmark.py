@@ -1,0 +1,30 @@
+"""jobs/benchmark.py runs end to end on the tiny preset (the GPU script's code path, on CPU) and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+
+from jobs.benchmark import main
+
+
+def test_benchmark_smoke_generate_and_score(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["batch"] for row in result["generate"]] == [1, 2]
+    assert all(
+        row["output_tokens_per_s"] > 0 and row["transformers"]["output_tokens_per_s"] > 0 for row in result["generate"]
+    )
+    assert "generation (tokens/s)" in capsys.readouterr().out
+    assert main([*args, "--task", "score", "--json", str(out)]) == 0
+    assert all(row["ratio_to_transformers"] > 0 for row in json.loads(out.read_text())["score"])
+
+
+def test_benchmark_smoke_speculative(tmp_path):
+    out = tmp_path / "spec.json"
+    args = ["--preset", "tiny", "--batch-sizes", "2", "--new-tokens", "6", "--prompt-len", "16", "--repeats", "1",
+            "--speculative", "draft", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    row = json.loads(out.read_text())["speculative"][0]
+    assert row["identical_to_plain"] and row["acceptance_rate"] == 1.0  # the model drafting for itself

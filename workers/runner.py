@@ -97,13 +97,15 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        linear_backend: str = "auto",
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
         With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
-        same device and dtype, and must have the same vocabulary and tokenizer.
+        same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (oneDNN
+        packed weights on CPU float32), "torch" (the reference path) or "onednn".
         """
-        checkpoint = load_checkpoint(path, _resolve_device(device), dtype)
+        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend)
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -111,7 +113,8 @@ class ModelRunner:
         tokenizer = _load_tokenizer(checkpoint.directory)
         draft_model = None
         if speculative is not None and speculative.method == "draft":
-            draft = load_checkpoint(speculative.draft_model, checkpoint.model.embed_tokens.weight.device, dtype)
+            device_used = checkpoint.model.embed_tokens.weight.device
+            draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend)
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model)

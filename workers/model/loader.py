@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel
+from workers.model.linear import prepare_linears
 from workers.model.weights import Source, checkpoint_sources, is_ignored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,20 +128,13 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
             params[name].copy_(tensor)
 
 
-def _column_major_linears(model: HybridModel) -> None:
-    """Store every Linear weight [out, in] transposed in memory (same shape, strides (1, out)).
+def load_checkpoint(
+    path_or_repo: str, device: str | torch.device = "cpu", dtype: str = "auto", linear_backend: str = "auto"
+) -> LoadedCheckpoint:
+    """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
-    F.linear then multiplies by a contiguous [in, out] matrix, which CPU BLAS runs as a much faster
-    matrix-vector product for decode-sized batches (measured ~1.7× at batch 1 on the bench model); no extra memory.
+    `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
     """
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()
-
-
-def load_checkpoint(path_or_repo: str, device: str | torch.device = "cpu", dtype: str = "auto") -> LoadedCheckpoint:
-    """Read config.json, build the model on `device` in `dtype` and load its safetensors weights."""
     directory = resolve_model_dir(path_or_repo)
     config_path = directory / "config.json"
     if not config_path.exists():
@@ -157,7 +151,7 @@ def load_checkpoint(path_or_repo: str, device: str | torch.device = "cpu", dtype
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, handles)
-    _column_major_linears(model)
+    prepare_linears(model, linear_backend, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
     generation_path = directory / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}

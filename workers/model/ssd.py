@@ -137,11 +137,13 @@ def ssd_chunked(
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, c, t]
     chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bs, decay_to_end, xs)
 
-    # 4. Carry states across chunks, starting from the initial state.
-    states = torch.cat([initial_state.float()[:, None], chunk_states], dim=1)  # [b, c+1, h, p, n]
-    decay_chunk = torch.exp(_segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, h, c+1, c+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
-    start_states, final_state = states[:, :-1], states[:, -1]
+    # 4. Carry states across chunks, starting from the initial state: S_c = exp(Σa over chunk c) S_{c-1} + chunk_c.
+    chunk_decay = torch.exp(a_cum[..., -1])  # [b, h, c]
+    state, starts = initial_state.float(), []
+    for c in range(num_chunks):
+        starts.append(state)
+        state = state * chunk_decay[:, :, c, None, None] + chunk_states[:, c]
+    start_states, final_state = torch.stack(starts, dim=1), state  # [b, c, h, p, n], [b, h, p, n]
 
     # 5. Contribution of each chunk's start state to its outputs.
     y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cs, start_states, torch.exp(a_cum))

@@ -59,11 +59,12 @@ class StatePool:
         num_mamba = sum(kind == MAMBA for kind in config.block_kinds)
         num_attention = sum(kind == ATTENTION for kind in config.block_kinds)
         self.capacity = capacity
-        # [layers, slots, ...]
-        self.conv = torch.zeros(num_mamba, num_slots, m.conv_dim, m.conv_kernel - 1, device=device, dtype=dtype)
-        self.ssm = torch.zeros(
+        # [layers, slots, ...]; a slot's Mamba state is always written (prefill, admit) before it is read.
+        self.conv = torch.empty(num_mamba, num_slots, m.conv_dim, m.conv_kernel - 1, device=device, dtype=dtype)
+        self.ssm = torch.empty(
             num_mamba, num_slots, m.num_heads, m.head_dim, m.state_size, device=device, dtype=torch.float32
         )
+        # Zeros, not empty: masked attention still multiplies stale values by a zero weight (NaN would spread).
         kv_shape = (num_attention, num_slots, a.num_kv_heads, capacity, a.head_dim)
         self.key = torch.zeros(kv_shape, device=device, dtype=dtype)
         self.value = torch.zeros(kv_shape, device=device, dtype=dtype)

@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--compile-decode", action="store_true", help="fuse the decode SSM update with torch.compile")
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 

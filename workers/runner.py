@@ -98,14 +98,20 @@ class ModelRunner:
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
         linear_backend: str = "auto",
+        compile_decode: bool = False,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
         With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
         same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (oneDNN
-        packed weights on CPU float32), "torch" (the reference path) or "onednn".
+        packed weights on CPU float32), "torch" (the reference path) or "onednn". `compile_decode`: fuse the
+        decode step's SSM update with `torch.compile` (one pass over the state; ~20 s of compilation at first use).
         """
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend)
+        if compile_decode:
+            for module in checkpoint.model.modules():
+                if hasattr(module, "compiled_decode"):
+                    module.compiled_decode = True
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:

@@ -14,6 +14,7 @@ from workers.model.config import HybridConfig
 from workers.model.norm import GatedRMSNorm
 from workers.model.ssd import (
     causal_conv,
+    compiled_ssm_step_,
     conv_step_,
     conv_window_after,
     ssd_chunked,
@@ -39,6 +40,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(m.num_heads))
         self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, config.rms_norm_eps)
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
+        self.compiled_decode = False  # decode kernel choice (set at load), not state
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
@@ -77,7 +79,8 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         # 3. SSM: the one-step recurrence for decode, chunked SSD for anything longer.
         if in_place:
-            y, ssm_state = ssm_step_(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None], state.ssm
+            step = compiled_ssm_step_() if self.compiled_decode else ssm_step_
+            y, ssm_state = step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None], state.ssm
         elif length == 1:
             y, ssm_state = ssm_step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)
             y = y[:, None]

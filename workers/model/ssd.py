@@ -180,3 +180,27 @@ def conv_step_(
         out = out + bias
     conv_state.copy_(window[..., 1:])
     return F.silu(out).to(xbc.dtype)[:, None, :]
+
+
+def ssm_step_fused_(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """`ssm_step_` written as one elementwise expression + reduction, for `torch.compile` to fuse into a single
+    pass over the state (eager, it would allocate temporaries: use `ssm_step_` there)."""
+    num_heads = x.shape[1]
+    dt = dt.float()
+    B = _expand_groups(B.float(), num_heads, 1)[:, :, None, :]  # [b, h, 1, n]
+    C = _expand_groups(C.float(), num_heads, 1)[:, :, None, :]
+    new = state * torch.exp(dt * A)[..., None, None] + (dt[..., None] * x.float())[..., None] * B
+    state.copy_(new)
+    return (new * C).sum(-1)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_ssm_step_() -> object:
+    """`ssm_step_fused_` compiled once per process (dynamic shapes: any batch size, no recompiles)."""
+    if "ssm_step" not in _COMPILED:
+        _COMPILED["ssm_step"] = torch.compile(ssm_step_fused_, dynamic=True)
+    return _COMPILED["ssm_step"]

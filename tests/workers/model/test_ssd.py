@@ -101,3 +101,16 @@ def test_in_place_decode_steps_equal_the_functional_ones():
     shifted = window.clone()
     torch.testing.assert_close(conv_step_(xbc, shifted, weight, bias), out_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shifted, window_ref)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_equals_the_eager_one():
+    from workers.model.ssd import compiled_ssm_step_
+
+    x, dt, A, Bm, Cm, state = _inputs(1, seed=7)
+    y_ref, state_ref = ssm_step(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], state)
+    for batch in (3, 2):  # a second batch size reuses the dynamic-shape kernel
+        updated = state[:batch].clone()
+        y = compiled_ssm_step_()(x[:batch, 0], dt[:batch, 0], A, Bm[:batch, 0], Cm[:batch, 0], updated)
+        torch.testing.assert_close(y, y_ref[:batch], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(updated, state_ref[:batch], atol=1e-5, rtol=1e-5)

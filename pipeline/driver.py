@@ -67,11 +67,9 @@ class Fleet:
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
         self.use_gpu, self.spec = use_gpu, spec
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **options)
-        self.num_started = 0
 
     def start(self) -> Any:
         """A new actor (it may stay pending until the cluster has room for it)."""
-        self.num_started += 1
         return self.actor_class.remote(self.spec)
 
     def request(self, num_workers: int) -> None:
@@ -101,11 +99,13 @@ class ShardLoop:
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
         self.attempts: Counter[int] = Counter()
         self.num_ready, self.num_written = 0, 0
+        self.fleet_requested = False  # an autoscaler request is outstanding
         self.counts = Counter()  # generated tokens, drafts … for the progress bar
 
     def run(self) -> None:
         """Until every shard is written."""
         self.fleet.request(self.num_workers)
+        self.fleet_requested = True
         for _ in range(self.num_workers):
             self._start_worker()
         deadline = time.monotonic() + self.job.scaling.worker_startup_timeout_s
@@ -129,7 +129,7 @@ class ShardLoop:
             actor, shard = self.idle.pop(), self.queue.popleft()
             task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
             self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows)
-        if not self.queue:
+        if not self.queue and (self.idle or self.fleet_requested):
             self._release_spare_workers()
 
     def _release_spare_workers(self) -> None:
@@ -139,7 +139,9 @@ class ShardLoop:
         self.idle = []
         for ref in [r for r, (kind, *_) in self.in_flight.items() if kind == "ready"]:
             self.fleet.release(self.in_flight.pop(ref)[1])
-        self.fleet.request(0)
+        if self.fleet_requested:
+            self.fleet.request(0)
+            self.fleet_requested = False
 
     def _collect(self, ref: Any) -> None:
         kind, actor, shard, rows = self.in_flight.pop(ref)

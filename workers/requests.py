@@ -47,6 +47,7 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     text: str | None = None
+    decoded_chars: int = 0  # length of the output's text at the previous stop-string check
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -72,8 +73,8 @@ class Request:
 
     def _hit_stop_string(self, tokenizer: Any) -> bool:
         text = tokenizer.decode(self.output, skip_special_tokens=True)
-        # Only a stop string that ends in the newest token's text can be new.
-        tail = len(tokenizer.decode(self.output[:-1], skip_special_tokens=True)) if len(self.output) > 1 else 0
+        # Only a stop string that ends in the newest token's text can be new (one decode per token, not two).
+        tail, self.decoded_chars = self.decoded_chars, len(text)
         for stop in self.params.stop:
             start = text.find(stop, max(0, tail - len(stop) + 1))
             if start != -1:

@@ -56,11 +56,6 @@ class HybridModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @property
-    def num_mamba_layers(self) -> int:
-        """How many Mamba2 mixers the model has (the length of its `MambaState` list)."""
-        return sum(block.kind == MAMBA for block in self.blocks)
-
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from tests.pipeline.conftest import NUM_ROWS, read_output, write_dataset
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
-# Ray 2.5x+ clusters use token authentication; the CLI sends the token (~/.ray/auth_token) in "token" mode.
-# `python` in the job's entrypoint must be this environment's interpreter.
-ENV = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+# Ray 2.5x+ clusters use token authentication: the cluster and the CLI share a token, here a fresh one per run
+# (a fresh machine has no ~/.ray/auth_token). `python` in the job's entrypoint must be this environment's interpreter.
+ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+       "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
 
 
 def _free_port() -> int:

@@ -28,6 +28,7 @@ from workers.benchmark import (
     random_prompts,
     timed,
 )
+from workers.model.mamba2 import DECODE_KERNELS
 
 H200_BANDWIDTH_GBS = 4800.0
 
@@ -53,7 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--compile-decode", action="store_true", help="fuse the decode SSM update with torch.compile")
+    p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
+                   help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
+                   "(the reference path), compile (torch.compile) or native")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -118,7 +121,9 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     """Spec decode vs plain on copy-heavy prompts, same run; greedy outputs must agree."""
     spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
                              draft_model=(args.draft_model or path) if args.speculative == "draft" else None)  # fmt: skip
-    spec_runner = ModelRunner.from_pretrained(path, device=str(runner.device), dtype=args.dtype, speculative=spec)
+    spec_runner = ModelRunner.from_pretrained(
+        path, device=str(runner.device), dtype=args.dtype, speculative=spec, decode_kernel=args.decode_kernel
+    )
     rows = []
     for batch in args.batch_sizes:
         if args.prompts:
@@ -172,11 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
     runner = ModelRunner.from_pretrained(
-        str(path), device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes)
+        str(path),
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=max(args.batch_sizes),
+        decode_kernel=args.decode_kernel,
     )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
-                              "threads": torch.get_num_threads(), "args": vars(args)}  # fmt: skip
+                              "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
+                              "args": vars(args)}  # fmt: skip
     if args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])
@@ -191,9 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         if runner.device.type == "cuda":
             result["roofline_batch1"] = _roofline(runner, result["generate"])
             print(f"batch 1 reaches {result['roofline_batch1']:.1%} of the {H200_BANDWIDTH_GBS:.0f} GB/s roofline")
-    print(f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}")
+    print(
+        f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}  "
+        f"decode kernel: {result['decode_kernel']}"
+    )
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _decode_kernel(runner: ModelRunner) -> str:
+    """The decode kernel the runner's Mamba2 layers use ("auto" resolved)."""
+    kernels = {m.decode_kernel for m in runner.model.modules() if hasattr(m, "decode_kernel")}
+    return ",".join(sorted(kernels)) or "none (no Mamba2 layers)"
 
 
 def _roofline(runner: ModelRunner, rows: list[dict[str, Any]]) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint
+from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler
@@ -74,6 +74,8 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.embed_tokens.weight.dtype
+        if self.device.type == "cpu":
+            native.flush_denormals()  # denormal floats are ~100× slower on x86 and change nothing that matters
         self._seed_source = random.Random(0)
         self.speculative = speculative
         self.draft_model = draft_model
@@ -98,20 +100,17 @@ class ModelRunner:
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
         linear_backend: str = "auto",
-        compile_decode: bool = False,
+        decode_kernel: str = "auto",
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
         With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
         same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (oneDNN
-        packed weights on CPU float32), "torch" (the reference path) or "onednn". `compile_decode`: fuse the
-        decode step's SSM update with `torch.compile` (one pass over the state; ~20 s of compilation at first use).
+        packed weights on CPU float32), "torch" (the reference path) or "onednn". `decode_kernel`: how Mamba2
+        decode steps run — "auto" (a C kernel, one pass over the state, on CPU float32; else torch), "torch" (the
+        reference path), "compile" (torch.compile) or "native".
         """
-        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend)
-        if compile_decode:
-            for module in checkpoint.model.modules():
-                if hasattr(module, "compiled_decode"):
-                    module.compiled_decode = True
+        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel)
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -120,7 +119,7 @@ class ModelRunner:
         draft_model = None
         if speculative is not None and speculative.method == "draft":
             device_used = checkpoint.model.embed_tokens.weight.device
-            draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend)
+            draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel)
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model)
@@ -234,7 +233,7 @@ class ModelRunner:
         pool = StatePool(self.config, len(sequences), max(lengths), self.device, self.dtype)
         num_tokens = torch.tensor(lengths, device=self.device)
         batch = ForwardBatch(torch.arange(len(sequences), device=self.device), torch.zeros_like(num_tokens), num_tokens)
-        hidden = self.model(input_ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
+        hidden = self.model(input_ids, batch, None, pool.kv_caches()).hidden
         out = []
         for row, length in enumerate(lengths):
             row_logprobs = []

@@ -98,7 +98,7 @@ class Scheduler:
             input_ids[row, : len(r.prompt)] = torch.tensor(r.prompt)
         slots, num_tokens = self._slots(requests), torch.tensor(lengths, device=self.device)
         batch = ForwardBatch(slots, torch.zeros_like(num_tokens), num_tokens)
-        out = self.model(input_ids.to(self.device), batch, self.pool.zeros(len(requests)), self.pool.kv_caches())
+        out = self.model(input_ids.to(self.device), batch, None, self.pool.kv_caches())
         self.pool.write(slots, out.mamba_states)
         last = out.hidden[torch.arange(len(requests), device=self.device), num_tokens - 1]
         self._sample_and_append(requests, self.model.logits(last))

@@ -60,19 +60,23 @@ class HybridModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         batch: ForwardBatch,
-        mamba_states: list[MambaState],
+        mamba_states: list[MambaState] | None,
         kv_caches: list[KVCache],
         keep_scan_inputs: bool = False,
         in_place: bool = False,
     ) -> ForwardOutput:
         """input_ids [b, l] (right-padded to l) → final hidden states, new Mamba states (and scan inputs).
 
+        `mamba_states` None: every row starts its sequence (zero Mamba states; prompts, scoring).
         The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
         `in_place` (decode, one token per row): the given Mamba state tensors are updated and returned.
         """
+        if keep_scan_inputs and in_place:
+            raise ValueError("keep_scan_inputs needs the old states: it cannot be combined with in_place")
         hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
         output = ForwardOutput(hidden, [])
-        mamba_iter, kv_iter = iter(mamba_states), iter(kv_caches)
+        num_mamba = sum(block.kind == MAMBA for block in self.blocks)
+        mamba_iter, kv_iter = iter(mamba_states if mamba_states is not None else [None] * num_mamba), iter(kv_caches)
         for block in self.blocks:
             normed = block.norm(hidden)
             if block.kind == MAMBA:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from workers.model.config import HybridConfig
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
+from workers.model.mamba2 import prepare_decode_kernel
 from workers.model.weights import Source, checkpoint_sources, is_ignored
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,11 +130,17 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
 
 
 def load_checkpoint(
-    path_or_repo: str, device: str | torch.device = "cpu", dtype: str = "auto", linear_backend: str = "auto"
+    path_or_repo: str,
+    device: str | torch.device = "cpu",
+    dtype: str = "auto",
+    linear_backend: str = "auto",
+    decode_kernel: str = "auto",
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
     `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
+    `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
+    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`.
     """
     directory = resolve_model_dir(path_or_repo)
     config_path = directory / "config.json"
@@ -152,6 +159,7 @@ def load_checkpoint(
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, handles)
     prepare_linears(model, linear_backend, torch.device(device), torch_dtype)
+    prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
     generation_path = directory / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}

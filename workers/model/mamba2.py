@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native
 from workers.model.config import HybridConfig
 from workers.model.norm import GatedRMSNorm
 from workers.model.ssd import (
@@ -23,6 +24,8 @@ from workers.model.ssd import (
     ssm_step_,
 )
 from workers.model.state import MambaState, ScanInputs
+
+DECODE_KERNELS = ("auto", "torch", "compile", "native")
 
 
 class Mamba2Mixer(nn.Module):
@@ -40,7 +43,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(m.num_heads))
         self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, config.rms_norm_eps)
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
-        self.compiled_decode = False  # decode kernel choice (set at load), not state
+        self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile" or "native" (set at load)
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
@@ -54,16 +57,19 @@ class Mamba2Mixer(nn.Module):
         return z, xbc, dt * valid[..., None]
 
     def forward(
-        self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, MambaState, ScanInputs]:
+        self, hidden: torch.Tensor, state: MambaState | None, num_tokens: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, MambaState, ScanInputs | None]:
         """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
 
-        `in_place` (one token per row only): update `state`'s tensors instead of allocating new ones — the decode
-        loop's fast path, for callers that never need the old state again.
+        `state` None: every row starts its sequence here (zero state). `in_place` (one token per row, with a
+        state): update `state`'s tensors instead of allocating new ones — the decode loop's fast path, for callers
+        that never need the old state again (it returns no scan inputs when the native kernel runs it).
         """
         m = self.config
         b, length, _ = hidden.shape
-        in_place = in_place and length == 1
+        in_place = in_place and length == 1 and state is not None
+        if in_place and self.decode_kernel == "native":
+            return self._native_decode(hidden, state), state, None
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
@@ -71,25 +77,36 @@ class Mamba2Mixer(nn.Module):
         if in_place:
             xbc, conv_state = conv_step_(conv_in, state.conv, weight, self.conv1d.bias), state.conv
         else:
-            xbc, conv_state = causal_conv(conv_in, state.conv, weight, self.conv1d.bias, num_tokens)
+            previous = hidden.new_zeros(b, m.conv_dim, m.conv_kernel - 1) if state is None else state.conv
+            xbc, conv_state = causal_conv(conv_in, previous, weight, self.conv1d.bias, num_tokens)
         x, B, C = xbc.split([m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size], dim=-1)
         x = x.reshape(b, length, m.num_heads, m.head_dim)
         B = B.reshape(b, length, m.num_groups, m.state_size)
         C = C.reshape(b, length, m.num_groups, m.state_size)
         A = -torch.exp(self.A_log.float())
-        # 3. SSM: the one-step recurrence for decode, chunked SSD for anything longer.
+        # 3. SSM: the one-step recurrence for decode, chunked SSD for anything longer (or from the zero state).
         if in_place:
-            step = compiled_ssm_step_() if self.compiled_decode else ssm_step_
+            step = compiled_ssm_step_() if self.decode_kernel == "compile" else ssm_step_
             y, ssm_state = step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None], state.ssm
-        elif length == 1:
+        elif length == 1 and state is not None:
             y, ssm_state = ssm_step(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)
             y = y[:, None]
         else:
-            y, ssm_state = ssd_chunked(x, dt, A, B, C, state.ssm, m.chunk_size)
+            y, ssm_state = ssd_chunked(x, dt, A, B, C, None if state is None else state.ssm, m.chunk_size)
         y = y + self.D.float()[:, None] * x.float()
         # 4. Gated norm and output projection.
         y = self.norm(y.reshape(b, length, m.intermediate_size), z, hidden.dtype)
         return self.out_proj(y), MambaState(conv_state, ssm_state), ScanInputs(conv_in, x, B, dt)
+
+    def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
+        m = self.config
+        proj = self.in_proj(hidden[:, 0]).contiguous()
+        y = native.mamba2_decode_step(
+            proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+            (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
+        )  # fmt: skip
+        return self.out_proj(y)[:, None]
 
     def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
@@ -104,3 +121,25 @@ class Mamba2Mixer(nn.Module):
         return MambaState(
             conv_window_after(state.conv, scan.conv_in, num_tokens), ssm_state_after(scan.x, dt, A, scan.B, state.ssm)
         )
+
+
+def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose how every Mamba2 mixer of `model` runs one-token decode steps; returns the choice made.
+
+    "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
+    at first use). "native": the C kernel of `workers/model/csrc` (CPU, float32; built at first use).
+    "auto": native where it applies and builds, else torch.
+    """
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
+    native_fits = torch.device(device).type == "cpu" and dtype == torch.float32
+    if kernel == "native":
+        if not native_fits:
+            raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
+        native.load()  # raises NativeKernelError with the compiler's message
+    if kernel == "auto":
+        kernel = "native" if native_fits and native.available() else "torch"
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            module.decode_kernel = kernel
+    return kernel

@@ -102,53 +102,67 @@ def ssd_chunked(
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    initial_state: torch.Tensor,
+    initial_state: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD scan over l tokens starting from `initial_state` (Mamba2 `ssd_minimal`).
 
     x [b, l, h, p]; dt [b, l, h] (after softplus/clamp, 0 at padding); A [h]; B, C [b, l, g, n];
-    initial_state [b, h, p, n]. Returns (y [b, l, h, p] float32 without the D skip, final_state [b, h, p, n]).
-    Glossary: c chunk index, t/s positions inside a chunk.
+    initial_state [b, h, p, n], or None for the zero state (a prompt's first tokens: its terms are skipped).
+    Returns (y [b, l, h, p] float32 without the D skip, final_state [b, h, p, n]).
+    Glossary: c chunk index, t/s positions inside a chunk, q the channels of a group's heads (h/g · p).
+    Heads of one group share B and C, so C·B products and B/C contractions run per group, never per head.
     """
     b, length, num_heads, head_dim = x.shape
+    num_groups, size = B.shape[2], B.shape[3]
+    heads_per_group = num_heads // num_groups
     chunk_size = min(chunk_size, length)  # exact for any chunk size: never pad a short input up to a full chunk
     pad = (-length) % chunk_size
     num_chunks = (length + pad) // chunk_size
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        if pad:
+            t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(b, num_chunks, chunk_size, *t.shape[2:])
 
     # 1. Discretise: X = x·dt, a = A·dt; padded positions have dt = 0 and so change nothing.
     dt = dt.float()
     xs = chunks(x.float() * dt[..., None])  # [b, c, t, h, p]
     a = chunks(A * dt).permute(0, 3, 1, 2)  # [b, h, c, t]
-    Bs = chunks(_expand_groups(B.float(), num_heads, 2))  # [b, c, t, h, n]
-    Cs = chunks(_expand_groups(C.float(), num_heads, 2))
+    Bs, Cs = chunks(B.float().contiguous()), chunks(C.float().contiguous())  # [b, c, t, g, n]
     a_cum = torch.cumsum(a, dim=-1)  # [b, h, c, t]
 
     # 2. Inside each chunk: y_t = Σ_{s≤t} (C_t·B_s) exp(a_{s+1..t}) X_s.
     decay_in = torch.exp(_segment_sum(a))  # [b, h, c, t, s]
-    scores = torch.einsum("bclhn,bcshn->bhcls", Cs, Bs) * decay_in
-    y_diag = torch.einsum("bhcls,bcshp->bclhp", scores, xs)
+    cb = torch.einsum("bclgn,bcsgn->bgcls", Cs, Bs)  # [b, g, c, t, s]
+    scores = decay_in.view(b, num_groups, heads_per_group, num_chunks, chunk_size, chunk_size) * cb[:, :, None]
+    y = torch.einsum("bhcls,bcshp->bclhp", scores.view_as(decay_in), xs)
 
     # 3. State contributed by each chunk alone, decayed to the chunk's end.
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, h, c, t]
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bs, decay_to_end, xs)
+    weighted = (xs * decay_to_end.permute(0, 2, 3, 1)[..., None]).view(b, num_chunks, chunk_size, num_groups, -1)
+    chunk_states = torch.einsum("bctgq,bctgn->bcgqn", weighted, Bs)  # [b, c, g, q, n]
+    chunk_states = chunk_states.view(b, num_chunks, num_heads, head_dim, size)
 
     # 4. Carry states across chunks, starting from the initial state: S_c = exp(Σa over chunk c) S_{c-1} + chunk_c.
     chunk_decay = torch.exp(a_cum[..., -1])  # [b, h, c]
-    state, starts = initial_state.float(), []
+    state = None if initial_state is None else initial_state.float()
+    starts = []
     for c in range(num_chunks):
         starts.append(state)
-        state = state * chunk_decay[:, :, c, None, None] + chunk_states[:, c]
-    start_states, final_state = torch.stack(starts, dim=1), state  # [b, c, h, p, n], [b, h, p, n]
+        own = chunk_states[:, c]
+        state = own if state is None else state * chunk_decay[:, :, c, None, None] + own
+    final_state = state
 
-    # 5. Contribution of each chunk's start state to its outputs.
-    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cs, start_states, torch.exp(a_cum))
+    # 5. Contribution of each chunk's start state to its outputs (none for a zero start).
+    if any(start is not None for start in starts):
+        zeros = torch.zeros_like(chunk_states[:, 0])
+        start_states = torch.stack([zeros if t is None else t for t in starts], dim=1)  # [b, c, h, p, n]
+        grouped = start_states.view(b, num_chunks, num_groups, heads_per_group * head_dim, size)
+        y_off = torch.einsum("bclgn,bcgqn->bclgq", Cs, grouped).reshape(y.shape)
+        y = y + y_off * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
 
-    y = (y_diag + y_off).reshape(b, num_chunks * chunk_size, num_heads, head_dim)[:, :length]
+    y = y.reshape(b, num_chunks * chunk_size, num_heads, head_dim)[:, :length]
     return y, final_state
 
 

@@ -47,6 +47,15 @@ def test_chunked_ssd_equals_token_by_token_from_a_given_state(length):
     torch.testing.assert_close(final, final_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("length", [1, 8, 23])
+def test_chunked_ssd_from_no_state_equals_token_by_token_from_zeros(length):
+    x, dt, A, Bm, Cm, state = _inputs(length, seed=5)
+    y, final = ssd_chunked(x, dt, A, Bm, Cm, None, chunk_size=8)
+    y_ref, final_ref = _reference(x, dt, A, Bm, Cm, torch.zeros_like(state))
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, final_ref, atol=1e-4, rtol=1e-4)
+
+
 def test_step_equals_reference():
     x, dt, A, Bm, Cm, state = _inputs(1, seed=3)
     y, new = ssm_step(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], state)

@@ -1,0 +1,123 @@
+"""The native C decode kernel against the PyTorch reference path; its build cache; denormal flushing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workers import ModelRunner, SamplingParams
+from workers.model import load_checkpoint, native
+from workers.model.mamba2 import Mamba2Mixer
+from workers.model.state import MambaState
+
+
+def _first_mixer(path: str, kernel: str) -> Mamba2Mixer:
+    model = load_checkpoint(path, decode_kernel=kernel).model
+    return next(m for m in model.modules() if isinstance(m, Mamba2Mixer))
+
+
+def _random_state(mixer: Mamba2Mixer, batch: int, seed: int) -> MambaState:
+    m = mixer.config
+    g = torch.Generator().manual_seed(seed)
+    return MambaState(
+        torch.randn(batch, m.conv_dim, m.conv_kernel - 1, generator=g),
+        torch.randn(batch, m.num_heads, m.head_dim, m.state_size, generator=g),
+    )
+
+
+@pytest.mark.parametrize(
+    "family, variant",
+    [("granite_dense", "as built"), ("nemotron_dense", "as built"), ("nemotron_dense", "no conv bias, dt limits")],
+)
+def test_native_decode_steps_equal_the_torch_path(checkpoint_dir, family, variant):
+    path = str(checkpoint_dir(family))
+    mixers = {kernel: _first_mixer(path, kernel) for kernel in ("torch", "native")}
+    assert mixers["native"].decode_kernel == "native"
+    if variant != "as built":
+        for mixer in mixers.values():
+            mixer.conv1d.bias = None
+            mixer.config = dataclasses.replace(mixer.config, dt_min=0.05, dt_max=0.3)
+    with torch.no_grad():
+        for mixer in mixers.values():  # make dt_bias, A_log, D and the norm weight matter
+            g = torch.Generator().manual_seed(1)
+            for param in (mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight):
+                param.copy_(torch.randn(param.shape, generator=g))
+    batch = 3
+    states = {kernel: _random_state(mixers["torch"], batch, seed=2) for kernel in mixers}
+    hidden_size = mixers["torch"].in_proj.in_features
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for _ in range(6):  # several steps: the updated windows and states feed the next one
+            hidden = torch.randn(batch, 1, hidden_size, generator=g)
+            outs = {k: m(hidden, states[k], torch.ones(batch, dtype=torch.long), in_place=True)[0]
+                    for k, m in mixers.items()}  # fmt: skip
+            torch.testing.assert_close(outs["native"], outs["torch"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(states["native"].conv, states["torch"].conv, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(states["native"].ssm, states["torch"].ssm, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["granite_moe", "bamba", "nemotron_moe"])
+def test_greedy_generation_is_the_same_with_either_kernel(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
+    runners = {k: ModelRunner.from_pretrained(path, decode_kernel=k, max_num_seqs=2) for k in ("torch", "native")}
+    prompts = [[5, 9, 30, 31, 4, 77, 12], [8, 8, 8], [100, 3, 17, 250]]  # 3 prompts, 2 slots: admission mid-run
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {k: [r.token_ids for r in runner.generate(prompts, params)] for k, runner in runners.items()}
+    assert outputs["native"] == outputs["torch"]
+
+
+def test_kernel_inputs_are_checked(checkpoint_dir):
+    mixer = _first_mixer(str(checkpoint_dir("bamba")), "native")
+    state = _random_state(mixer, 2, seed=0)
+    m = mixer.config
+    proj = torch.randn(2, mixer.in_proj.out_features, dtype=torch.float64)
+    with pytest.raises(ValueError, match="contiguous float32 CPU tensors, got torch.float64"):
+        native.mamba2_decode_step(proj, state.conv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
+                                  mixer.A_log, mixer.D, (m.dt_min, m.dt_max), state.ssm, mixer.norm.weight,
+                                  mixer.norm.num_groups, mixer.norm.eps, m.num_groups)  # fmt: skip
+    with pytest.raises(ValueError, match="shape mismatch"):
+        native.mamba2_decode_step(proj.float()[:, :-1].contiguous(), state.conv, mixer.conv1d.weight.squeeze(1),
+                                  mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D, (m.dt_min, m.dt_max),
+                                  state.ssm, mixer.norm.weight, mixer.norm.num_groups, mixer.norm.eps,
+                                  m.num_groups)  # fmt: skip
+
+
+def test_kernel_choice_is_validated(checkpoint_dir):
+    path = str(checkpoint_dir("bamba"))
+    with pytest.raises(
+        ValueError, match="decode_kernel='cuda' is invalid: must be one of auto, torch, compile, native"
+    ):
+        load_checkpoint(path, decode_kernel="cuda")
+    with pytest.raises(ValueError, match="decode_kernel='native' needs a CPU and float32 weights"):
+        load_checkpoint(path, dtype="bfloat16", decode_kernel="native")
+    assert _first_mixer(path, "auto").decode_kernel == "native"  # CPU, float32, a compiler on this machine
+    model = load_checkpoint(path, dtype="bfloat16").model
+    assert {m.decode_kernel for m in model.modules() if isinstance(m, Mamba2Mixer)} == {"torch"}
+
+
+def test_builds_are_cached_per_source_and_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDGEN_KERNEL_CACHE", str(tmp_path))
+    compiler = native._compiler()
+    first = native._build(native.SOURCES, compiler)
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native._build(native.SOURCES, compiler) == first and first.stat().st_mtime_ns == stamp  # reused
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind
+
+
+def test_without_a_compiler_auto_falls_back_and_native_says_why(checkpoint_dir, monkeypatch):
+    monkeypatch.setattr(native, "_LIBRARY", None)
+    monkeypatch.setattr(native, "_LOAD_ERROR", None)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    path = str(checkpoint_dir("bamba"))
+    assert _first_mixer(path, "auto").decode_kernel == "torch"
+    with pytest.raises(native.NativeKernelError, match="no C compiler found"):
+        load_checkpoint(path, decode_kernel="native")
+
+
+def test_denormals_are_flushed_on_every_thread():
+    assert native.flush_denormals()
+    tiny = torch.full((1 << 20,), 1e-39)  # a denormal float32; the multiply runs on the thread pool
+    assert torch.count_nonzero(tiny * 1.0) == 0

@@ -1,0 +1,180 @@
+"""Native CPU kernels: small C files compiled once per machine with the system C compiler, called through ctypes.
+
+The Mamba2 decode step touches every byte of the SSM state (512 KiB per request per layer for the bench model);
+in PyTorch that is several passes plus a batched matrix-vector product, in `csrc/mamba_decode.c` it is one. The
+pure-PyTorch path stays the reference: tests compare the two, and everything works without a compiler.
+
+Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`), keyed by the source,
+the compiler command and the CPU's feature flags (the code is built with `-march=native`), and written
+atomically, so Ray actors sharing a node (or a home directory) never load a half-written or foreign build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # built together into one library
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (gcc defaults to 256)
+
+_LIBRARY: ctypes.CDLL | None = None
+_LOAD_ERROR: str | None = None
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernels could not be built or loaded on this machine."""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(sources: list[Path], compiler: str) -> Path:
+    """Compile `sources` into one shared library in the cache (or find it there); returns its path."""
+    digest = hashlib.sha256(" ".join([compiler, *CFLAGS, _cpu_flags()]).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    cache = Path(os.environ.get("HYBRIDGEN_KERNEL_CACHE", Path.home() / ".cache" / "hybridgen" / "kernels"))
+    target = cache / f"hybridgen-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
+    os.close(fd)
+    try:
+        command = [compiler, *CFLAGS, *map(str, sources), "-o", partial, "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeKernelError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.flush_denormals_on_threads.restype = None
+    lib.flush_denormals_on_threads.argtypes = [ctypes.c_int]
+    lib.mamba2_decode_step.restype = None
+    lib.mamba2_decode_step.argtypes = [
+        ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
+        i64, i64, i64, i64, i64, i64, ctypes.c_int,
+    ]  # fmt: skip
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernel library (built on first use); raises NativeKernelError when it cannot be."""
+    global _LIBRARY, _LOAD_ERROR
+    if _LIBRARY is not None:
+        return _LIBRARY
+    if _LOAD_ERROR is not None:
+        raise NativeKernelError(_LOAD_ERROR)
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise NativeKernelError("no C compiler found (set CC, or install gcc)")
+        lib = ctypes.CDLL(str(_build(SOURCES, compiler)))
+        _declare(lib)
+    except (OSError, NativeKernelError) as error:
+        _LOAD_ERROR = f"native kernels unavailable: {error}"
+        raise NativeKernelError(_LOAD_ERROR) from error
+    _LIBRARY = lib
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels can be used here (builds them on first call; never raises)."""
+    try:
+        load()
+    except NativeKernelError as error:
+        logger.warning("%s; using the PyTorch decode path", error)
+        return False
+    return True
+
+
+def flush_denormals() -> bool:
+    """Flush denormal floats to zero on this thread and on the OpenMP threads PyTorch's CPU ops run on.
+
+    Denormals (|x| < 1.2e-38) are ~100× slower on x86; decays like exp(-100) in the chunked scan produce them,
+    which made prefill 2× slower. Changing them to 0 moves results by at most ~1e-38. Returns whether the pool
+    threads were reached (they need the native library; the calling thread is always set).
+    """
+    torch.set_flush_denormal(True)
+    try:
+        lib = load()
+    except NativeKernelError:
+        return False
+    lib.flush_denormals_on_threads(torch.get_num_threads())
+    return True
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"native kernels need contiguous float32 CPU tensors, got {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+def mamba2_decode_step(
+    proj: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    dt_limits: tuple[float, float],
+    ssm_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_groups: int,
+    eps: float,
+    num_groups: int,
+) -> torch.Tensor:
+    """One token per row through a Mamba2 mixer's conv, SSM and gated norm; states are updated in place.
+
+    proj [b, I + conv_dim + H] (in_proj output); conv_state [b, conv_dim, W-1]; conv_weight [conv_dim, W];
+    ssm_state [b, H, P, N]. Returns the out_proj input [b, I]. All float32, contiguous, on CPU.
+    """
+    lib = load()
+    b, H, P, N = ssm_state.shape
+    width = conv_weight.shape[1]
+    if conv_state.shape != (b, conv_weight.shape[0], width - 1) or proj.shape != (b, H * P + conv_weight.shape[0] + H):
+        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
+                         f"ssm_state {tuple(ssm_state.shape)}")  # fmt: skip
+    xbc = torch.empty(b, conv_weight.shape[0])
+    out = torch.empty(b, H * P)
+    lib.mamba2_decode_step(
+        _pointer(proj), _pointer(conv_state), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
+        _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(ssm_state), _pointer(norm_weight),
+        norm_groups, eps, _pointer(xbc), _pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -38,6 +38,8 @@ class Attention(nn.Module):
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
         a = self.config
         b, length, _ = hidden.shape
+        if length == 1 and bool((batch.num_tokens == 1).all()):
+            return self._decode(hidden, batch, cache)
         offsets = torch.arange(length, device=hidden.device)
         positions = batch.cache_lens[:, None] + offsets  # [b, l]
         q = self.q_proj(hidden).view(b, length, a.num_heads, a.head_dim).transpose(1, 2)
@@ -62,3 +64,27 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim))
+
+    def _decode(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` for one new token in every row: direct cache writes, one mask row per request."""
+        a = self.config
+        b = hidden.shape[0]
+        positions = batch.cache_lens  # [b]: each row's new token goes right after its cached ones
+        q = self.q_proj(hidden).view(b, a.num_heads, 1, a.head_dim)
+        k = self.k_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
+        v = self.v_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
+        if a.rope_theta is not None:
+            q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
+        cache.key[batch.slot_ids, :, positions] = k[:, :, 0]
+        cache.value[batch.slot_ids, :, positions] = v[:, :, 0]
+        span = int(positions.max()) + 1
+        if batch.slots_are_prefix:
+            keys, values = cache.key[:b, :, :span], cache.value[:b, :, :span]
+        else:
+            keys, values = cache.key[batch.slot_ids, :, :span], cache.value[batch.slot_ids, :, :span]
+        mask = torch.arange(span, device=hidden.device)[None, :] <= positions[:, None]  # [b, span]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))

@@ -25,6 +25,11 @@ class ForwardOutput:
     scan_inputs: list[ScanInputs] = field(default_factory=list)  # per Mamba layer, when asked to keep them
 
 
+def _residual(hidden: torch.Tensor, out: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """hidden + multiplier · out (one op)."""
+    return hidden + out if multiplier == 1.0 else torch.add(hidden, out, alpha=multiplier)
+
+
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, attention, an MLP or a MoE."""
 
@@ -73,7 +78,9 @@ class HybridModel(nn.Module):
         """
         if keep_scan_inputs and in_place:
             raise ValueError("keep_scan_inputs needs the old states: it cannot be combined with in_place")
-        hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         output = ForwardOutput(hidden, [])
         num_mamba = sum(block.kind == MAMBA for block in self.blocks)
         mamba_iter, kv_iter = iter(mamba_states if mamba_states is not None else [None] * num_mamba), iter(kv_caches)
@@ -88,7 +95,7 @@ class HybridModel(nn.Module):
                 out = block.mixer(normed, batch, next(kv_iter))
             else:
                 out = block.mixer(normed)
-            hidden = hidden + out * self.config.residual_multiplier
+            hidden = _residual(hidden, out, self.config.residual_multiplier)
         output.hidden = self.final_norm(hidden)
         return output
 
@@ -103,4 +110,5 @@ class HybridModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., d] → float32 logits [..., vocab]."""
-        return self.lm_head(hidden).float() / self.config.logits_divisor
+        logits = self.lm_head(hidden).float()
+        return logits if self.config.logits_divisor == 1.0 else logits / self.config.logits_divisor

@@ -83,6 +83,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.flush_denormals_on_threads.restype = None
     lib.flush_denormals_on_threads.argtypes = [ctypes.c_int]
+    lib.linear_panel_width.restype = i64
+    lib.linear_panels.restype = None
+    lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
@@ -177,4 +180,27 @@ def mamba2_decode_step(
         _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(ssm_state), _pointer(norm_weight),
         norm_groups, eps, _pointer(xbc), _pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P from the kernel)."""
+    width = int(load().linear_panel_width())
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // width)
+    padded = weight.new_zeros(num_panels * width, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] · wᵀ (+ bias) → [M, out_features], with w packed by `pack_panels`; float32 on CPU."""
+    lib = load()
+    rows, in_features = x.shape
+    if panels.shape[1] != in_features or panels.shape[0] * panels.shape[2] < out_features:
+        raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for {out_features} outputs")
+    out = torch.empty(rows, out_features)
+    if rows:
+        lib.linear_panels(_pointer(x), _pointer(panels), _pointer(bias), _pointer(out), rows, out_features,
+                          in_features, torch.get_num_threads())  # fmt: skip
     return out

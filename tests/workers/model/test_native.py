@@ -1,4 +1,4 @@
-"""The native C decode kernel against the PyTorch reference path; its build cache; denormal flushing."""
+"""The native C decode kernel against the PyTorch reference path; the build cache and fallbacks; denormals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint, native
+from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.state import MambaState
 
@@ -112,9 +113,13 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(checkpoint_dir, 
     monkeypatch.setattr(native, "_LOAD_ERROR", None)
     monkeypatch.setattr(native, "_compiler", lambda: None)
     path = str(checkpoint_dir("bamba"))
-    assert _first_mixer(path, "auto").decode_kernel == "torch"
+    model = load_checkpoint(path).model
+    assert {m.decode_kernel for m in model.modules() if isinstance(m, Mamba2Mixer)} == {"torch"}
+    assert not any(isinstance(m, NativeLinear) for m in model.modules())  # oneDNN (or torch) linears instead
     with pytest.raises(native.NativeKernelError, match="no C compiler found"):
         load_checkpoint(path, decode_kernel="native")
+    with pytest.raises(native.NativeKernelError, match="no C compiler found"):
+        load_checkpoint(path, linear_backend="native")
 
 
 def test_denormals_are_flushed_on_every_thread():

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.model import native
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -83,7 +85,10 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One next token per row of logits [b, v]."""
-    tokens = logits.argmax(-1).tolist()
+    if native.loaded() and native.fits(logits) and logits.dim() == 2:
+        tokens = native.argmax(logits).tolist()  # one pass per row instead of torch's ~1 ms at 32 × 32k on CPU
+    else:
+        tokens = logits.argmax(-1).tolist()
     for row, p in enumerate(params):
         if not p.greedy:
             tokens[row] = sample_from(target_probs(logits[row], p), generators[row])

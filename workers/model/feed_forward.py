@@ -6,11 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native
 from workers.model.config import FeedForwardConfig, HybridConfig
 
 
-def _activate(h: torch.Tensor, gated: bool) -> torch.Tensor:
+def _activate(h: torch.Tensor, gated: bool, use_native: bool = False) -> torch.Tensor:
     """silu(gate) · up for fused [gate, up] inputs, else relu(h)²."""
+    if gated and use_native and native.fits(h):
+        return native.silu_mul(h)
     if gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -25,10 +28,11 @@ class MLP(nn.Module):
         self.gated = gated
         self.up_proj = nn.Linear(hidden_size, intermediate_size * (2 if gated else 1), bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.native = False  # activation through the native kernel (set at load for CPU float32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] → [..., d]."""
-        return self.down_proj(_activate(self.up_proj(hidden), self.gated))
+        return self.down_proj(_activate(self.up_proj(hidden), self.gated, self.native))
 
 
 class Router(nn.Module):

@@ -25,11 +25,6 @@ class ForwardOutput:
     scan_inputs: list[ScanInputs] = field(default_factory=list)  # per Mamba layer, when asked to keep them
 
 
-def _residual(hidden: torch.Tensor, out: torch.Tensor, multiplier: float) -> torch.Tensor:
-    """hidden + multiplier · out (one op)."""
-    return hidden + out if multiplier == 1.0 else torch.add(hidden, out, alpha=multiplier)
-
-
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, attention, an MLP or a MoE."""
 
@@ -84,8 +79,9 @@ class HybridModel(nn.Module):
         output = ForwardOutput(hidden, [])
         num_mamba = sum(block.kind == MAMBA for block in self.blocks)
         mamba_iter, kv_iter = iter(mamba_states if mamba_states is not None else [None] * num_mamba), iter(kv_caches)
-        for block in self.blocks:
-            normed = block.norm(hidden)
+        normed = self.blocks[0].norm(hidden) if self.blocks else self.final_norm(hidden)
+        next_norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
+        for block, next_norm in zip(self.blocks, next_norms):
             if block.kind == MAMBA:
                 out, state, scan = block.mixer(normed, next(mamba_iter), batch.num_tokens, in_place)
                 output.mamba_states.append(state)
@@ -95,8 +91,9 @@ class HybridModel(nn.Module):
                 out = block.mixer(normed, batch, next(kv_iter))
             else:
                 out = block.mixer(normed)
-            hidden = _residual(hidden, out, self.config.residual_multiplier)
-        output.hidden = self.final_norm(hidden)
+            # The residual connection, fused with the next block's pre-norm (or the final norm).
+            hidden, normed = next_norm.add_and_norm(hidden, out, self.config.residual_multiplier)
+        output.hidden = normed
         return output
 
     def states_after(

@@ -127,8 +127,9 @@ def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, d
     """Choose how every Mamba2 mixer of `model` runs one-token decode steps; returns the choice made.
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
-    at first use). "native": the C kernel of `workers/model/csrc` (CPU, float32; built at first use).
-    "auto": native where it applies and builds, else torch.
+    at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
+    Mamba2 step and for the per-token elementwise work around it (RMSNorm fused with the residual add, the MLP's
+    silu(gate) · up). "auto": native where it applies and builds, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -139,7 +140,12 @@ def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, d
         native.load()  # raises NativeKernelError with the compiler's message
     if kernel == "auto":
         kernel = "native" if native_fits and native.available() else "torch"
+    from workers.model.feed_forward import MLP
+    from workers.model.norm import RMSNorm
+
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
             module.decode_kernel = kernel
+        elif isinstance(module, (RMSNorm, MLP)):
+            module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -83,6 +83,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.flush_denormals_on_threads.restype = None
     lib.flush_denormals_on_threads.argtypes = [ctypes.c_int]
+    lib.rms_norm.restype = lib.add_rms_norm.restype = lib.silu_mul.restype = lib.argmax_rows.restype = None
+    lib.rms_norm.argtypes = [ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
+    lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.linear_panel_width.restype = i64
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
@@ -111,6 +116,11 @@ def load() -> ctypes.CDLL:
         raise NativeKernelError(_LOAD_ERROR) from error
     _LIBRARY = lib
     return lib
+
+
+def loaded() -> bool:
+    """Whether the library is already built and loaded in this process (never builds it)."""
+    return _LIBRARY is not None
 
 
 def available() -> bool:
@@ -203,4 +213,43 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     if rows:
         lib.linear_panels(_pointer(x), _pointer(panels), _pointer(bias), _pointer(out), rows, out_features,
                           in_features, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors as they are: contiguous float32 on CPU."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [..., d] with weight [d]."""
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    load().rms_norm(_pointer(x), _pointer(weight), eps, _pointer(out), x.numel() // d, d, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, alpha: float, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """hidden += alpha · delta in place; returns rmsnorm(hidden) · weight (a residual add and the next norm)."""
+    out = torch.empty_like(hidden)
+    d = hidden.shape[-1]
+    load().add_rms_norm(_pointer(hidden), _pointer(delta), alpha, _pointer(weight), eps, _pointer(out),
+                        hidden.numel() // d, d, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for h [..., 2n] = [gate | up] → [..., n]."""
+    n = h.shape[-1] // 2
+    out = h.new_empty(*h.shape[:-1], n)
+    load().silu_mul(_pointer(h), _pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) for x [rows, n] (first index on ties; NaN counts as the largest)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().argmax_rows(_pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out

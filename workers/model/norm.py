@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native
+
 
 class RMSNorm(nn.Module):
     """y = weight · x / rms(x) over the last dimension."""
@@ -14,14 +16,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native = False  # run through the native kernel (set at load for CPU float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] → [..., d]."""
+        if self.native and native.fits(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same arithmetic
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * normed).to(x.dtype)
+
+    def add_and_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, alpha: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + alpha · delta, its norm): a residual connection and the next pre-norm, fused when native.
+
+        `hidden` may be updated in place: callers pass a tensor nothing else holds.
+        """
+        if self.native and native.fits(hidden, delta, self.weight):
+            return hidden, native.add_rms_norm(hidden, delta, alpha, self.weight, self.eps)
+        hidden = hidden + delta if alpha == 1.0 else torch.add(hidden, delta, alpha=alpha)
+        return hidden, self(hidden)
 
 
 class GatedRMSNorm(nn.Module):

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint, native
@@ -126,3 +127,28 @@ def test_denormals_are_flushed_on_every_thread():
     assert native.flush_denormals()
     tiny = torch.full((1 << 20,), 1e-39)  # a denormal float32; the multiply runs on the thread pool
     assert torch.count_nonzero(tiny * 1.0) == 0
+
+
+def test_elementwise_kernels_equal_their_torch_references():
+    g = torch.Generator().manual_seed(0)
+    for rows, d in [(1, 64), (3, 37), (200, 512)]:  # the last one runs on the thread pool
+        x, delta = torch.randn(rows, d, generator=g), torch.randn(rows, d, generator=g)
+        weight = torch.randn(d, generator=g)
+        torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), F.rms_norm(x, (d,), weight, 1e-5))
+        for alpha in (1.0, 0.5):
+            hidden = x.clone()
+            normed = native.add_rms_norm(hidden, delta, alpha, weight, 1e-5)
+            torch.testing.assert_close(hidden, x + alpha * delta)  # updated in place
+            torch.testing.assert_close(normed, F.rms_norm(x + alpha * delta, (d,), weight, 1e-5))
+        fused = torch.randn(rows, 2 * d, generator=g)
+        gate, up = fused.chunk(2, dim=-1)
+        torch.testing.assert_close(native.silu_mul(fused), F.silu(gate) * up)
+
+
+def test_argmax_matches_torch_on_ties_and_nan():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1, 9] = 100.0  # a tie: the first index wins
+    logits[2, 3] = logits[2, 500] = float("nan")  # NaN counts as the largest
+    logits[3, 0] = float("nan")
+    logits[4] = -float("inf")
+    assert native.argmax(logits).tolist() == logits.argmax(-1).tolist()

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import ALL_FAMILIES
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+TOL = dict(atol=5e-5, rtol=1e-4)  # float32 rounding across layers; a wrong state is off by O(1)
 
 
 def _run(model, pool, tokens: torch.Tensor, slots, cache_lens, num_tokens, states):

@@ -1,0 +1,63 @@
+/* Small per-token operations of a decode step, float32: each is one pass instead of several PyTorch ops.
+ *
+ * A decode step runs them on a few KiB per layer, where PyTorch's per-op cost (dispatch, temporaries, a pass per
+ * elementwise op) outweighs the arithmetic. References: RMSNorm (F.rms_norm), the residual add, silu(gate) · up,
+ * argmax; tests compare each with it. All tensors contiguous, row-major.
+ */
+#include <math.h>
+#include <stdint.h>
+
+static void rms_norm_row(const float *x, const float *weight, float eps, float *out, int64_t d) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < d; ++i) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)d + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[i] = weight[i] * (x[i] * scale);
+}
+
+/* out = rmsnorm(x) · weight over rows of d. */
+void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t d, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * d > 65536)
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * d, weight, eps, out + r * d, d);
+}
+
+/* hidden += alpha · delta (in place), then out = rmsnorm(hidden) · weight: a block's residual and the next norm. */
+void add_rms_norm(float *hidden, const float *delta, float alpha, const float *weight, float eps, float *out,
+                  int64_t rows, int64_t d, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * d > 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *h = hidden + r * d;
+        const float *e = delta + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) h[i] = alpha == 1.0f ? h[i] + e[i] : h[i] + alpha * e[i];
+        rms_norm_row(h, weight, eps, out + r * d, d);
+    }
+}
+
+/* out [rows, n] = silu(gate) · up for h [rows, 2n] = [gate | up]. */
+void silu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = h + r * 2 * n, *up = gate + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* index of the largest value of each row (the first one on ties, as torch.argmax); NaN counts as largest. */
+void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        int64_t best = 0;
+        float value = row[0];
+        for (int64_t i = 1; i < n && value == value; ++i) {
+            if (row[i] > value || row[i] != row[i]) {
+                value = row[i];
+                best = i;
+            }
+        }
+        out[r] = best;
+    }
+}

@@ -26,6 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # built together into one library
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (gcc defaults to 256)
@@ -58,7 +59,7 @@ def _cpu_flags() -> str:
 def _build(sources: list[Path], compiler: str) -> Path:
     """Compile `sources` into one shared library in the cache (or find it there); returns its path."""
     digest = hashlib.sha256(" ".join([compiler, *CFLAGS, _cpu_flags()]).encode())
-    for source in sources:
+    for source in [*sources, *HEADERS]:
         digest.update(source.read_bytes())
     cache = Path(os.environ.get("HYBRIDGEN_KERNEL_CACHE", Path.home() / ".cache" / "hybridgen" / "kernels"))
     target = cache / f"hybridgen-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"

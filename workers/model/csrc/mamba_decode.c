@@ -19,6 +19,8 @@
 #include <xmmintrin.h>
 #endif
 
+#include "vexp.h"
+
 /* Denormal floats cost x86 cores ~100× per operation; SSM states decay towards them over long sequences.
  * Flush-to-zero / denormals-are-zero for the calling thread (no-op elsewhere). */
 static inline void flush_denormals(void) {
@@ -32,8 +34,6 @@ void flush_denormals_on_threads(int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     flush_denormals();
 }
-
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* torch.nn.functional.softplus with its default threshold of 20. */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
@@ -60,9 +60,11 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
             acc += input * w[W - 1];
             for (int64_t k = 0; k + 1 < W - 1; ++k) window[k] = window[k + 1];
             if (W > 1) window[W - 2] = input;
-            xbc[bc] = silu(acc);
+            xbc[bc] = acc;
         }
-        /* 2. SSM: h = exp(dt A) h + dt x ⊗ B;  y = h · C + D x;  gate with silu(z). */
+#pragma omp for schedule(static)
+        for (int64_t bi = 0; bi < b; ++bi) silu_inplace(xbc + bi * Cd, Cd);
+        /* 2. SSM: h = exp(dt A) h + dt x ⊗ B;  y = h · C + D x. */
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < b * H; ++bh) {
             const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
@@ -72,7 +74,6 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
             const float *x = xbc + bi * Cd + h * P;
             const float *B = xbc + bi * Cd + I + g * N;
             const float *C = xbc + bi * Cd + I + G * N + g * N;
-            const float *z = proj + bi * row_len + h * P;
             float *state = ssm_state + bh * P * N;
             float *y = out + bi * I + h * P;
             for (int64_t p = 0; p < P; ++p) {
@@ -85,13 +86,15 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
                     s[n] = v;
                     acc += v * C[n];
                 }
-                y[p] = (acc + D[h] * x[p]) * silu(z[p]);
+                y[p] = acc + D[h] * x[p];
             }
         }
-        /* 3. Grouped RMSNorm of the gated output. */
+        /* 3. Gate with silu(z), then the grouped RMSNorm. */
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < b * norm_groups; ++bg) {
             float *y = out + bg * group_size;
+            const int64_t bi = bg / norm_groups, g = bg % norm_groups;
+            silu_mul_row(proj + bi * row_len + g * group_size, y, y, group_size);
             const float *w = norm_w + (bg % norm_groups) * group_size;
             float sq = 0.0f;
             for (int64_t i = 0; i < group_size; ++i) sq += y[i] * y[i];

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vexp.h"
+
 static void rms_norm_row(const float *x, const float *weight, float eps, float *out, int64_t d) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -38,26 +40,29 @@ void add_rms_norm(float *hidden, const float *delta, float alpha, const float *w
 /* out [rows, n] = silu(gate) · up for h [rows, 2n] = [gate | up]. */
 void silu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 65536)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *gate = h + r * 2 * n, *up = gate + n;
-        float *o = out + r * n;
-        for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(h + r * 2 * n, h + r * 2 * n + n, out + r * n, n);
 }
 
-/* index of the largest value of each row (the first one on ties, as torch.argmax); NaN counts as largest. */
+/* index of the largest value of each row (the first one on ties, as torch.argmax); NaN counts as largest.
+ * Two vectorised passes over the row: its maximum (and whether it holds a NaN), then the first index holding it. */
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * n;
-        int64_t best = 0;
-        float value = row[0];
-        for (int64_t i = 1; i < n && value == value; ++i) {
-            if (row[i] > value || row[i] != row[i]) {
-                value = row[i];
-                best = i;
+        float best = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < n; ++i) {
+            best = row[i] > best ? row[i] : best;
+            nan |= row[i] != row[i];
+        }
+        int64_t index = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            if (nan ? row[i] != row[i] : row[i] == best) {
+                index = i;
+                break;
             }
         }
-        out[r] = best;
+        out[r] = index;
     }
 }

@@ -26,6 +26,9 @@ from workers.model.ssd import (
 from workers.model.state import MambaState, ScanInputs
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native")
+# Up to this many new tokens per row (speculative verification: k + 1), the native kernel runs them one by one;
+# longer inputs (prompts) take the chunked scan.
+NATIVE_STEPWISE_MAX_TOKENS = 8
 
 
 class Mamba2Mixer(nn.Module):
@@ -70,6 +73,8 @@ class Mamba2Mixer(nn.Module):
         in_place = in_place and length == 1 and state is not None
         if in_place and self.decode_kernel == "native":
             return self._native_decode(hidden, state), state, None
+        if self.decode_kernel == "native" and state is not None and 1 < length <= NATIVE_STEPWISE_MAX_TOKENS:
+            return self._native_steps(hidden, state, num_tokens)
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
@@ -107,6 +112,37 @@ class Mamba2Mixer(nn.Module):
             (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
         )  # fmt: skip
         return self.out_proj(y)[:, None]
+
+    def _native_steps(
+        self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, MambaState, ScanInputs]:
+        """A few tokens per row (speculative verification) as consecutive native decode steps on a scratch copy
+        of the state; `state` itself is left as it was. Returns what `forward` returns, scan inputs included."""
+        m = self.config
+        b, length, _ = hidden.shape
+        proj = self.in_proj(hidden)  # [b, l, I + conv_dim + H]
+        conv, ssm = state.conv.clone(), state.ssm.clone()
+        conv_out = torch.empty(b, length, m.conv_dim)
+        y = torch.empty(b, length, m.intermediate_size)
+        for t in range(length):  # positions past a row's num_tokens run too; their results are never read
+            xbc = torch.empty(b, m.conv_dim)
+            y[:, t] = native.mamba2_decode_step(
+                proj[:, t].contiguous(), conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias,
+                self.A_log, self.D, (m.dt_min, m.dt_max), ssm, self.norm.weight, self.norm.num_groups,
+                self.norm.eps, m.num_groups, conv_out=xbc,
+            )  # fmt: skip
+            conv_out[:, t] = xbc
+        _, conv_in, dt_raw = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        valid = torch.arange(length)[None, :] < num_tokens[:, None]
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max) * valid[..., None]
+        x = conv_out[..., : m.intermediate_size].reshape(b, length, m.num_heads, m.head_dim)
+        B = conv_out[..., m.intermediate_size : m.intermediate_size + m.num_groups * m.state_size]
+        scan = ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), dt)
+        if bool((num_tokens == length).all()):
+            new_state = MambaState(conv, ssm)  # every row ran exactly its own tokens
+        else:
+            new_state = self.state_after(state, scan, num_tokens)
+        return self.out_proj(y), new_state, scan
 
     def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.

@@ -172,11 +172,13 @@ def mamba2_decode_step(
     norm_groups: int,
     eps: float,
     num_groups: int,
+    conv_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row through a Mamba2 mixer's conv, SSM and gated norm; states are updated in place.
 
     proj [b, I + conv_dim + H] (in_proj output); conv_state [b, conv_dim, W-1]; conv_weight [conv_dim, W];
-    ssm_state [b, H, P, N]. Returns the out_proj input [b, I]. All float32, contiguous, on CPU.
+    ssm_state [b, H, P, N]. Returns the out_proj input [b, I]. `conv_out` [b, conv_dim], if given, receives the
+    conv output (x | B | C after silu). All float32, contiguous, on CPU.
     """
     lib = load()
     b, H, P, N = ssm_state.shape
@@ -184,7 +186,7 @@ def mamba2_decode_step(
     if conv_state.shape != (b, conv_weight.shape[0], width - 1) or proj.shape != (b, H * P + conv_weight.shape[0] + H):
         raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
                          f"ssm_state {tuple(ssm_state.shape)}")  # fmt: skip
-    xbc = torch.empty(b, conv_weight.shape[0])
+    xbc = torch.empty(b, conv_weight.shape[0]) if conv_out is None else conv_out
     out = torch.empty(b, H * P)
     lib.mamba2_decode_step(
         _pointer(proj), _pointer(conv_state), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),

@@ -105,10 +105,11 @@ class ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
         With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
-        same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (oneDNN
-        packed weights on CPU float32), "torch" (the reference path) or "onednn". `decode_kernel`: how Mamba2
-        decode steps run — "auto" (a C kernel, one pass over the state, on CPU float32; else torch), "torch" (the
-        reference path), "compile" (torch.compile) or "native".
+        same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (the native
+        panel kernel on CPU float32, oneDNN without a C compiler, torch elsewhere), "native", "onednn" or "torch"
+        (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
+        "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
+        reference path).
         """
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel)
         eos = set(checkpoint.config.eos_token_ids)

@@ -17,6 +17,7 @@ def test_benchmark_smoke_generate_and_score(tmp_path, capsys):
         row["output_tokens_per_s"] > 0 and row["transformers"]["output_tokens_per_s"] > 0 for row in result["generate"]
     )
     assert "generation (tokens/s)" in capsys.readouterr().out
+    assert result["decode_kernel"] == "native"  # auto, on this CPU with a C compiler
     assert main([*args, "--task", "score", "--json", str(out)]) == 0
     assert all(row["ratio_to_transformers"] > 0 for row in json.loads(out.read_text())["score"])
 
@@ -28,3 +29,11 @@ def test_benchmark_smoke_speculative(tmp_path):
     assert main(args) == 0
     row = json.loads(out.read_text())["speculative"][0]
     assert row["identical_to_plain"] and row["acceptance_rate"] == 1.0  # the model drafting for itself
+
+
+def test_benchmark_decode_kernel_flag_reaches_the_runner(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--preset", "tiny", "--batch-sizes", "1", "--new-tokens", "2", "--prompt-len", "4", "--repeats", "1",
+            "--no-transformers", "--decode-kernel", "torch", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads(out.read_text())["decode_kernel"] == "torch"

@@ -33,6 +33,7 @@ if platform.machine() in ("x86_64", "AMD64"):
 
 _LIBRARY: ctypes.CDLL | None = None
 _LOAD_ERROR: str | None = None
+_WARNED = False
 
 
 class NativeKernelError(RuntimeError):
@@ -125,11 +126,14 @@ def loaded() -> bool:
 
 
 def available() -> bool:
-    """Whether the native kernels can be used here (builds them on first call; never raises)."""
+    """Whether the native kernels can be used here (builds them on first call; never raises; warns once)."""
+    global _WARNED
     try:
         load()
     except NativeKernelError as error:
-        logger.warning("%s; using the PyTorch decode path", error)
+        if not _WARNED:
+            logger.warning("%s; running the PyTorch / oneDNN paths instead", error)
+            _WARNED = True
         return False
     return True
 

@@ -26,8 +26,8 @@ from workers.model.ssd import (
 from workers.model.state import MambaState, ScanInputs
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native")
-# Up to this many new tokens per row (speculative verification: k + 1), the native kernel runs them one by one;
-# longer inputs (prompts) take the chunked scan.
+# Up to this many new tokens per row from a kept state (speculative verification: k + 1; a draft model's steps),
+# the native kernel runs them one by one on a scratch copy; longer inputs (prompts) take the chunked scan.
 NATIVE_STEPWISE_MAX_TOKENS = 8
 
 
@@ -73,7 +73,7 @@ class Mamba2Mixer(nn.Module):
         in_place = in_place and length == 1 and state is not None
         if in_place and self.decode_kernel == "native":
             return self._native_decode(hidden, state), state, None
-        if self.decode_kernel == "native" and state is not None and 1 < length <= NATIVE_STEPWISE_MAX_TOKENS:
+        if self.decode_kernel == "native" and state is not None and length <= NATIVE_STEPWISE_MAX_TOKENS:
             return self._native_steps(hidden, state, num_tokens)
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)

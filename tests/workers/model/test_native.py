@@ -156,18 +156,21 @@ def test_argmax_matches_torch_on_ties_and_nan():
 
 @pytest.mark.parametrize("family", ["granite_dense", "nemotron_dense"])
 def test_native_short_inputs_equal_the_chunked_scan(checkpoint_dir, family):
-    # Speculative verification runs k + 1 tokens per row from a state; rows may carry fewer (right padding).
+    # Speculative verification runs k + 1 tokens per row from a kept state, a draft model one; rows may carry
+    # fewer (right padding).
     path = str(checkpoint_dir(family))
     mixers = {kernel: _first_mixer(path, kernel) for kernel in ("torch", "native")}
     state = _random_state(mixers["torch"], 3, seed=4)
-    hidden = torch.randn(3, 5, mixers["torch"].in_proj.in_features, generator=torch.Generator().manual_seed(5))
-    for num_tokens in ([5, 5, 5], [5, 2, 1]):
+    full = torch.randn(3, 5, mixers["torch"].in_proj.in_features, generator=torch.Generator().manual_seed(5))
+    for num_tokens in ([5, 5, 5], [5, 2, 1], [1, 1, 1], [1, 0, 1]):  # one token: a draft model's step
         counts = torch.tensor(num_tokens)
+        length = max(num_tokens)
+        hidden = full[:, :length]
         with torch.inference_mode():
             results = {k: m(hidden, MambaState(state.conv.clone(), state.ssm.clone()), counts)
                        for k, m in mixers.items()}  # fmt: skip
         (out_t, state_t, scan_t), (out_n, state_n, scan_n) = results["torch"], results["native"]
-        valid = torch.arange(5)[None, :] < counts[:, None]
+        valid = torch.arange(length)[None, :] < counts[:, None]
         torch.testing.assert_close(out_n[valid], out_t[valid], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(state_n.conv, state_t.conv, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(state_n.ssm, state_t.ssm, atol=1e-5, rtol=1e-4)

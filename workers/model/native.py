@@ -1,8 +1,12 @@
 """Native CPU kernels: small C files compiled once per machine with the system C compiler, called through ctypes.
 
-The Mamba2 decode step touches every byte of the SSM state (512 KiB per request per layer for the bench model);
-in PyTorch that is several passes plus a batched matrix-vector product, in `csrc/mamba_decode.c` it is one. The
-pure-PyTorch path stays the reference: tests compare the two, and everything works without a compiler.
+- `csrc/linear.c`: linear layers over weights packed in column panels, streamed at close to memory bandwidth
+  for the few rows of a decode step (oneDNN and BLAS reach well under it there).
+- `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
+  per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one.
+- `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
+They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
+works without a compiler (slower).
 
 Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`), keyed by the source,
 the compiler command and the CPU's feature flags (the code is built with `-march=native`), and written

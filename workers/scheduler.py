@@ -109,7 +109,9 @@ class Scheduler:
         prefix = [r.slot for r in requests] == list(range(len(requests)))  # compacted: views, no copies
         input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
         cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
-        batch = ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens), slots_are_prefix=prefix)
+        batch = ForwardBatch(
+            slots, cache_lens, torch.ones_like(cache_lens), slots_are_prefix=prefix, one_token_each=True
+        )
         states = self.pool.prefix(len(requests)) if prefix else self.pool.read(slots)
         out = self.model(input_ids, batch, states, self.pool.kv_caches(), in_place=True)
         if not prefix:

@@ -38,7 +38,7 @@ class Attention(nn.Module):
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
         a = self.config
         b, length, _ = hidden.shape
-        if length == 1 and bool((batch.num_tokens == 1).all()):
+        if length == 1 and batch.one_token_each:
             return self._decode(hidden, batch, cache)
         offsets = torch.arange(length, device=hidden.device)
         positions = batch.cache_lens[:, None] + offsets  # [b, l]

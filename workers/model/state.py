@@ -49,6 +49,7 @@ class ForwardBatch:
     cache_lens: torch.Tensor  # [b] int64: tokens already cached = position of the row's first new token
     num_tokens: torch.Tensor  # [b] int64: valid new tokens in the row (the rest is right padding)
     slots_are_prefix: bool = False  # slot_ids == 0 … b-1: caches can be sliced instead of gathered
+    one_token_each: bool = False  # every row has exactly one new token (decode): attention's direct path
 
 
 class StatePool:

@@ -67,7 +67,8 @@ class DraftModelProposer:
             for row, tokens in enumerate(inputs):
                 input_ids[row, : len(tokens)] = torch.tensor(tokens)
             num_tokens = torch.tensor(lengths, device=self.device)
-            batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens)
+            batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens,
+                                 one_token_each=all(n == 1 for n in lengths))  # fmt: skip
             out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
             states = out.mamba_states
             states_by_step.append(states)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native
 from workers.model.config import AttentionConfig, HybridConfig
 from workers.model.state import ForwardBatch, KVCache
 
@@ -33,6 +34,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=a.bias)
+        self.native = False  # decode steps through the native kernel (set at load for CPU float32)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
@@ -76,6 +78,10 @@ class Attention(nn.Module):
         if a.rope_theta is not None:
             q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
             k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
+        if self.native and native.fits(q, k, v, cache.key, cache.value):
+            out = native.attention_decode(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache.key, cache.value,
+                                          batch.slot_ids, positions, a.scale)  # fmt: skip
+            return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))
         cache.key[batch.slot_ids, :, positions] = k[:, :, 0]
         cache.value[batch.slot_ids, :, positions] = v[:, :, 0]
         span = int(positions.max()) + 1

@@ -164,8 +164,8 @@ def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, d
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
-    Mamba2 step and for the per-token elementwise work around it (RMSNorm fused with the residual add, the MLP's
-    silu(gate) · up). "auto": native where it applies and builds, else torch.
+    Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
+    residual add, the MLP's silu(gate) · up). "auto": native where it applies and builds, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -176,12 +176,13 @@ def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, d
         native.load()  # raises NativeKernelError with the compiler's message
     if kernel == "auto":
         kernel = "native" if native_fits and native.available() else "torch"
+    from workers.model.attention import Attention
     from workers.model.feed_forward import MLP
     from workers.model.norm import RMSNorm
 
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
             module.decode_kernel = kernel
-        elif isinstance(module, (RMSNorm, MLP)):
+        elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -4,6 +4,7 @@
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one.
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included).
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
 They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
 works without a compiler (slower).
@@ -94,6 +95,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.attention_decode.restype = None
+    lib.attention_decode.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
     lib.linear_panel_width.restype = i64
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
@@ -263,4 +266,35 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) for x [rows, n] (first index on ties; NaN counts as the largest)."""
     out = torch.empty(x.shape[0], dtype=torch.long)
     load().argmax_rows(_pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the caches
+    [slots, KV, capacity, d], then attend q [b, H, d] over positions 0 … position of each row → [b, H, d]."""
+    b, num_heads, head_dim = q.shape
+    num_kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
+    if not (
+        slot_ids.dtype == positions.dtype == torch.int64 and slot_ids.is_contiguous() and positions.is_contiguous()
+    ):
+        raise ValueError("slot_ids and positions must be contiguous int64 tensors")
+    span = int(positions.max()) + 1
+    if span > capacity:
+        raise ValueError(f"position {span - 1} is past the cache capacity {capacity}")
+    scores = torch.empty(b, num_heads, span)
+    out = torch.empty_like(q)
+    load().attention_decode(
+        _pointer(q), _pointer(k), _pointer(v), _pointer(key_cache), _pointer(value_cache), slot_ids.data_ptr(),
+        positions.data_ptr(), scale, _pointer(scores), _pointer(out), b, num_heads, num_kv_heads, head_dim,
+        capacity, span, torch.get_num_threads(),
+    )  # fmt: skip
     return out

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint, native
+from workers.model.attention import Attention
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
-from workers.model.state import MambaState
+from workers.model.state import ForwardBatch, KVCache, MambaState
 
 
 def _first_mixer(path: str, kernel: str) -> Mamba2Mixer:
@@ -178,3 +179,27 @@ def test_native_short_inputs_equal_the_chunked_scan(checkpoint_dir, family):
             a, b = getattr(scan_n, name), getattr(scan_t, name)
             torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(state.ssm, _random_state(mixers["torch"], 3, seed=4).ssm)  # the input state is kept
+
+
+@pytest.mark.parametrize("family", ["granite_dense", "granite_moe", "bamba"])  # NoPE, RoPE, partial RoPE
+def test_native_attention_decode_equals_the_torch_path(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
+    layers = {}
+    for kernel in ("torch", "native"):
+        model = load_checkpoint(path, decode_kernel=kernel).model
+        layers[kernel] = next(m for m in model.modules() if isinstance(m, Attention))
+    assert layers["native"].native and not layers["torch"].native
+    a = layers["torch"].config
+    g = torch.Generator().manual_seed(6)
+    cache = KVCache(torch.randn(5, a.num_kv_heads, 16, a.head_dim, generator=g),
+                    torch.randn(5, a.num_kv_heads, 16, a.head_dim, generator=g))  # fmt: skip
+    hidden = torch.randn(3, 1, layers["torch"].q_proj.in_features, generator=g)
+    for slot_ids, prefix in (([0, 1, 2], True), ([4, 0, 2], False)):
+        batch = ForwardBatch(torch.tensor(slot_ids), torch.tensor([0, 7, 15]), torch.ones(3, dtype=torch.long),
+                             slots_are_prefix=prefix, one_token_each=True)  # fmt: skip
+        caches = {k: KVCache(cache.key.clone(), cache.value.clone()) for k in layers}
+        with torch.inference_mode():
+            outs = {k: layer(hidden, batch, caches[k]) for k, layer in layers.items()}
+        torch.testing.assert_close(outs["native"], outs["torch"], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(caches["native"].key, caches["torch"].key)
+        torch.testing.assert_close(caches["native"].value, caches["torch"].value)

@@ -19,7 +19,7 @@ from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.proposal import Proposal
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+TOL = dict(atol=5e-5, rtol=1e-4)  # float32 rounding of native vs chunked paths; a wrong shift is off by O(0.1)
 K = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # (num drafts, num correct) patterns, cycled per request and step.

@@ -28,7 +28,7 @@ from workers.benchmark import (
     random_prompts,
     timed,
 )
-from workers.model.mamba2 import DECODE_KERNELS
+from workers.model.loader import DECODE_KERNELS
 
 H200_BANDWIDTH_GBS = 4800.0
 

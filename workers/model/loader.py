@@ -11,12 +11,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from workers.model import native
+from workers.model.attention import Attention
 from workers.model.config import HybridConfig
+from workers.model.feed_forward import MLP
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
-from workers.model.mamba2 import prepare_decode_kernel
+from workers.model.mamba2 import Mamba2Mixer
+from workers.model.norm import RMSNorm
 from workers.model.weights import Source, checkpoint_sources, is_ignored
 
+DECODE_KERNELS = ("auto", "torch", "compile", "native")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
 FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
@@ -127,6 +132,31 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
                     f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
                 )
             params[name].copy_(tensor)
+
+
+def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose how `model` runs its decode steps (Mamba2 mixers, attention, norms, MLPs); returns the choice made.
+
+    "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
+    at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
+    Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
+    residual add, the MLP's silu(gate) · up). "auto": native where it applies and builds, else torch.
+    """
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
+    native_fits = torch.device(device).type == "cpu" and dtype == torch.float32
+    if kernel == "native":
+        if not native_fits:
+            raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
+        native.load()  # raises NativeKernelError with the compiler's message
+    if kernel == "auto":
+        kernel = "native" if native_fits and native.available() else "torch"
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            module.decode_kernel = kernel
+        elif isinstance(module, (RMSNorm, MLP, Attention)):
+            module.native = kernel == "native"  # the per-token elementwise work goes native along with it
+    return kernel
 
 
 def load_checkpoint(

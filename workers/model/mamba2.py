@@ -25,7 +25,6 @@ from workers.model.ssd import (
 )
 from workers.model.state import MambaState, ScanInputs
 
-DECODE_KERNELS = ("auto", "torch", "compile", "native")
 # Up to this many new tokens per row from a kept state (speculative verification: k + 1; a draft model's steps),
 # the native kernel runs them one by one on a scratch copy; longer inputs (prompts) take the chunked scan.
 NATIVE_STEPWISE_MAX_TOKENS = 8
@@ -55,9 +54,14 @@ class Mamba2Mixer(nn.Module):
         """
         m = self.config
         z, xbc, dt = self.in_proj(hidden).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)
-        valid = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < num_tokens[:, None]  # [b, l]
-        return z, xbc, dt * valid[..., None]
+        return z, xbc, self._dt(dt, num_tokens)
+
+    def _dt(self, dt_raw: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """softplus(dt + dt_bias) clamped to the family's limits, 0 at padded positions; [b, l, h] float32."""
+        m = self.config
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)
+        valid = torch.arange(dt.shape[1], device=dt.device)[None, :] < num_tokens[:, None]  # [b, l]
+        return dt * valid[..., None]
 
     def forward(
         self, hidden: torch.Tensor, state: MambaState | None, num_tokens: torch.Tensor, in_place: bool = False
@@ -103,43 +107,41 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(b, length, m.intermediate_size), z, hidden.dtype)
         return self.out_proj(y), MambaState(conv_state, ssm_state), ScanInputs(conv_in, x, B, dt)
 
-    def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
-        """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
+    def _kernel_step(self, proj: torch.Tensor, state: MambaState, conv_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row (proj [b, I + conv_dim + H], contiguous) through the C kernel, updating `state` in
+        place; returns the out_proj input [b, I] (and the conv output into `conv_out` when given)."""
         m = self.config
-        proj = self.in_proj(hidden[:, 0]).contiguous()
-        y = native.mamba2_decode_step(
+        return native.mamba2_decode_step(
             proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
             (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
+            conv_out=conv_out,
         )  # fmt: skip
-        return self.out_proj(y)[:, None]
+
+    def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
+        return self.out_proj(self._kernel_step(self.in_proj(hidden[:, 0]).contiguous(), state))[:, None]
 
     def _native_steps(
         self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, MambaState, ScanInputs]:
-        """A few tokens per row (speculative verification) as consecutive native decode steps on a scratch copy
-        of the state; `state` itself is left as it was. Returns what `forward` returns, scan inputs included."""
+        """A few tokens per row (speculative verification, draft steps) as consecutive native decode steps on a
+        scratch copy of the state; `state` itself is left as it was. Returns what `forward` returns."""
         m = self.config
         b, length, _ = hidden.shape
         proj = self.in_proj(hidden)  # [b, l, I + conv_dim + H]
-        conv, ssm = state.conv.clone(), state.ssm.clone()
+        scratch = MambaState(state.conv.clone(), state.ssm.clone())
         conv_out = torch.empty(b, length, m.conv_dim)
         y = torch.empty(b, length, m.intermediate_size)
         for t in range(length):  # positions past a row's num_tokens run too; their results are never read
             xbc = torch.empty(b, m.conv_dim)
-            y[:, t] = native.mamba2_decode_step(
-                proj[:, t].contiguous(), conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias,
-                self.A_log, self.D, (m.dt_min, m.dt_max), ssm, self.norm.weight, self.norm.num_groups,
-                self.norm.eps, m.num_groups, conv_out=xbc,
-            )  # fmt: skip
+            y[:, t] = self._kernel_step(proj[:, t].contiguous(), scratch, conv_out=xbc)
             conv_out[:, t] = xbc
         _, conv_in, dt_raw = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        valid = torch.arange(length)[None, :] < num_tokens[:, None]
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max) * valid[..., None]
         x = conv_out[..., : m.intermediate_size].reshape(b, length, m.num_heads, m.head_dim)
         B = conv_out[..., m.intermediate_size : m.intermediate_size + m.num_groups * m.state_size]
-        scan = ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), dt)
+        scan = ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), self._dt(dt_raw, num_tokens))
         if bool((num_tokens == length).all()):
-            new_state = MambaState(conv, ssm)  # every row ran exactly its own tokens
+            new_state = scratch  # every row ran exactly its own tokens
         else:
             new_state = self.state_after(state, scan, num_tokens)
         return self.out_proj(y), new_state, scan
@@ -157,32 +159,3 @@ class Mamba2Mixer(nn.Module):
         return MambaState(
             conv_window_after(state.conv, scan.conv_in, num_tokens), ssm_state_after(scan.x, dt, A, scan.B, state.ssm)
         )
-
-
-def prepare_decode_kernel(model: nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how every Mamba2 mixer of `model` runs one-token decode steps; returns the choice made.
-
-    "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
-    at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
-    Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
-    residual add, the MLP's silu(gate) · up). "auto": native where it applies and builds, else torch.
-    """
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
-    native_fits = torch.device(device).type == "cpu" and dtype == torch.float32
-    if kernel == "native":
-        if not native_fits:
-            raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
-        native.load()  # raises NativeKernelError with the compiler's message
-    if kernel == "auto":
-        kernel = "native" if native_fits and native.available() else "torch"
-    from workers.model.attention import Attention
-    from workers.model.feed_forward import MLP
-    from workers.model.norm import RMSNorm
-
-    for module in model.modules():
-        if isinstance(module, Mamba2Mixer):
-            module.decode_kernel = kernel
-        elif isinstance(module, (RMSNorm, MLP, Attention)):
-            module.native = kernel == "native"  # the per-token elementwise work goes native along with it
-    return kernel

@@ -28,6 +28,7 @@ from workers.benchmark import (
     random_prompts,
     timed,
 )
+from workers.model.decode_plan import unsupported_reason
 from workers.model.loader import DECODE_KERNELS
 
 H200_BANDWIDTH_GBS = 4800.0
@@ -57,6 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
                    help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
                    "(the reference path), compile (torch.compile) or native")  # fmt: skip
+    p.add_argument(
+        "--no-decode-plan",
+        action="store_true",
+        help="run decode steps module by module instead of as one native call (the plan's baseline)",
+    )
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -122,7 +128,12 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
                              draft_model=(args.draft_model or path) if args.speculative == "draft" else None)  # fmt: skip
     spec_runner = ModelRunner.from_pretrained(
-        path, device=str(runner.device), dtype=args.dtype, speculative=spec, decode_kernel=args.decode_kernel
+        path,
+        device=str(runner.device),
+        dtype=args.dtype,
+        speculative=spec,
+        decode_kernel=args.decode_kernel,
+        decode_plan=not args.no_decode_plan,
     )
     rows = []
     for batch in args.batch_sizes:
@@ -182,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_num_seqs=max(args.batch_sizes),
         decode_kernel=args.decode_kernel,
+        decode_plan=not args.no_decode_plan,
     )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
-                              "args": vars(args)}  # fmt: skip
+                              "decode_plan": _decode_plan(runner), "args": vars(args)}  # fmt: skip
     if args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch 1 reaches {result['roofline_batch1']:.1%} of the {H200_BANDWIDTH_GBS:.0f} GB/s roofline")
     print(
         f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}  "
-        f"decode kernel: {result['decode_kernel']}"
+        f"decode kernel: {result['decode_kernel']}  decode plan: {result['decode_plan']}"
     )
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
@@ -213,6 +225,14 @@ def _decode_kernel(runner: ModelRunner) -> str:
     """The decode kernel the runner's Mamba2 layers use ("auto" resolved)."""
     kernels = {m.decode_kernel for m in runner.model.modules() if hasattr(m, "decode_kernel")}
     return ",".join(sorted(kernels)) or "none (no Mamba2 layers)"
+
+
+def _decode_plan(runner: ModelRunner) -> str:
+    """Whether plain decode steps run as one native call, and why not when they do not."""
+    if not runner.decode_plan:
+        return "off (--no-decode-plan)"
+    reason = unsupported_reason(runner.model)
+    return "on" if reason is None else f"off ({reason})"
 
 
 def _roofline(runner: ModelRunner, rows: list[dict[str, Any]]) -> float:

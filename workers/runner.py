@@ -56,11 +56,14 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft_model: HybridModel | None = None,
         proposer: Proposer | None = None,
+        decode_plan: bool = True,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
 
         `speculative` with method "draft" needs `draft_model` (loaded with the same vocabulary). `proposer`
-        replaces the configured proposer (tests force acceptance patterns through it).
+        replaces the configured proposer (tests force acceptance patterns through it). `decode_plan`: run plain
+        decode steps as one native call per step where the model allows it (see `workers/model/decode_plan.py`;
+        same results as the module-by-module path, which False keeps).
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
@@ -80,6 +83,7 @@ class ModelRunner:
         self.speculative = speculative
         self.draft_model = draft_model
         self._proposer_override = proposer
+        self.decode_plan = decode_plan
         self._spec_stats = SpecStats()
         if speculative is not None and speculative.method == "draft":
             if draft_model is None:
@@ -101,6 +105,7 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         linear_backend: str = "auto",
         decode_kernel: str = "auto",
+        decode_plan: bool = True,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
@@ -109,7 +114,7 @@ class ModelRunner:
         panel kernel on CPU float32, oneDNN without a C compiler, torch elsewhere), "native", "onednn" or "torch"
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
-        reference path).
+        reference path). `decode_plan`: see `__init__`.
         """
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel)
         eos = set(checkpoint.config.eos_token_ids)
@@ -123,7 +128,8 @@ class ModelRunner:
             draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel)
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
-        return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model)
+        return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,
+                   decode_plan=decode_plan)  # fmt: skip
 
     def _make_proposer(self) -> Proposer:
         if self._proposer_override is not None:
@@ -190,7 +196,7 @@ class ModelRunner:
             return []
         proposer = self._make_proposer() if self.speculative else None
         k = self.speculative.num_speculative_tokens if self.speculative else 0
-        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k)
+        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan)
         while scheduler.has_work():
             scheduler.step()
         for request in scheduler.finished:

@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.proposal import Proposer
@@ -29,6 +30,7 @@ class Scheduler:
         tokenizer: object | None = None,
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        decode_plan: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
@@ -41,6 +43,8 @@ class Scheduler:
         self.pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype)
         if proposer is not None:
             proposer.start(num_slots, capacity)
+        # Plain decode steps as one native call each, where the model allows it (same results, less overhead).
+        self.plan = DecodePlan(model, self.pool) if decode_plan and unsupported_reason(model) is None else None
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque(requests)
         self.running: list[Request] = []
@@ -105,8 +109,12 @@ class Scheduler:
 
     def _decode(self, requests: list[Request]) -> None:
         """One token for every live request; states are updated in place in their slots."""
-        slots = self._slots(requests)
         prefix = [r.slot for r in requests] == list(range(len(requests)))  # compacted: views, no copies
+        if prefix and self.plan is not None:
+            logits = self.plan.run([r.last_token for r in requests], [r.num_tokens - 1 for r in requests])
+            self._sample_and_append(requests, logits)
+            return
+        slots = self._slots(requests)
         input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
         cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
         batch = ForwardBatch(

@@ -18,6 +18,7 @@ def test_benchmark_smoke_generate_and_score(tmp_path, capsys):
     )
     assert "generation (tokens/s)" in capsys.readouterr().out
     assert result["decode_kernel"] == "native"  # auto, on this CPU with a C compiler
+    assert result["decode_plan"] == "on"
     assert main([*args, "--task", "score", "--json", str(out)]) == 0
     assert all(row["ratio_to_transformers"] > 0 for row in json.loads(out.read_text())["score"])
 
@@ -36,4 +37,8 @@ def test_benchmark_decode_kernel_flag_reaches_the_runner(tmp_path):
     args = ["--preset", "tiny", "--batch-sizes", "1", "--new-tokens", "2", "--prompt-len", "4", "--repeats", "1",
             "--no-transformers", "--decode-kernel", "torch", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
-    assert json.loads(out.read_text())["decode_kernel"] == "torch"
+    result = json.loads(out.read_text())
+    assert result["decode_kernel"] == "torch"
+    assert result["decode_plan"].startswith("off (the native kernels are off")
+    assert main([*args[:-4], "--no-decode-plan", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["decode_plan"] == "off (--no-decode-plan)"

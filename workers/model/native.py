@@ -6,6 +6,7 @@
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included).
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
+- `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
 works without a compiler (slower).
 
@@ -100,6 +101,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panel_width.restype = i64
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.decode_plan_record_words.restype = i64
+    lib.decode_plan_run.restype = i64
+    lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,

@@ -59,7 +59,7 @@ class StatePool:
         m, a = config.mamba, config.attention
         num_mamba = sum(kind == MAMBA for kind in config.block_kinds)
         num_attention = sum(kind == ATTENTION for kind in config.block_kinds)
-        self.capacity = capacity
+        self.num_slots, self.capacity = num_slots, capacity
         # [layers, slots, ...]; a slot's Mamba state is always written (prefill, admit) before it is read.
         self.conv = torch.empty(num_mamba, num_slots, m.conv_dim, m.conv_kernel - 1, device=device, dtype=dtype)
         self.ssm = torch.empty(

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *scores, float *out,
                       int64_t b, int64_t H, int64_t KV, int64_t d, int64_t capacity, int64_t span,

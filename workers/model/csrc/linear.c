@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define LANES 16
 #define PANEL (3 * LANES)
 #define K_CHUNK 64    /* panel rows per chunk: 12 KiB, kept in L1 across the row blocks */

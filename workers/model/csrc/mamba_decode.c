@@ -19,6 +19,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "kernels.h"
 #include "vexp.h"
 
 /* Denormal floats cost x86 cores ~100× per operation; SSM states decay towards them over long sequences.

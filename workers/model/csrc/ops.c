@@ -2,11 +2,12 @@
  *
  * A decode step runs them on a few KiB per layer, where PyTorch's per-op cost (dispatch, temporaries, a pass per
  * elementwise op) outweighs the arithmetic. References: RMSNorm (F.rms_norm), the residual add, silu(gate) · up,
- * argmax; tests compare each with it. All tensors contiguous, row-major.
+ * relu(h)² (torch.relu(h).square()), argmax; tests compare each with it. All tensors contiguous, row-major.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "vexp.h"
 
 static void rms_norm_row(const float *x, const float *weight, float eps, float *out, int64_t d) {
@@ -41,6 +42,15 @@ void add_rms_norm(float *hidden, const float *delta, float alpha, const float *w
 void silu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 65536)
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(h + r * 2 * n, h + r * 2 * n + n, out + r * n, n);
+}
+
+/* out = relu(h)² elementwise (n values; NaN stays NaN, as torch.relu): the non-gated MLPs' activation. */
+void relu_square(const float *h, float *out, int64_t n, int num_threads) {
+#pragma omp parallel for simd num_threads(num_threads) schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = h[i] > 0.0f || h[i] != h[i] ? h[i] : 0.0f;
+        out[i] = v * v;
+    }
 }
 
 /* index of the largest value of each row (the first one on ties, as torch.argmax); NaN counts as largest.

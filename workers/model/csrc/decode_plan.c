@@ -1,0 +1,92 @@
+/* A whole-model decode step as one call: the kernel invocations of one step, recorded once per batch size.
+ *
+ * Called one by one from Python, the ~70 kernels of a bench-model step spend ~3 ms in the interpreter (argument
+ * checks, output allocation, ctypes) against ~14 ms of work at batch 1. decode_plan.py records, per batch size, the
+ * same calls with their buffers, weights and state slots as a list of fixed-size records; this walks the list.
+ * Every record calls the kernel the module would have called, with the same arguments, so a step's results are
+ * bit-for-bit those of the module-by-module path (tests check that). The CPU counterpart of a CUDA graph.
+ * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE };
+
+typedef struct {
+    int64_t code;
+    int64_t a[27];
+    double f[4];
+} plan_op;
+
+_Static_assert(sizeof(plan_op) == 32 * sizeof(int64_t), "a plan record is 32 words");
+
+#define F32(i) ((float *)op->a[i])
+#define I64(i) ((int64_t *)op->a[i])
+
+int64_t decode_plan_record_words(void) { return sizeof(plan_op) / sizeof(int64_t); }
+
+/* out[r] = table[ids[r]] · multiplier; fails on an id outside [0, vocab). */
+static int embed(const int64_t *ids, const float *table, float *out, int64_t rows, int64_t d, int64_t vocab,
+                 float multiplier) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (ids[r] < 0 || ids[r] >= vocab) return 1;
+        const float *row = table + ids[r] * d;
+        if (multiplier == 1.0f) {
+            memcpy(out + r * d, row, d * sizeof(float));
+        } else {
+            for (int64_t i = 0; i < d; ++i) out[r * d + i] = row[i] * multiplier;
+        }
+    }
+    return 0;
+}
+
+/* Run records [0, n); 0 on success, else 1 + the index of the record that refused its input (a token id outside
+ * the vocabulary, a position outside the KV cache), with the records before it done. */
+int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
+    for (int64_t i = 0; i < n; ++i) {
+        const plan_op *op = ops + i;
+        switch (op->code) {
+        case OP_EMBED:
+            if (embed(I64(0), F32(1), F32(2), op->a[3], op->a[4], op->a[5], (float)op->f[0])) return i + 1;
+            break;
+        case OP_RMS_NORM:
+            rms_norm(F32(0), F32(1), (float)op->f[0], F32(2), op->a[3], op->a[4], num_threads);
+            break;
+        case OP_ADD_RMS_NORM:
+            add_rms_norm(F32(0), F32(1), (float)op->f[0], F32(2), (float)op->f[1], F32(3), op->a[4], op->a[5],
+                         num_threads);
+            break;
+        case OP_LINEAR:
+            linear_panels(F32(0), F32(1), F32(2), F32(3), op->a[4], op->a[5], op->a[6], num_threads);
+            break;
+        case OP_SILU_MUL:
+            silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);
+            break;
+        case OP_RELU_SQUARE:
+            relu_square(F32(0), F32(1), op->a[2], num_threads);
+            break;
+        case OP_MAMBA2:
+            mamba2_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0],
+                               (float)op->f[1], F32(7), F32(8), op->a[9], (float)op->f[2], F32(10), F32(11),
+                               op->a[12], op->a[13], op->a[14], op->a[15], op->a[16], op->a[17], num_threads);
+            break;
+        case OP_ATTENTION: {
+            const int64_t *positions = I64(6);
+            const int64_t rows = op->a[9], capacity = op->a[13];
+            int64_t span = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+                if (positions[r] < 0 || positions[r] >= capacity) return i + 1;
+                span = positions[r] + 1 > span ? positions[r] + 1 : span;
+            }
+            attention_decode(F32(0), F32(1), F32(2), F32(3), F32(4), I64(5), positions, (float)op->f[0], F32(7),
+                             F32(8), rows, op->a[10], op->a[11], op->a[12], capacity, span, num_threads);
+            break;
+        }
+        default:
+            return i + 1;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,28 @@
+/* The kernels every file of this library exports, in one place: decode_plan.c calls them, and each defining file
+ * includes this header so the compiler checks the definitions against it. All float32, contiguous, row-major. */
+#ifndef HYBRIDGEN_KERNELS_H
+#define HYBRIDGEN_KERNELS_H
+
+#include <stdint.h>
+
+void linear_panels(const float *x, const float *panels, const float *bias, float *y, int64_t M, int64_t N,
+                   int64_t K, int num_threads);
+void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t d, int num_threads);
+void add_rms_norm(float *hidden, const float *delta, float alpha, const float *weight, float eps, float *out,
+                  int64_t rows, int64_t d, int num_threads);
+void silu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads);
+void relu_square(const float *h, float *out, int64_t n, int num_threads);
+void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *conv_b,
+                        const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                        float *ssm_state, const float *norm_w, int64_t norm_groups, float eps, float *xbc,
+                        float *out, int64_t b, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
+                        int num_threads);
+void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
+                      const int64_t *slot_ids, const int64_t *positions, float scale, float *scores, float *out,
+                      int64_t b, int64_t H, int64_t KV, int64_t d, int64_t capacity, int64_t span,
+                      int num_threads);
+void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);
+int64_t linear_panel_width(void);
+void flush_denormals_on_threads(int num_threads);
+
+#endif

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,9 +13,15 @@ from workers.model.config import AttentionConfig, HybridConfig
 from workers.model.state import ForwardBatch, KVCache
 
 
+@functools.lru_cache(maxsize=16)
+def inverse_frequencies(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """RoPE's per-pair rotation speeds [rotary_dim / 2], float32 (the native kernel reads the same tensor)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+
+
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     """Rotate the first `rotary_dim` dims of each head (half-split convention); x [b, heads, l, hd], positions [b, l]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim))
+    inv_freq = inverse_frequencies(theta, rotary_dim, x.device)
     freqs = positions.float()[..., None] * inv_freq  # [b, l, rotary_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, l, rotary_dim]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -75,13 +83,17 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(b, a.num_heads, 1, a.head_dim)
         k = self.k_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
         v = self.v_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
+        if self.native and native.fits(q, k, v, cache.key, cache.value):
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
+            if a.rope_theta is not None:  # in place, on the fresh projections
+                inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device)
+                native.rope(q, positions, inv_freq, a.rotary_dim)
+                native.rope(k, positions, inv_freq, a.rotary_dim)
+            out = native.attention_decode(q, k, v, cache.key, cache.value, batch.slot_ids, positions, a.scale)
+            return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))
         if a.rope_theta is not None:
             q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
             k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
-        if self.native and native.fits(q, k, v, cache.key, cache.value):
-            out = native.attention_decode(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache.key, cache.value,
-                                          batch.slot_ids, positions, a.scale)  # fmt: skip
-            return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))
         cache.key[batch.slot_ids, :, positions] = k[:, :, 0]
         cache.value[batch.slot_ids, :, positions] = v[:, :, 0]
         span = int(positions.max()) + 1

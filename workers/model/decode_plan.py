@@ -6,9 +6,9 @@ records those same calls once per batch size — weights, state slots 0 … b-1 
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
 
-It covers models whose every block runs native on the module path: Mamba2 with the native decode kernel, NoPE
-attention, dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Anything else (RoPE, MoE, relu² MLPs,
-other dtypes) keeps the module path; `unsupported_reason` says why.
+It covers models whose every block runs native on the module path: Mamba2 with the native decode kernel,
+attention (NoPE or RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Anything else
+(MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import struct
 import torch
 
 from workers.model import native
-from workers.model.attention import Attention
+from workers.model.attention import Attention, inverse_frequencies
 from workers.model.config import ATTENTION, MAMBA, MLP
 from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.hybrid import HybridModel
@@ -27,7 +27,7 @@ from workers.model.mamba2 import Mamba2Mixer
 from workers.model.state import StatePool
 
 # Op codes of csrc/decode_plan.c.
-EMBED, RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_MUL, MAMBA2, ATTENTION_STEP, RELU_SQUARE = range(1, 9)
+EMBED, RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_MUL, MAMBA2, ATTENTION_STEP, RELU_SQUARE, ROPE = range(1, 10)
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
 
 
@@ -43,8 +43,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"a {block.kind} block has linears outside the native kernel"
         if block.kind == MAMBA and mixer.decode_kernel != "native":
             return "Mamba2 decode steps do not run through the native kernel"
-        if block.kind == ATTENTION and (not mixer.native or mixer.config.rope_theta is not None):
-            return "attention with RoPE (or without the native kernel) is not covered"
+        if block.kind == ATTENTION and not mixer.native:
+            return "attention decode steps do not run through the native kernel"
         if block.kind == MLP and not mixer.native:
             return "MLP activations do not run through the native kernels"
         if block.kind not in (MAMBA, ATTENTION, MLP):
@@ -94,6 +94,7 @@ class DecodePlan:
         self.scores = torch.empty(rows * a.num_heads * pool.capacity if ATTENTION in config.block_kinds else 1)
         self.logits = torch.empty(rows, config.vocab_size)
         self._records: dict[int, torch.Tensor] = {}
+        self._keep: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
 
     def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One step for rows 0 … b-1: input `token_ids` at `positions` (= tokens already cached) → logits [b, v].
@@ -167,6 +168,11 @@ class DecodePlan:
         rec.linear(attention.q_proj, self.normed[:b], q)
         rec.linear(attention.k_proj, self.normed[:b], keys)
         rec.linear(attention.v_proj, self.normed[:b], values)
+        if a.rope_theta is not None:
+            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
+            self._keep.append(inv_freq)
+            rec.emit(ROPE, [q, self.positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+            rec.emit(ROPE, [keys, self.positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
         rec.emit(ATTENTION_STEP, [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids,
                                   self.positions, self.scores, out, b, a.num_heads, a.num_kv_heads, a.head_dim,
                                   self.pool.capacity], (a.scale,))  # fmt: skip

@@ -4,7 +4,8 @@
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one.
-- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included).
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
+  rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
@@ -96,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.rope_rows.restype = None
+    lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
     lib.attention_decode.restype = None
     lib.attention_decode.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
     lib.linear_panel_width.restype = i64
@@ -271,6 +274,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     load().argmax_rows(_pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int) -> None:
+    """Rotary embedding of x [b, heads, head_dim] in place, row r at positions[r] (int64), inv_freq [rotary_dim / 2]."""
+    if not (positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == x.shape[:1]):
+        raise ValueError("positions must be a contiguous int64 tensor with one entry per row")
+    b, heads, head_dim = x.shape
+    load().rope_rows(_pointer(x), positions.data_ptr(), _pointer(inv_freq), b, heads, head_dim, rotary_dim)
 
 
 def attention_decode(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint, native
-from workers.model.attention import Attention
+from workers.model.attention import Attention, inverse_frequencies, rotary
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.state import ForwardBatch, KVCache, MambaState
@@ -179,6 +179,17 @@ def test_native_short_inputs_equal_the_chunked_scan(checkpoint_dir, family):
             a, b = getattr(scan_n, name), getattr(scan_t, name)
             torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(state.ssm, _random_state(mixers["torch"], 3, seed=4).ssm)  # the input state is kept
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial
+def test_native_rope_equals_the_torch_rotary(rotary_dim):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 4, 16, generator=g)
+    positions = torch.tensor([0, 17, 100_000])
+    inv_freq = inverse_frequencies(10000.0, rotary_dim, x.device)
+    expected = rotary(x[:, :, None], positions[:, None], 10000.0, rotary_dim)[:, :, 0]
+    native.rope(x, positions, inv_freq, rotary_dim)  # in place
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["granite_dense", "granite_moe", "bamba"])  # NoPE, RoPE, partial RoPE

@@ -5,6 +5,7 @@
  * gathers around it, in one pass over the cached keys and values. The reference is attention.py's PyTorch path.
  * Shapes: q [b, H, d]; k_new, v_new [b, KV, d]; key_cache, value_cache [slots, KV, capacity, d];
  * slot_ids, positions [b] int64; scores: scratch [b, H, max(positions) + 1]; out [b, H, d].
+ * rope_rows applies rotary position embeddings to q and k before that, in place.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,6 +53,26 @@ void attention_decode(const float *q, const float *k_new, const float *v_new, fl
                 const float *value = values + t * d;
 #pragma omp simd
                 for (int64_t i = 0; i < d; ++i) o[i] += weight * value[i];
+            }
+        }
+    }
+}
+
+/* Rotary position embedding of the first rotary_dim dims of every head (half-split convention), in place:
+ * x [b, heads, head_dim], positions [b], inv_freq [rotary_dim / 2]. The angle is position · inv_freq in float32 as
+ * attention.py's `rotary` computes it; cos and sin come from libm, within an ulp or two of PyTorch's. */
+void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_t b, int64_t heads, int64_t head_dim,
+               int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t r = 0; r < b; ++r) {
+        const float position = (float)positions[r];
+        for (int64_t i = 0; i < half; ++i) {
+            const float angle = position * inv_freq[i], c = cosf(angle), s = sinf(angle);
+            for (int64_t h = 0; h < heads; ++h) {
+                float *v = x + (r * heads + h) * head_dim;
+                const float lo = v[i], hi = v[i + half];
+                v[i] = lo * c - hi * s;
+                v[i + half] = hi * c + lo * s;
             }
         }
     }

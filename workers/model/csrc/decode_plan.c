@@ -12,7 +12,7 @@
 
 #include "kernels.h"
 
-enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE };
+enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE, OP_ROPE };
 
 typedef struct {
     int64_t code;
@@ -66,6 +66,9 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             break;
         case OP_RELU_SQUARE:
             relu_square(F32(0), F32(1), op->a[2], num_threads);
+            break;
+        case OP_ROPE:
+            rope_rows(F32(0), I64(1), F32(2), op->a[3], op->a[4], op->a[5], op->a[6]);
             break;
         case OP_MAMBA2:
             mamba2_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0],

@@ -21,6 +21,8 @@ void attention_decode(const float *q, const float *k_new, const float *v_new, fl
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *scores, float *out,
                       int64_t b, int64_t H, int64_t KV, int64_t d, int64_t capacity, int64_t span,
                       int num_threads);
+void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_t b, int64_t heads, int64_t head_dim,
+               int64_t rotary_dim);
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);
 int64_t linear_panel_width(void);
 void flush_denormals_on_threads(int num_threads);

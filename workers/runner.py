@@ -12,7 +12,7 @@ import torch
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
-from workers.scheduler import Scheduler
+from workers.scheduler import Scheduler, Workspace
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.ngram import NgramProposer
@@ -84,6 +84,7 @@ class ModelRunner:
         self.draft_model = draft_model
         self._proposer_override = proposer
         self.decode_plan = decode_plan
+        self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
         if speculative is not None and speculative.method == "draft":
             if draft_model is None:
@@ -196,7 +197,9 @@ class ModelRunner:
             return []
         proposer = self._make_proposer() if self.speculative else None
         k = self.speculative.num_speculative_tokens if self.speculative else 0
-        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan)
+        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan,
+                              self._workspace)  # fmt: skip
+        self._workspace = scheduler.workspace
         while scheduler.has_work():
             scheduler.step()
         for request in scheduler.finished:

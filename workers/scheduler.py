@@ -8,6 +8,7 @@ which is the next model input. A speculative step keeps that invariant through s
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,26 @@ from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.proposal import Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
+
+
+@dataclass
+class Workspace:
+    """State slots and the decode plan over them, kept by the runner so successive `generate` calls reuse them
+    (a plan's records and buffers cost 10–30 ms to set up). Stale slot contents are harmless: a slot's states are
+    written at admission before they are read, and attention never reads past a request's own position."""
+
+    pool: StatePool
+    plan: DecodePlan | None
+
+    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, plan: bool) -> bool:
+        """Whether this workspace can serve a run needing these sizes (and a plan, or none)."""
+        has_plan = self.plan is not None
+        return (
+            self.pool.num_slots >= num_slots
+            and self.pool.capacity >= capacity
+            and has_plan == plan
+            and (not has_plan or self.plan.tokens_per_row >= tokens_per_row)
+        )
 
 
 class Scheduler:
@@ -31,7 +52,9 @@ class Scheduler:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         decode_plan: bool = False,
+        workspace: Workspace | None = None,
     ):
+        """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.rejection_sampler = RejectionSampler()
@@ -40,11 +63,15 @@ class Scheduler:
         capacity = max(len(r.prompt) + r.params.max_tokens for r in requests) if requests else 1
         capacity = min(capacity, max((r.max_model_len for r in requests), default=1)) + self.num_speculative_tokens
         num_slots = max(1, min(max_num_seqs, len(requests)))
-        self.pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype)
         if proposer is not None:
             proposer.start(num_slots, capacity)
-        # Plain decode steps as one native call each, where the model allows it (same results, less overhead).
-        self.plan = DecodePlan(model, self.pool) if decode_plan and unsupported_reason(model) is None else None
+        # Decode and verification steps as one native call each, where the model allows it (same results as the
+        # module path's native kernels, less overhead).
+        planned, tokens_per_row = decode_plan and unsupported_reason(model) is None, self.num_speculative_tokens + 1
+        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, planned):
+            pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype)
+            workspace = Workspace(pool, DecodePlan(model, pool, tokens_per_row) if planned else None)
+        self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque(requests)
         self.running: list[Request] = []
@@ -150,18 +177,26 @@ class Scheduler:
         slots = self._slots(requests)
         last = torch.tensor([[r.last_token] for r in requests], device=self.device)
         input_ids = torch.cat([last, drafts.clamp_min(0)], dim=1)  # [num_reqs, max_k + 1]
-        cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
-        old_states = self.pool.read(slots)
-        out = self.model(input_ids, ForwardBatch(slots, cache_lens, num_drafts + 1), old_states,
-                         self.pool.kv_caches(), keep_scan_inputs=True)  # fmt: skip
+        cache_lens = [r.num_tokens - 1 for r in requests]
+        planned = self.plan is not None and [r.slot for r in requests] == list(range(len(requests)))
+        if planned:
+            logits = self.plan.verify(input_ids.tolist(), cache_lens)
+        else:
+            old_states = self.pool.read(slots)
+            batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_drafts + 1)
+            out = self.model(input_ids, batch, old_states, self.pool.kv_caches(), keep_scan_inputs=True)
+            logits = self.model.logits(out.hidden)
         # 3. Accept: the count of valid tokens drives everything that follows.
         output_token_ids = self.rejection_sampler(
-            proposal.token_ids, self.model.logits(out.hidden), proposal.probs,
+            proposal.token_ids, logits, proposal.probs,
             [r.params for r in requests], [r.generator for r in requests],
         )  # fmt: skip  # [num_reqs, max_k + 1]
         accepted = num_accepted_tokens(output_token_ids)
         # 4. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
-        self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
+        if planned:
+            self.plan.keep(accepted.tolist())
+        else:
+            self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
         self.proposer.accepted(requests, accepted.tolist())
         for request, row, k in zip(requests, output_token_ids.tolist(), proposal.num_draft_tokens):
             tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]

@@ -27,7 +27,9 @@ from workers.model.mamba2 import Mamba2Mixer
 from workers.model.state import StatePool
 
 # Op codes of csrc/decode_plan.c.
-EMBED, RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_MUL, MAMBA2, ATTENTION_STEP, RELU_SQUARE, ROPE = range(1, 10)
+EMBED, RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_MUL, MAMBA2, ATTENTION_STEP, RELU_SQUARE, ROPE, COPY, MAMBA2_SHIFT = range(
+    1, 12
+)
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
 
 
@@ -65,35 +67,53 @@ def _double_bits(value: float) -> int:
 
 
 class DecodePlan:
-    """Decode steps of `model` for the requests in slots 0 … b-1 of `pool` (any b up to the pool's slot count)."""
+    """Decode steps of `model` for the requests in slots 0 … b-1 of `pool` (any b up to the pool's slot count).
 
-    def __init__(self, model: HybridModel, pool: StatePool):
-        """Allocate the step's buffers for every slot of `pool`; records are built per batch size on first use."""
+    `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
+    per row — speculative verification — as the module path does on CPU: every linear once over all the tokens
+    (the weights are read once), the Mamba2 and attention steps token by token. `keep(num_accepted_tokens)` then
+    shifts each row's Mamba states to the state after input num_accepted_tokens − 1: rows that accepted fewer than
+    all get their saved state back and re-run the accepted tokens, so states (and logits) are bit for bit those of
+    plain steps — greedy speculative output equals greedy plain output by construction.
+    """
+
+    def __init__(self, model: HybridModel, pool: StatePool, tokens_per_row: int = 1):
+        """Allocate the buffers for every slot of `pool`; records are built per shape on first use."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"this model cannot run as a decode plan: {reason}")
         self.lib = native.load()
         if self.lib.decode_plan_record_words() != 1 + NUM_INTS + NUM_FLOATS:
             raise native.NativeKernelError("decode_plan.c and decode_plan.py disagree on the record size")
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.tokens_per_row = model, pool, tokens_per_row
         config = model.config
-        rows, d = pool.num_slots, config.hidden_size
+        rows, tokens, d = pool.num_slots, pool.num_slots * tokens_per_row, config.hidden_size
         self.max_rows = rows
         linears = [m for block in model.blocks for m in block.mixer.modules() if isinstance(m, NativeLinear)]
-        self.token_ids = torch.zeros(rows, dtype=torch.int64)
-        self.positions = torch.zeros(rows, dtype=torch.int64)
+        # Token-major rows: token t of row r is row t · b + r, so each token's rows are contiguous.
+        self.token_ids = torch.zeros(tokens, dtype=torch.int64)
+        self.positions = torch.zeros(tokens_per_row, rows, dtype=torch.int64)
         self.slot_ids = torch.arange(rows, dtype=torch.int64)
-        self.hidden, self.normed, self.mixed = (torch.empty(rows, d) for _ in range(3))
+        self.hidden, self.normed, self.mixed = (torch.empty(tokens, d) for _ in range(3))
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
-        self.wide = torch.empty(rows * max([m.out_features for m in linears], default=1))
-        self.narrow = torch.empty(rows * max([m.in_features for m in linears], default=1))
+        self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
+        self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
         m, a = config.mamba, config.attention
-        self.xbc = torch.empty(rows, m.conv_dim if MAMBA in config.block_kinds else 1)
+        num_mamba = pool.conv.shape[0]
+        self.xbc = torch.empty(rows, m.conv_dim if num_mamba else 1)
+        # Verification saves the states it starts from and keeps each Mamba layer's in_proj outputs (for the shift).
+        kept = num_mamba if tokens_per_row > 1 else 0
+        self.kept_proj = torch.empty(kept, tokens * (m.intermediate_size + m.conv_dim + m.num_heads) if kept else 0)
+        self.saved_conv = torch.empty_like(pool.conv[:kept])
+        self.saved_ssm = torch.empty_like(pool.ssm[:kept])
+        self.replay_out = torch.empty(m.intermediate_size if kept else 0)
         kv_width = a.num_kv_heads * a.head_dim if ATTENTION in config.block_kinds else 1
-        self.keys, self.values = torch.empty(rows, kv_width), torch.empty(rows, kv_width)
+        self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
         self.scores = torch.empty(rows * a.num_heads * pool.capacity if ATTENTION in config.block_kinds else 1)
-        self.logits = torch.empty(rows, config.vocab_size)
-        self._records: dict[int, torch.Tensor] = {}
+        self.logits = torch.empty(tokens, config.vocab_size)
+        self._records: dict[tuple[int, int], torch.Tensor] = {}
+        self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
+        self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
         self._keep: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
 
     def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -102,37 +122,74 @@ class DecodePlan:
         Updates the pool's Mamba states and KV caches as the module path's in-place decode does. The logits are a
         view of a buffer the next step overwrites.
         """
-        b = len(token_ids)
-        if not 1 <= b <= self.max_rows or len(positions) != b:
-            raise ValueError(
-                f"a step needs 1 … {self.max_rows} rows with one position each, got {b} / {len(positions)}"
-            )
-        self.token_ids.numpy()[:b] = token_ids
-        self.positions.numpy()[:b] = positions
-        records = self._records.get(b)
+        return self._execute([[t] for t in token_ids], positions)[:, 0]
+
+    def verify(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Rows 0 … b-1 each run l tokens (padded rows included) from `positions` on → logits [b, l, v].
+
+        KV entries and Mamba states are left after all l tokens until `keep` shifts the states.
+        """
+        logits = self._execute(token_ids, positions)
+        self._verified = (logits.shape[0], logits.shape[1]) if logits.shape[1] > 1 else None
+        return logits
+
+    def keep(self, num_accepted_tokens: list[int]) -> None:
+        """After `verify`: each row keeps its Mamba states after input num_accepted_tokens − 1 (1 ≤ n ≤ l)."""
+        if self._verified is None:
+            raise RuntimeError("keep() needs a verification of more than one token per row before it")
+        b, length = self._verified
+        self._verified = None
+        if len(num_accepted_tokens) != b:
+            raise ValueError(f"{len(num_accepted_tokens)} accepted counts for {b} rows")
+        records = self._shift_records.get((b, length))
         if records is None:
-            records = self._records[b] = self._record(b)
+            records = self._shift_records[(b, length)] = self._record_shift(b, length)
+        accepted = torch.tensor(num_accepted_tokens, dtype=torch.int64)
+        if self.lib.decode_plan_shift(
+            records.data_ptr(), records.shape[0], accepted.data_ptr(), torch.get_num_threads()
+        ):
+            raise ValueError(f"accepted counts must be 1 … {length}, got {num_accepted_tokens}")
+
+    def _execute(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Run the records for [b, l] tokens; logits [b, l, v] (a view of the plan's buffer)."""
+        b, length = len(token_ids), len(token_ids[0]) if token_ids else 0
+        if not 1 <= b <= self.max_rows or len(positions) != b or not 1 <= length <= self.tokens_per_row:
+            raise ValueError(
+                f"a step needs 1 … {self.max_rows} rows of 1 … {self.tokens_per_row} tokens and one position per "
+                f"row, got {b} rows of {length} tokens and {len(positions)} positions"
+            )
+        if any(len(row) != length for row in token_ids):
+            raise ValueError("every row of a step needs the same number of tokens (pad the short ones)")
+        self.token_ids.numpy()[: b * length] = [row[t] for t in range(length) for row in token_ids]
+        self.positions.numpy()[:length, :b] = [[p + t for p in positions] for t in range(length)]
+        records = self._records.get((b, length))
+        if records is None:
+            records = self._records[(b, length)] = self._record(b, length)
         failed = self.lib.decode_plan_run(records.data_ptr(), records.shape[0], torch.get_num_threads())
         if failed:
             raise ValueError(
                 f"decode step refused its input at record {failed - 1}: a token id outside [0, "
                 f"{self.model.config.vocab_size}) or a position outside the KV cache (capacity {self.pool.capacity})"
             )
-        logits = self.logits[:b]
+        logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
         divisor = self.model.config.logits_divisor
         return logits if divisor == 1.0 else logits / divisor  # exactly as HybridModel.logits
 
     # ------------------------------------------------------------------------------------------------ recording
-    def _record(self, b: int) -> torch.Tensor:
-        """The records of one step at batch size b."""
+    def _record(self, b: int, length: int) -> torch.Tensor:
+        """The records of one step of `length` tokens for b rows."""
         model, config = self.model, self.model.config
-        rec = _Recorder(b)
-        d = config.hidden_size
-        hidden, normed, mixed = self.hidden[:b], self.normed[:b], self.mixed[:b]
-        rec.emit(EMBED, [self.token_ids, model.embed_tokens.weight, hidden, b, d, config.vocab_size],
+        n, d = b * length, config.hidden_size
+        rec = _Recorder(b, length)
+        hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
+        rec.emit(EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
                  (config.embedding_multiplier,))  # fmt: skip
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
-        rec.emit(RMS_NORM, [hidden, first_norm.weight, normed, b, d], (first_norm.eps,))
+        rec.emit(RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        if length > 1:  # save the Mamba states verification starts from
+            for layer in range(self.saved_conv.shape[0]):
+                for saved, state in ((self.saved_conv, self.pool.conv), (self.saved_ssm, self.pool.ssm)):
+                    rec.emit(COPY, [saved[layer, :b], state[layer, :b], state[layer, :b].numel()])
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         mamba_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -144,50 +201,72 @@ class DecodePlan:
                 attention_layer += 1
             else:
                 self._record_mlp(rec, block.mixer)
-            rec.emit(ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, b, d],
+            rec.emit(ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
                      (config.residual_multiplier, next_norm.eps))  # fmt: skip
-        rec.linear(model.lm_head, normed, self.logits[:b])
+        rec.linear(model.lm_head, normed, self.logits[:n])
         return torch.tensor(rec.records, dtype=torch.int64)
 
     def _record_mamba(self, rec: _Recorder, mixer: Mamba2Mixer, layer: int) -> None:
-        m, b = mixer.config, rec.rows
-        proj = _rows(self.wide, b, mixer.in_proj.out_features)
-        y = _rows(self.narrow, b, m.intermediate_size)
-        rec.linear(mixer.in_proj, self.normed[:b], proj)
-        rec.emit(MAMBA2, [proj, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
-                          mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups,
-                          self.xbc, y, b, m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel],
-                 (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
-        rec.linear(mixer.out_proj, y, self.mixed[:b])
+        m, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features
+        if length > 1:
+            proj = self.kept_proj[layer, : n * width].view(length, b, width)
+        else:
+            proj = _rows(self.wide, n, width).view(1, b, width)
+        y = _rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        for t in range(length):  # token by token, the states updated in place
+            rec.emit(MAMBA2, [proj[t], self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
+                              mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups,
+                              self.xbc[:b], y[t], b, m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel],
+                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
+
+    def _record_shift(self, b: int, length: int) -> torch.Tensor:
+        """One shift record per Mamba layer: the replay of `_record_mamba`'s steps from the saved state."""
+        rec = _Recorder(b, length)
+        for layer, mixer in enumerate(block.mixer for block in self.model.blocks if block.kind == MAMBA):
+            m, width = mixer.config, mixer.in_proj.out_features
+            rec.emit(MAMBA2_SHIFT, [self.kept_proj[layer, : b * length * width], self.pool.conv[layer],
+                                    mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
+                                    self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc,
+                                    self.replay_out, b, m.num_heads, m.head_dim, m.num_groups, m.state_size,
+                                    m.conv_kernel, self.saved_conv[layer], self.saved_ssm[layer], length],
+                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        return torch.tensor(rec.records, dtype=torch.int64).view(-1, 1 + NUM_INTS + NUM_FLOATS)
 
     def _record_attention(self, rec: _Recorder, attention: Attention, layer: int) -> None:
-        a, b = attention.config, rec.rows
-        q = _rows(self.wide, b, a.num_heads * a.head_dim)
-        out = _rows(self.narrow, b, a.num_heads * a.head_dim)
-        keys, values = self.keys[:b], self.values[:b]
-        rec.linear(attention.q_proj, self.normed[:b], q)
-        rec.linear(attention.k_proj, self.normed[:b], keys)
-        rec.linear(attention.v_proj, self.normed[:b], values)
+        a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
+        width = a.num_heads * a.head_dim
+        q, out = _rows(self.wide, n, width).view(length, b, width), _rows(self.narrow, n, width).view(length, b, width)
+        keys, values = self.keys[:n].view(length, b, -1), self.values[:n].view(length, b, -1)
+        rec.linear(attention.q_proj, self.normed[:n], q.view(n, width))
+        rec.linear(attention.k_proj, self.normed[:n], keys.view(n, -1))
+        rec.linear(attention.v_proj, self.normed[:n], values.view(n, -1))
+        inv_freq = None
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
             self._keep.append(inv_freq)
-            rec.emit(ROPE, [q, self.positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
-            rec.emit(ROPE, [keys, self.positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
-        rec.emit(ATTENTION_STEP, [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids,
-                                  self.positions, self.scores, out, b, a.num_heads, a.num_kv_heads, a.head_dim,
-                                  self.pool.capacity], (a.scale,))  # fmt: skip
-        rec.linear(attention.o_proj, out, self.mixed[:b])
+        for t in range(length):  # token t attends to the cache up to its own position: causal
+            positions = self.positions[t, :b]
+            if inv_freq is not None:
+                rec.emit(ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+                rec.emit(ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
+            rec.emit(ATTENTION_STEP, [q[t], keys[t], values[t], self.pool.key[layer], self.pool.value[layer],
+                                      self.slot_ids, positions, self.scores, out[t], b, a.num_heads, a.num_kv_heads,
+                                      a.head_dim, self.pool.capacity], (a.scale,))  # fmt: skip
+        rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
 
     def _record_mlp(self, rec: _Recorder, mlp: DenseMLP) -> None:
-        b, intermediate = rec.rows, mlp.down_proj.in_features
-        h = _rows(self.wide, b, mlp.up_proj.out_features)
-        act = _rows(self.narrow, b, intermediate)
-        rec.linear(mlp.up_proj, self.normed[:b], h)
+        n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features
+        h = _rows(self.wide, n, mlp.up_proj.out_features)
+        act = _rows(self.narrow, n, intermediate)
+        rec.linear(mlp.up_proj, self.normed[:n], h)
         if mlp.gated:
-            rec.emit(SILU_MUL, [h, act, b, intermediate])
+            rec.emit(SILU_MUL, [h, act, n, intermediate])
         else:
-            rec.emit(RELU_SQUARE, [h, act, b * intermediate])
-        rec.linear(mlp.down_proj, act, self.mixed[:b])
+            rec.emit(RELU_SQUARE, [h, act, n * intermediate])
+        rec.linear(mlp.down_proj, act, self.mixed[:n])
 
 
 def _rows(buffer: torch.Tensor, b: int, width: int) -> torch.Tensor:
@@ -196,10 +275,10 @@ def _rows(buffer: torch.Tensor, b: int, width: int) -> torch.Tensor:
 
 
 class _Recorder:
-    """Collects the records of one step at `rows` rows."""
+    """Collects the records of one step of `length` tokens for `rows` rows."""
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, rows: int, length: int):
+        self.rows, self.length = rows, length
         self.records: list[list[int]] = []
 
     def emit(self, code: int, ints: list[int | torch.Tensor | None], floats: tuple[float, ...] = ()) -> None:
@@ -210,5 +289,6 @@ class _Recorder:
         self.records.append([code, *words, *[0] * (NUM_INTS - len(words)), *doubles, *[0] * (NUM_FLOATS - len(floats))])
 
     def linear(self, layer: NativeLinear, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y = layer(x) for the native linear `layer`."""
-        self.emit(LINEAR, [x, layer.panels, layer.bias, y, self.rows, layer.out_features, layer.in_features])
+        """y = layer(x) for the native linear `layer`, over all rows · length tokens."""
+        self.emit(LINEAR, [x, layer.panels, layer.bias, y, self.rows * self.length, layer.out_features,
+                           layer.in_features])  # fmt: skip

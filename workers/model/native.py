@@ -107,6 +107,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
+    lib.decode_plan_shift.restype = i64
+    lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,

@@ -6,13 +6,18 @@
  * Every record calls the kernel the module would have called, with the same arguments, so a step's results are
  * bit-for-bit those of the module-by-module path (tests check that). The CPU counterpart of a CUDA graph.
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
+ *
+ * Speculative verification runs l tokens per row the same way (linears over all of them at once, the Mamba2 and
+ * attention steps token by token, states updated in place after saving them); decode_plan_shift then gives each row
+ * the state after its accepted tokens: rows that accepted fewer than l get the saved state back and re-run their
+ * accepted tokens through the same kernel, so the kept state is bit for bit what plain decode steps would leave.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "kernels.h"
 
-enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE, OP_ROPE };
+enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE, OP_ROPE, OP_COPY, OP_MAMBA2_SHIFT };
 
 typedef struct {
     int64_t code;
@@ -67,6 +72,9 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_RELU_SQUARE:
             relu_square(F32(0), F32(1), op->a[2], num_threads);
             break;
+        case OP_COPY:
+            memcpy(F32(0), F32(1), op->a[2] * sizeof(float));
+            break;
         case OP_ROPE:
             rope_rows(F32(0), I64(1), F32(2), op->a[3], op->a[4], op->a[5], op->a[6]);
             break;
@@ -89,6 +97,31 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         }
         default:
             return i + 1;
+        }
+    }
+    return 0;
+}
+
+/* Shift records (one OP_MAMBA2_SHIFT per Mamba layer, arguments as OP_MAMBA2 plus a18 saved conv windows,
+ * a19 saved SSM states, a20 tokens per row l, the in_proj outputs a0 token-major [l, b, ·]): every row keeps the
+ * state after its first accepted[r] tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
+int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
+    for (int64_t i = 0; i < n; ++i) {
+        const plan_op *op = ops + i;
+        const int64_t b = op->a[12], H = op->a[13], P = op->a[14], G = op->a[15], N = op->a[16], W = op->a[17];
+        const int64_t length = op->a[20], Cd = H * P + 2 * G * N, row_len = H * P + Cd + H;
+        const int64_t conv_row = Cd * (W - 1), ssm_row = H * P * N;
+        if (op->code != OP_MAMBA2_SHIFT) return i + 1;
+        for (int64_t r = 0; r < b; ++r) {
+            if (accepted[r] < 1 || accepted[r] > length) return i + 1;
+            if (accepted[r] == length) continue; /* the state after all l tokens is already in place */
+            float *conv = F32(1) + r * conv_row, *ssm = F32(7) + r * ssm_row;
+            memcpy(conv, F32(18) + r * conv_row, conv_row * sizeof(float));
+            memcpy(ssm, F32(19) + r * ssm_row, ssm_row * sizeof(float));
+            for (int64_t t = 0; t < accepted[r]; ++t)
+                mamba2_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), F32(5), F32(6),
+                                   (float)op->f[0], (float)op->f[1], ssm, F32(8), op->a[9], (float)op->f[2], F32(10),
+                                   F32(11), 1, H, P, G, N, W, num_threads);
         }
     }
     return 0;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import ModelRunner, SamplingParams
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.decode_plan import DecodePlan, unsupported_reason
 
@@ -93,3 +93,66 @@ def test_plan_refuses_bad_input_before_it_can_corrupt_memory(checkpoint_dir):
         plan.run([1, 2, 3], [0, 0, 0])
     with pytest.raises(ValueError, match=r"1 … 2 rows"):
         plan.run([], [])
+
+
+@pytest.mark.parametrize("family", PLANNED)
+def test_verification_and_keep_equal_plain_plan_steps_bit_for_bit(checkpoint_dir, family):
+    model = load_checkpoint(str(checkpoint_dir(family))).model
+    stepped = _random_pool(model, slots=3, capacity=16, seed=2)
+    verified = _clone(stepped)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, verified, tokens_per_row=4)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()  # [x_last, d_1, d_2, d_3]
+    positions = [5, 0, 11]
+    # The reference: four plain steps, with every state along the way.
+    step_logits, snapshots = [], [(stepped.conv.clone(), stepped.ssm.clone())]
+    for t in range(4):
+        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
+        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
+    logits = verify_plan.verify(tokens, positions)
+    for t in range(4):
+        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
+    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
+    accepted = [2, 4, 1]  # num_accepted_tokens per row: keep the state after input n − 1
+    verify_plan.keep(accepted)
+    for row, n in enumerate(accepted):
+        conv, ssm = snapshots[n]
+        assert torch.equal(verified.conv[:, row], conv[:, row]), f"conv window of row {row}"
+        assert torch.equal(verified.ssm[:, row], ssm[:, row]), f"SSM state of row {row}"
+    with pytest.raises(RuntimeError, match="needs a verification"):
+        verify_plan.keep(accepted)
+    verify_plan.verify(tokens, positions)
+    with pytest.raises(ValueError, match=r"accepted counts must be 1 … 4"):
+        verify_plan.keep([0, 4, 1])
+
+
+@pytest.mark.parametrize(
+    "family, method, draft_family",
+    [("granite_dense", "ngram", None), ("bamba", "draft", "draft_hybrid"), ("bamba", "draft", "bamba")],
+)  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
+def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, family, method, draft_family):
+    path = str(checkpoint_dir(family))
+    draft = str(checkpoint_dir(draft_family)) if draft_family else None
+    prompts = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False)
+    expected = [r.token_ids for r in plain.generate(prompts, params)]
+    spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft))
+    for _ in range(2):  # the second call reuses the first one's slots and plan
+        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+    assert spec._workspace.plan is not None and spec._workspace.plan.tokens_per_row == 4
+    stats = spec.spec_stats()
+    drafted, accepted = stats["num_draft_tokens"], stats["num_accepted_draft_tokens"]
+    expected_acceptance = {None: 0 < accepted < drafted, "draft_hybrid": accepted == 0 < drafted}
+    assert expected_acceptance.get(draft_family, 0 < accepted == drafted)
+
+
+def test_runners_reuse_slots_and_plans_only_when_they_fit(checkpoint_dir):
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_dense")), max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = runner.generate([[5, 6, 7], [8, 9]], params)
+    workspace = runner._workspace
+    assert [r.token_ids for r in runner.generate([[5, 6, 7]], params)] == [first[0].token_ids]
+    assert runner._workspace is workspace  # fewer slots, shorter: reused
+    runner.generate([[5, 6, 7]] * 3, params)
+    assert runner._workspace is not workspace and runner._workspace.pool.num_slots == 3  # more slots: new

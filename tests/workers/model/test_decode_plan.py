@@ -137,7 +137,9 @@ def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, fa
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     plain = ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False)
     expected = [r.token_ids for r in plain.generate(prompts, params)]
-    spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft))
+    spec = ModelRunner.from_pretrained(
+        path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft)
+    )
     for _ in range(2):  # the second call reuses the first one's slots and plan
         assert [r.token_ids for r in spec.generate(prompts, params)] == expected
     assert spec._workspace.plan is not None and spec._workspace.plan.tokens_per_row == 4

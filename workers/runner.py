@@ -138,7 +138,7 @@ class ModelRunner:
         assert self.speculative is not None
         if self.speculative.method == "ngram":
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        return DraftModelProposer(self.draft_model)
+        return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
 
     def spec_stats(self) -> dict[str, Any]:
         """Speculative decoding counters over every request this runner has finished."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
+from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
 from workers.sampling import sample_from, target_probs
 from workers.spec_decode.proposal import Proposal
@@ -20,16 +21,20 @@ from workers.spec_decode.proposal import Proposal
 class DraftModelProposer:
     """Proposes k tokens per request with a smaller model that shares the target's vocabulary."""
 
-    def __init__(self, model: HybridModel):
+    def __init__(self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = False):
+        """`decode_plan`: run the draft's steps as decode plans where its model allows (same results, faster)."""
         self.model = model
         self.device = model.embed_tokens.weight.device
         self.pool: StatePool | None = None
+        self.plan: DecodePlan | None = None
+        self._plan_tokens = num_speculative_tokens + 1 if decode_plan and unsupported_reason(model) is None else 0
         self.covered: dict[int, int] = {}  # slot → tokens the draft state has consumed
         self._pending_shift: tuple[list[Request], list[list[MambaState]], list[int], list[int]] | None = None
 
     def start(self, num_slots: int, capacity: int) -> None:
         """Allocate the draft's state slots (same slot ids as the target's)."""
         self.pool = StatePool(self.model.config, num_slots, capacity, self.device, self.model.embed_tokens.weight.dtype)
+        self.plan = DecodePlan(self.model, self.pool, self._plan_tokens) if self._plan_tokens else None
 
     def move(self, source: int, target: int) -> None:
         """Follow a request to its new slot."""
@@ -59,27 +64,56 @@ class DraftModelProposer:
         unseen = [ctx[self.covered[r.slot] :] for r, ctx in zip(active, contexts)]
         cache_lens = [self.covered[r.slot] for r in active]
         states, states_by_step = self.pool.read(slots), []
+        planned = self.plan is not None and [r.slot for r in active] == list(range(len(active)))
         chains: list[list[int]] = [[] for _ in active]  # tokens fed to the draft after `unseen`
         for step in range(max(budgets)):
             inputs = unseen if step == 0 else [[chain[-1]] for chain in chains]
             lengths = [len(t) for t in inputs]
-            input_ids = torch.zeros(len(active), max(lengths), dtype=torch.long)
-            for row, tokens in enumerate(inputs):
-                input_ids[row, : len(tokens)] = torch.tensor(tokens)
-            num_tokens = torch.tensor(lengths, device=self.device)
-            batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens,
-                                 one_token_each=all(n == 1 for n in lengths))  # fmt: skip
-            out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
-            states = out.mamba_states
+            if planned and max(lengths) <= self.plan.tokens_per_row:
+                logits, states = self._planned_step(inputs, lengths, cache_lens)
+            else:
+                logits, states = self._module_step(inputs, lengths, cache_lens, slots, states)
+                if planned:  # planned steps read the pool: give it this step's states
+                    self.pool.write(slots, states)
             states_by_step.append(states)
             cache_lens = [c + n for c, n in zip(cache_lens, lengths)]
-            logits = self.model.logits(out.hidden[torch.arange(len(active), device=self.device), num_tokens - 1])
             for row, request in enumerate(active):
                 chains[row].append(self._choose(logits[row], request, step < budgets[row], probs, rows[row], step))
         for row, i in enumerate(rows):
             drafts[i] = chains[row][: budgets[row]]
         self._pending_shift = (active, states_by_step, [len(c) for c in contexts], budgets)
         return Proposal.from_lists(drafts, probs)
+
+    def _module_step(
+        self, inputs: list[list[int]], lengths: list[int], cache_lens: list[int], slots: torch.Tensor,
+        states: list[MambaState],
+    ) -> tuple[torch.Tensor, list[MambaState]]:  # fmt: skip
+        """One draft forward module by module from `states` → (logits [b, v] after each row's last input, new states)."""
+        input_ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        num_tokens = torch.tensor(lengths, device=self.device)
+        batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens,
+                             one_token_each=all(n == 1 for n in lengths))  # fmt: skip
+        out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
+        last = out.hidden[torch.arange(len(inputs), device=self.device), num_tokens - 1]
+        return self.model.logits(last), out.mamba_states
+
+    def _planned_step(
+        self, inputs: list[list[int]], lengths: list[int], cache_lens: list[int]
+    ) -> tuple[torch.Tensor, list[MambaState]]:
+        """The same step through the draft's decode plan on slots 0 … b-1, in place (short rows padded, then each
+        row's states shifted back to its own last input); returns copies of the states for the draft's shift."""
+        b, width = len(inputs), max(lengths)
+        if width == 1:
+            logits = self.plan.run([tokens[0] for tokens in inputs], cache_lens)
+        else:
+            logits = self.plan.verify([tokens + [0] * (width - len(tokens)) for tokens in inputs], cache_lens)
+            self.plan.keep(lengths)
+            logits = logits[torch.arange(b), torch.tensor(lengths) - 1]
+        num_layers = self.pool.conv.shape[0]
+        states = [MambaState(self.pool.conv[i, :b].clone(), self.pool.ssm[i, :b].clone()) for i in range(num_layers)]
+        return logits.clone(), states
 
     @staticmethod
     def _choose(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,

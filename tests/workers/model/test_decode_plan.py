@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -158,3 +160,20 @@ def test_runners_reuse_slots_and_plans_only_when_they_fit(checkpoint_dir):
     assert runner._workspace is workspace  # fewer slots, shorter: reused
     runner.generate([[5, 6, 7]] * 3, params)
     assert runner._workspace is not workspace and runner._workspace.pool.num_slots == 3  # more slots: new
+
+
+def test_draft_model_steps_through_plans_propose_what_the_module_path_proposes():
+    models = Path(__file__).resolve().parents[3] / "examples" / "models"
+    target, draft = str(models / "demo-target"), str(models / "demo-draft")
+    prompts = [[int(t) for t in torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (12, 5, 20)]  # fmt: skip
+    prompts[0] = prompts[0][:6] * 2  # copy-heavy: drafts get accepted
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [r.token_ids for r in ModelRunner.from_pretrained(target, dtype="float32").generate(prompts, params)]
+    stats = {}
+    for decode_plan in (True, False):
+        spec = SpeculativeConfig("draft", 4, draft_model=draft)
+        runner = ModelRunner.from_pretrained(target, dtype="float32", speculative=spec, decode_plan=decode_plan)
+        assert [r.token_ids for r in runner.generate(prompts, params)] == expected
+        stats[decode_plan] = runner.spec_stats()
+    assert stats[True] == stats[False] and stats[True]["num_accepted_draft_tokens"] > 0

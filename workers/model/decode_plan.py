@@ -114,7 +114,7 @@ class DecodePlan:
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
-        self._keep: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
+        self._referenced: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
 
     def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One step for rows 0 … b-1: input `token_ids` at `positions` (= tokens already cached) → logits [b, v].
@@ -139,16 +139,16 @@ class DecodePlan:
             raise RuntimeError("keep() needs a verification of more than one token per row before it")
         b, length = self._verified
         self._verified = None
-        if len(num_accepted_tokens) != b:
-            raise ValueError(f"{len(num_accepted_tokens)} accepted counts for {b} rows")
+        if len(num_accepted_tokens) != b or not all(1 <= n <= length for n in num_accepted_tokens):
+            raise ValueError(f"accepted counts must be 1 … {length} for each of {b} rows, got {num_accepted_tokens}")
         records = self._shift_records.get((b, length))
         if records is None:
             records = self._shift_records[(b, length)] = self._record_shift(b, length)
         accepted = torch.tensor(num_accepted_tokens, dtype=torch.int64)
-        if self.lib.decode_plan_shift(
+        failed = self.lib.decode_plan_shift(
             records.data_ptr(), records.shape[0], accepted.data_ptr(), torch.get_num_threads()
-        ):
-            raise ValueError(f"accepted counts must be 1 … {length}, got {num_accepted_tokens}")
+        )
+        assert not failed, "decode_plan_shift refused counts checked above"
 
     def _execute(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         """Run the records for [b, l] tokens; logits [b, l, v] (a view of the plan's buffer)."""
@@ -246,7 +246,7 @@ class DecodePlan:
         inv_freq = None
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
-            self._keep.append(inv_freq)
+            self._referenced.append(inv_freq)
         for t in range(length):  # token t attends to the cache up to its own position: causal
             positions = self.positions[t, :b]
             if inv_freq is not None:

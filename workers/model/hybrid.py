@@ -71,8 +71,8 @@ class HybridModel(nn.Module):
         The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
         `in_place` (decode, one token per row): the given Mamba state tensors are updated and returned.
         """
-        if keep_scan_inputs and in_place:
-            raise ValueError("keep_scan_inputs needs the old states: it cannot be combined with in_place")
+        if keep_scan_inputs and (in_place or mamba_states is None):
+            raise ValueError("keep_scan_inputs needs the old states: not with in_place or without states")
         hidden = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier

@@ -70,7 +70,8 @@ class Mamba2Mixer(nn.Module):
 
         `state` None: every row starts its sequence here (zero state). `in_place` (one token per row, with a
         state): update `state`'s tensors instead of allocating new ones — the decode loop's fast path, for callers
-        that never need the old state again (it returns no scan inputs when the native kernel runs it).
+        that never need the old state again. The native kernel returns no scan inputs on those two paths (nothing
+        shifts a state it did not start from).
         """
         m = self.config
         b, length, _ = hidden.shape
@@ -79,6 +80,8 @@ class Mamba2Mixer(nn.Module):
             return self._native_decode(hidden, state), state, None
         if self.decode_kernel == "native" and state is not None and length <= NATIVE_STEPWISE_MAX_TOKENS:
             return self._native_steps(hidden, state, num_tokens)
+        if self.decode_kernel == "native" and state is None:
+            return self._native_prefill(hidden, num_tokens)
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
@@ -120,6 +123,16 @@ class Mamba2Mixer(nn.Module):
     def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
         return self.out_proj(self._kernel_step(self.in_proj(hidden[:, 0]).contiguous(), state))[:, None]
+
+    def _native_prefill(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, MambaState, None]:
+        """Prompts from the zero state through the C kernel (conv, SSM and gated norm; no scan inputs kept)."""
+        m = self.config
+        out, conv, ssm = native.mamba2_prefill(
+            self.in_proj(hidden).contiguous(), num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
+            self.norm.eps, m.num_heads, m.num_groups,
+        )  # fmt: skip
+        return self.out_proj(out), MambaState(conv, ssm), None
 
     def _native_steps(
         self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor

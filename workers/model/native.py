@@ -3,7 +3,8 @@
 - `csrc/linear.c`: linear layers over weights packed in column panels, streamed at close to memory bandwidth
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
-  per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one.
+  per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
+  prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
   rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
@@ -97,6 +98,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.mamba2_prefill.restype = None
+    lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 4 + [i64] * 7 + [ctypes.c_int]
     lib.rope_rows.restype = None
     lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
     lib.attention_decode.restype = None
@@ -214,6 +217,47 @@ def mamba2_decode_step(
         norm_groups, eps, _pointer(xbc), _pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def mamba2_prefill(
+    proj: torch.Tensor,
+    num_tokens: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    dt_limits: tuple[float, float],
+    norm_weight: torch.Tensor,
+    norm_groups: int,
+    eps: float,
+    num_heads: int,
+    num_groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts through a Mamba2 mixer's conv, SSM and gated norm from the zero state.
+
+    proj [b, l, I + conv_dim + H] (right-padded; num_tokens [b] int64 valid tokens per row). Returns (out [b, l, I],
+    conv_state [b, conv_dim, W-1], ssm_state [b, H, P, N]): the out_proj input and the states after each row's last
+    valid token.
+    """
+    b, length, row_len = proj.shape
+    conv_dim, width = conv_weight.shape
+    intermediate = row_len - conv_dim - num_heads
+    head_dim, state_size = intermediate // num_heads, (conv_dim - intermediate) // (2 * num_groups)
+    if not (num_tokens.dtype == torch.int64 and num_tokens.is_contiguous() and num_tokens.shape == (b,)):
+        raise ValueError("num_tokens must be a contiguous int64 tensor with one entry per row")
+    if int(num_tokens.max()) > length or int(num_tokens.min()) < 0:
+        raise ValueError(f"num_tokens must be within 0 … {length}")
+    xbc = torch.empty(b, length, conv_dim)
+    conv_state, out = torch.empty(b, conv_dim, width - 1), torch.empty(b, length, intermediate)
+    ssm_state = torch.empty(b, num_heads, head_dim, state_size)
+    load().mamba2_prefill(
+        _pointer(proj), num_tokens.data_ptr(), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
+        _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(norm_weight), norm_groups, eps,
+        _pointer(xbc), _pointer(conv_state), _pointer(ssm_state), _pointer(out), b, length, num_heads, head_dim,
+        num_groups, state_size, width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, conv_state, ssm_state
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -214,3 +214,20 @@ def test_native_attention_decode_equals_the_torch_path(checkpoint_dir, family):
         torch.testing.assert_close(outs["native"], outs["torch"], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(caches["native"].key, caches["torch"].key)
         torch.testing.assert_close(caches["native"].value, caches["torch"].value)
+
+
+@pytest.mark.parametrize("family", ["granite_dense", "nemotron_dense", "bamba"])  # nemotron: 2 groups, 2 norm groups
+def test_native_prefill_equals_the_chunked_scan(checkpoint_dir, family):
+    path = str(checkpoint_dir(family))
+    mixers = {kernel: _first_mixer(path, kernel) for kernel in ("torch", "native")}
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(3, 21, mixers["torch"].in_proj.in_features, generator=g)  # 21 > chunk size 16
+    num_tokens = torch.tensor([21, 7, 1])  # right padding after 7 and 1 tokens
+    with torch.inference_mode():
+        outs = {k: m(hidden, None, num_tokens) for k, m in mixers.items()}
+    (native_out, native_state, scan), (torch_out, torch_state, _) = outs["native"], outs["torch"]
+    assert scan is None
+    for row, n in enumerate(num_tokens.tolist()):
+        torch.testing.assert_close(native_out[row, :n], torch_out[row, :n], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(native_state.conv, torch_state.conv, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(native_state.ssm, torch_state.ssm, atol=2e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-/* One decode step of a Mamba2 mixer on CPU, float32: everything between in_proj and out_proj in one pass.
+/* Mamba2 on CPU, float32: everything between in_proj and out_proj, for one decode step and for a prompt.
  *
  * The pure-PyTorch path in workers/model/mamba2.py (conv_step_, ssm_step_, GatedRMSNorm) is the reference; this
  * kernel computes the same thing, reading and writing each row's conv window and SSM state exactly once.
@@ -39,6 +39,37 @@ void flush_denormals_on_threads(int num_threads) {
 /* torch.nn.functional.softplus with its default threshold of 20. */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
+/* dt of head h for one token: softplus(dt_raw + dt_bias) clamped; its decay exp(dt · A), A = -exp(A_log). */
+static inline float head_dt(float dt_raw, float bias, float dt_min, float dt_max) {
+    return fminf(fmaxf(softplus(dt_raw + bias), dt_min), dt_max);
+}
+
+/* One token through one head: state [P, N] ← decay · state + dt x ⊗ B; y[p] = state[p] · C + D x[p]. */
+static inline void ssm_head_step(float *state, const float *x, const float *B, const float *C, float dt, float decay,
+                                 float D, float *y, int64_t P, int64_t N) {
+    for (int64_t p = 0; p < P; ++p) {
+        const float xdt = x[p] * dt;
+        float *s = state + p * N;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+            const float v = s[n] * decay + xdt * B[n];
+            s[n] = v;
+            acc += v * C[n];
+        }
+        y[p] = acc + D * x[p];
+    }
+}
+
+/* y ← rmsnorm(y · silu(z)) · w over one group of n channels, in place. */
+static inline void gated_norm_group(const float *z, float *y, const float *w, float eps, int64_t n) {
+    silu_mul_row(z, y, y, n);
+    float sq = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sq += y[i] * y[i];
+    const float scale = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (y[i] * scale);
+}
+
 void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *conv_b,
                         const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
                         float *ssm_state, const float *norm_w, int64_t norm_groups, float eps, float *xbc,
@@ -69,38 +100,81 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < b * H; ++bh) {
             const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
-            float dt = softplus(proj[bi * row_len + I + Cd + h] + dt_bias[h]);
-            dt = fminf(fmaxf(dt, dt_min), dt_max);
-            const float decay = expf(dt * -expf(A_log[h]));
-            const float *x = xbc + bi * Cd + h * P;
-            const float *B = xbc + bi * Cd + I + g * N;
-            const float *C = xbc + bi * Cd + I + G * N + g * N;
-            float *state = ssm_state + bh * P * N;
-            float *y = out + bi * I + h * P;
-            for (int64_t p = 0; p < P; ++p) {
-                const float xdt = x[p] * dt;
-                float *s = state + p * N;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; ++n) {
-                    const float v = s[n] * decay + xdt * B[n];
-                    s[n] = v;
-                    acc += v * C[n];
-                }
-                y[p] = acc + D[h] * x[p];
-            }
+            const float dt = head_dt(proj[bi * row_len + I + Cd + h], dt_bias[h], dt_min, dt_max);
+            const float *row = xbc + bi * Cd;
+            ssm_head_step(ssm_state + bh * P * N, row + h * P, row + I + g * N, row + I + G * N + g * N, dt,
+                          expf(dt * -expf(A_log[h])), D[h], out + bi * I + h * P, P, N);
         }
         /* 3. Gate with silu(z), then the grouped RMSNorm. */
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < b * norm_groups; ++bg) {
-            float *y = out + bg * group_size;
             const int64_t bi = bg / norm_groups, g = bg % norm_groups;
-            silu_mul_row(proj + bi * row_len + g * group_size, y, y, group_size);
-            const float *w = norm_w + (bg % norm_groups) * group_size;
-            float sq = 0.0f;
-            for (int64_t i = 0; i < group_size; ++i) sq += y[i] * y[i];
-            const float scale = 1.0f / sqrtf(sq / (float)group_size + eps);
-            for (int64_t i = 0; i < group_size; ++i) y[i] = w[i] * (y[i] * scale);
+            gated_norm_group(proj + bi * row_len + g * group_size, out + bg * group_size, norm_w + g * group_size, eps,
+                             group_size);
+        }
+    }
+}
+
+/* A prompt through a Mamba2 mixer from the zero state: proj [b, l, I + Cd + H] (rows right-padded, row r has
+ * num_tokens[r] valid tokens) → out [b, l, I] (the out_proj input; 0 at padding), and the states after each row's
+ * last valid token into conv_state [b, Cd, W-1] and ssm_state [b, H, P, N]. xbc [b, l, Cd] is scratch.
+ * The same recurrence as the decode step, token after token, but walked per (row, head) so that the head's state
+ * (P · N floats, 32 KiB for the bench model) stays in L1 for the whole prompt: no chunked-scan passes. */
+void mamba2_prefill(const float *proj, const int64_t *num_tokens, const float *conv_w, const float *conv_b,
+                    const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                    const float *norm_w, int64_t norm_groups, float eps, float *xbc, float *conv_state,
+                    float *ssm_state, float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N,
+                    int64_t W, int num_threads) {
+    const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+    const int64_t group_size = I / norm_groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+        flush_denormals();
+        /* 1. Causal conv from a zero window, per channel; the window keeps the last W-1 valid inputs. */
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * Cd; ++bc) {
+            const int64_t bi = bc / Cd, c = bc % Cd, n = num_tokens[bi];
+            const float *w = conv_w + c * W, *in = proj + bi * l * row_len + I + c;
+            for (int64_t t = 0; t < l; ++t) {
+                float acc = conv_b ? conv_b[c] : 0.0f;
+                for (int64_t k = 0; k < W; ++k) {
+                    const int64_t src = t - (W - 1) + k;
+                    acc += (src >= 0 ? in[src * row_len] : 0.0f) * w[k];
+                }
+                xbc[(bi * l + t) * Cd + c] = acc;
+            }
+            for (int64_t k = 0; k < W - 1; ++k) {
+                const int64_t src = n - (W - 1) + k;
+                conv_state[bc * (W - 1) + k] = src >= 0 ? in[src * row_len] : 0.0f;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t bt = 0; bt < b * l; ++bt) silu_inplace(xbc + bt * Cd, Cd);
+        /* 2. SSM per (row, head) over the row's valid tokens, from the zero state. */
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * H; ++bh) {
+            const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
+            float *state = ssm_state + bh * P * N;
+            for (int64_t i = 0; i < P * N; ++i) state[i] = 0.0f;
+            const float A = -expf(A_log[h]);
+            for (int64_t t = 0; t < l; ++t) {
+                float *y = out + (bi * l + t) * I + h * P;
+                if (t >= num_tokens[bi]) {
+                    for (int64_t p = 0; p < P; ++p) y[p] = 0.0f;
+                    continue;
+                }
+                const float dt = head_dt(proj[(bi * l + t) * row_len + I + Cd + h], dt_bias[h], dt_min, dt_max);
+                const float *row = xbc + (bi * l + t) * Cd;
+                ssm_head_step(state, row + h * P, row + I + g * N, row + I + G * N + g * N, dt, expf(dt * A), D[h],
+                              y, P, N);
+            }
+        }
+        /* 3. Gate with silu(z), then the grouped RMSNorm, per token and group. */
+#pragma omp for schedule(static)
+        for (int64_t btg = 0; btg < b * l * norm_groups; ++btg) {
+            const int64_t bt = btg / norm_groups, g = btg % norm_groups;
+            gated_norm_group(proj + bt * row_len + g * group_size, out + btg * group_size, norm_w + g * group_size,
+                             eps, group_size);
         }
     }
 }

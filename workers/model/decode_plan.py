@@ -1,7 +1,7 @@
 """A whole-model decode step as one native call: the CPU counterpart of a CUDA graph.
 
 Module by module, a decode step of the bench model makes ~70 kernel calls from Python, and at batch 1 the
-interpreter's share (argument checks, output allocation, ctypes) is ~3 ms of a ~17 ms step. A `DecodePlan`
+interpreter's share (argument checks, output allocation, ctypes) was ~4–5 ms of a ~17 ms step. A `DecodePlan`
 records those same calls once per batch size — weights, state slots 0 … b-1 of a `StatePool`, and scratch
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
@@ -13,6 +13,7 @@ attention (NoPE or RoPE), dense MLPs (SwiGLU or relu²), native linears and norm
 
 from __future__ import annotations
 
+import enum
 import struct
 
 import torch
@@ -26,10 +27,23 @@ from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.state import StatePool
 
-# Op codes of csrc/decode_plan.c.
-EMBED, RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_MUL, MAMBA2, ATTENTION_STEP, RELU_SQUARE, ROPE, COPY, MAMBA2_SHIFT = range(
-    1, 12
-)
+
+class Op(enum.IntEnum):
+    """Op codes of csrc/decode_plan.c (same values)."""
+
+    EMBED = 1
+    RMS_NORM = 2
+    ADD_RMS_NORM = 3
+    LINEAR = 4
+    SILU_MUL = 5
+    MAMBA2 = 6
+    ATTENTION = 7
+    RELU_SQUARE = 8
+    ROPE = 9
+    COPY = 10
+    MAMBA2_SHIFT = 11
+
+
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
 
 
@@ -182,14 +196,14 @@ class DecodePlan:
         n, d = b * length, config.hidden_size
         rec = _Recorder(b, length)
         hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
-        rec.emit(EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
+        rec.emit(Op.EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
                  (config.embedding_multiplier,))  # fmt: skip
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
-        rec.emit(RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
         if length > 1:  # save the Mamba states verification starts from
             for layer in range(self.saved_conv.shape[0]):
                 for saved, state in ((self.saved_conv, self.pool.conv), (self.saved_ssm, self.pool.ssm)):
-                    rec.emit(COPY, [saved[layer, :b], state[layer, :b], state[layer, :b].numel()])
+                    rec.emit(Op.COPY, [saved[layer, :b], state[layer, :b], state[layer, :b].numel()])
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         mamba_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -201,7 +215,7 @@ class DecodePlan:
                 attention_layer += 1
             else:
                 self._record_mlp(rec, block.mixer)
-            rec.emit(ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
+            rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
                      (config.residual_multiplier, next_norm.eps))  # fmt: skip
         rec.linear(model.lm_head, normed, self.logits[:n])
         return torch.tensor(rec.records, dtype=torch.int64)
@@ -216,7 +230,7 @@ class DecodePlan:
         y = _rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
         for t in range(length):  # token by token, the states updated in place
-            rec.emit(MAMBA2, [proj[t], self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
+            rec.emit(Op.MAMBA2, [proj[t], self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
                               mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups,
                               self.xbc[:b], y[t], b, m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel],
                      (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
@@ -227,7 +241,7 @@ class DecodePlan:
         rec = _Recorder(b, length)
         for layer, mixer in enumerate(block.mixer for block in self.model.blocks if block.kind == MAMBA):
             m, width = mixer.config, mixer.in_proj.out_features
-            rec.emit(MAMBA2_SHIFT, [self.kept_proj[layer, : b * length * width], self.pool.conv[layer],
+            rec.emit(Op.MAMBA2_SHIFT, [self.kept_proj[layer, : b * length * width], self.pool.conv[layer],
                                     mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
                                     self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc,
                                     self.replay_out, b, m.num_heads, m.head_dim, m.num_groups, m.state_size,
@@ -250,9 +264,9 @@ class DecodePlan:
         for t in range(length):  # token t attends to the cache up to its own position: causal
             positions = self.positions[t, :b]
             if inv_freq is not None:
-                rec.emit(ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
-                rec.emit(ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
-            rec.emit(ATTENTION_STEP, [q[t], keys[t], values[t], self.pool.key[layer], self.pool.value[layer],
+                rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+                rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
+            rec.emit(Op.ATTENTION, [q[t], keys[t], values[t], self.pool.key[layer], self.pool.value[layer],
                                       self.slot_ids, positions, self.scores, out[t], b, a.num_heads, a.num_kv_heads,
                                       a.head_dim, self.pool.capacity], (a.scale,))  # fmt: skip
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
@@ -263,9 +277,9 @@ class DecodePlan:
         act = _rows(self.narrow, n, intermediate)
         rec.linear(mlp.up_proj, self.normed[:n], h)
         if mlp.gated:
-            rec.emit(SILU_MUL, [h, act, n, intermediate])
+            rec.emit(Op.SILU_MUL, [h, act, n, intermediate])
         else:
-            rec.emit(RELU_SQUARE, [h, act, n * intermediate])
+            rec.emit(Op.RELU_SQUARE, [h, act, n * intermediate])
         rec.linear(mlp.down_proj, act, self.mixed[:n])
 
 
@@ -281,7 +295,7 @@ class _Recorder:
         self.rows, self.length = rows, length
         self.records: list[list[int]] = []
 
-    def emit(self, code: int, ints: list[int | torch.Tensor | None], floats: tuple[float, ...] = ()) -> None:
+    def emit(self, code: Op, ints: list[int | torch.Tensor | None], floats: tuple[float, ...] = ()) -> None:
         """Append a record: tensors become their data pointers (None: a null pointer), floats their double bits."""
         words = [_pointer(v) if v is None or isinstance(v, torch.Tensor) else int(v) for v in ints]
         assert len(words) <= NUM_INTS and len(floats) <= NUM_FLOATS
@@ -290,5 +304,5 @@ class _Recorder:
 
     def linear(self, layer: NativeLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = layer(x) for the native linear `layer`, over all rows · length tokens."""
-        self.emit(LINEAR, [x, layer.panels, layer.bias, y, self.rows * self.length, layer.out_features,
+        self.emit(Op.LINEAR, [x, layer.panels, layer.bias, y, self.rows * self.length, layer.out_features,
                            layer.in_features])  # fmt: skip

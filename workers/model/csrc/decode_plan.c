@@ -17,7 +17,20 @@
 
 #include "kernels.h"
 
-enum { OP_EMBED = 1, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_LINEAR, OP_SILU_MUL, OP_MAMBA2, OP_ATTENTION, OP_RELU_SQUARE, OP_ROPE, OP_COPY, OP_MAMBA2_SHIFT };
+/* Op codes; decode_plan.py's `Op` has the same values. */
+enum {
+    OP_EMBED = 1,
+    OP_RMS_NORM,
+    OP_ADD_RMS_NORM,
+    OP_LINEAR,
+    OP_SILU_MUL,
+    OP_MAMBA2,
+    OP_ATTENTION,
+    OP_RELU_SQUARE,
+    OP_ROPE,
+    OP_COPY,
+    OP_MAMBA2_SHIFT,
+};
 
 typedef struct {
     int64_t code;

@@ -63,8 +63,8 @@ class DraftModelProposer:
         # Step 0 feeds every unseen token; steps 1 … k-1 feed the previous draft.
         unseen = [ctx[self.covered[r.slot] :] for r, ctx in zip(active, contexts)]
         cache_lens = [self.covered[r.slot] for r in active]
-        states, states_by_step = self.pool.read(slots), []
         planned = self.plan is not None and [r.slot for r in active] == list(range(len(active)))
+        states, states_by_step = None if planned else self.pool.read(slots), []  # planned steps read the pool
         chains: list[list[int]] = [[] for _ in active]  # tokens fed to the draft after `unseen`
         for step in range(max(budgets)):
             inputs = unseen if step == 0 else [[chain[-1]] for chain in chains]
@@ -72,6 +72,7 @@ class DraftModelProposer:
             if planned and max(lengths) <= self.plan.tokens_per_row:
                 logits, states = self._planned_step(inputs, lengths, cache_lens)
             else:
+                states = self.pool.read(slots) if states is None else states
                 logits, states = self._module_step(inputs, lengths, cache_lens, slots, states)
                 if planned:  # planned steps read the pool: give it this step's states
                     self.pool.write(slots, states)

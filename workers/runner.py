@@ -61,9 +61,9 @@ class ModelRunner:
         """Wrap a loaded model; `from_pretrained` is the usual way in.
 
         `speculative` with method "draft" needs `draft_model` (loaded with the same vocabulary). `proposer`
-        replaces the configured proposer (tests force acceptance patterns through it). `decode_plan`: run plain
-        decode steps as one native call per step where the model allows it (see `workers/model/decode_plan.py`;
-        same results as the module-by-module path, which False keeps).
+        replaces the configured proposer (tests force acceptance patterns through it). `decode_plan`: run decode
+        steps — plain, speculative verification, draft-model steps — as one native call each where the model allows
+        it (see `workers/model/decode_plan.py`; same results as the module-by-module path, which False keeps).
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")

@@ -149,22 +149,15 @@ class Mamba2Mixer(nn.Module):
             xbc = torch.empty(b, m.conv_dim)
             y[:, t] = self._kernel_step(proj[:, t].contiguous(), scratch, conv_out=xbc)
             conv_out[:, t] = xbc
-        scan = self.kept_scan_inputs(proj, conv_out, num_tokens)
+        _, conv_in, dt_raw = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        x = conv_out[..., : m.intermediate_size].reshape(b, length, m.num_heads, m.head_dim)
+        B = conv_out[..., m.intermediate_size : m.intermediate_size + m.num_groups * m.state_size]
+        scan = ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), self._dt(dt_raw, num_tokens))
         if bool((num_tokens == length).all()):
             new_state = scratch  # every row ran exactly its own tokens
         else:
             new_state = self.state_after(state, scan, num_tokens)
         return self.out_proj(y), new_state, scan
-
-    def kept_scan_inputs(self, proj: torch.Tensor, conv_out: torch.Tensor, num_tokens: torch.Tensor) -> ScanInputs:
-        """The scan inputs of tokens run as native steps: from their in_proj outputs [b, l, I + conv_dim + H] and
-        conv outputs [b, l, conv_dim] (x | B | C after silu), dt 0 past each row's `num_tokens`."""
-        m = self.config
-        b, length, _ = proj.shape
-        _, conv_in, dt_raw = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        x = conv_out[..., : m.intermediate_size].reshape(b, length, m.num_heads, m.head_dim)
-        B = conv_out[..., m.intermediate_size : m.intermediate_size + m.num_groups * m.state_size]
-        return ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), self._dt(dt_raw, num_tokens))
 
     def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.

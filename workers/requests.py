@@ -10,6 +10,8 @@ import torch
 from workers.sampling import SamplingParams
 from workers.spec_decode.metrics import SpecStats
 
+REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
+
 
 @dataclass
 class GenerationResult:
@@ -47,7 +49,7 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     text: str | None = None
-    decoded_chars: int = 0  # length of the output's text at the previous stop-string check
+    decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -73,8 +75,10 @@ class Request:
 
     def _hit_stop_string(self, tokenizer: Any) -> bool:
         text = tokenizer.decode(self.output, skip_special_tokens=True)
-        # Only a stop string that ends in the newest token's text can be new (one decode per token, not two).
-        tail, self.decoded_chars = self.decoded_chars, len(text)
+        # Only a stop string that ends after the previously settled text can be new (one decode per token). A
+        # character whose UTF-8 bytes span tokens decodes as trailing U+FFFD until its last byte arrives, so the
+        # settled text is the decode without its trailing replacement characters.
+        tail, self.decoded_chars = self.decoded_chars, len(text.rstrip(REPLACEMENT_CHARACTER))
         for stop in self.params.stop:
             start = text.find(stop, max(0, tail - len(stop) + 1))
             if start != -1:

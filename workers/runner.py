@@ -79,7 +79,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, model.embed_tokens.weight.dtype
         if self.device.type == "cpu":
             native.flush_denormals()  # denormal floats are ~100× slower on x86 and change nothing that matters
-        self._seed_source = random.Random(0)
+        self._seed_source = random.Random()  # fresh OS entropy: unseeded requests never repeat across runners
         self.speculative = speculative
         self.draft_model = draft_model
         self._proposer_override = proposer
@@ -155,7 +155,7 @@ class ModelRunner:
         results: list[GenerationResult | None] = [None] * len(prompt_token_ids)
         requests = []
         for i, (prompt, p) in enumerate(zip(prompt_token_ids, params)):
-            problem = self._check_prompt(prompt)
+            problem = self._check_prompt(prompt, generating=True)
             if problem:
                 results[i] = GenerationResult([], "error", problem, None, 0)
                 continue
@@ -178,14 +178,18 @@ class ModelRunner:
             )
         return sampling
 
-    def _check_prompt(self, prompt: Any) -> str | None:
-        """Why this prompt cannot run, or None."""
+    def _check_prompt(self, prompt: Any, generating: bool = False) -> str | None:
+        """Why this prompt cannot run, or None. `generating`: it must leave room for one generated token, since
+        max_model_len bounds prompt + generated tokens."""
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             return "prompt must be a list of token ids (ints)"
         if len(prompt) == 0:
             return "prompt is empty"
         if len(prompt) > self.max_model_len:
             return f"prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}"
+        if generating and len(prompt) == self.max_model_len:
+            return (f"prompt has {len(prompt)} tokens, max_model_len={self.max_model_len} (prompt + generated "
+                    "tokens) leaves no room to generate")  # fmt: skip
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             return f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"

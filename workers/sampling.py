@@ -13,7 +13,8 @@ from workers.model import native
 class SamplingParams:
     """How to sample one request, with vLLM's field names and defaults.
 
-    temperature 0 means greedy. `seed` makes a request's samples reproducible whatever else is in the batch.
+    temperature 0 means greedy. `seed` (any integer, used modulo 2^64) makes a request's samples reproducible
+    whatever else is in the batch; without one, each request draws a fresh seed from the runner's OS-seeded stream.
     Generation stops at `max_tokens`, at any of `stop_token_ids` (plus the model's eos unless `ignore_eos`), or
     when the text contains one of the `stop` strings (the text is cut before it).
     """
@@ -37,7 +38,11 @@ class SamplingParams:
             ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer ≥ 0 (0 = off)"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+                "an integer (used modulo 2^64) or None",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids ≥ 0"),
         ]
@@ -55,10 +60,13 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+SEED_RANGE = 2**64  # torch generators take 64-bit seeds: any integer seed is used modulo this
+
+
 def make_generator(params: SamplingParams, device: torch.device, fallback_seed: int) -> torch.Generator:
-    """The request's own random stream: its seed, or a fresh one from the runner when it has none."""
+    """The request's own random stream: its seed (modulo 2^64), or a fresh one from the runner when it has none."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else fallback_seed)
+    generator.manual_seed((params.seed if params.seed is not None else fallback_seed) % SEED_RANGE)
     return generator
 
 

@@ -119,3 +119,47 @@ def test_text_is_decoded_and_scoring_reports_bad_rows(runner):
     assert len(scores[0].token_logprobs) == 2 and all(lp < 0 for lp in scores[0].token_logprobs)
     assert scores[1].error == "sequence is empty"
     assert scores[2].token_logprobs == [] and scores[2].error is None
+
+
+def test_unseeded_requests_sample_independently_across_rows_and_runners(checkpoint_dir):
+    path = str(checkpoint_dir("granite_moe"))
+    params = SamplingParams(temperature=2.0, max_tokens=12, ignore_eos=True)  # flat: equal rows would be a repeat
+    prompt = [5, 6, 7, 8]
+    first = [r.token_ids for r in ModelRunner.from_pretrained(path).generate([prompt, prompt], params)]
+    second = [r.token_ids for r in ModelRunner.from_pretrained(path).generate([prompt, prompt], params)]
+    assert len({tuple(t) for t in first + second}) == 4
+
+
+def test_a_prompt_of_max_model_len_tokens_gets_an_error_plain_and_speculative(checkpoint_dir):
+    from workers import SpeculativeConfig
+
+    path = str(checkpoint_dir("bamba"))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [5, 6, 7, 8, 5, 6, 7]]
+    for spec in (None, SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2)):
+        full, one_short = ModelRunner.from_pretrained(path, max_model_len=8, speculative=spec).generate(prompts, params)
+        assert (full.finish_reason, full.token_ids) == ("error", [])
+        assert "max_model_len=8" in full.error and "no room to generate" in full.error
+        assert (one_short.finish_reason, len(one_short.token_ids)) == ("length", 1)
+    scores = ModelRunner.from_pretrained(path, max_model_len=8).score(prompts)  # scoring needs no room to generate
+    assert scores[0].error is None and len(scores[0].token_logprobs) == 7
+
+
+def test_seeds_are_taken_modulo_2_to_the_64(runner):
+    prompt = [5, 6, 7, 8]
+    sampled = [SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
+               for seed in (5, 2**64 + 5, 2**64 - 1, -1)]  # fmt: skip
+    results = [r.token_ids for r in runner.generate([prompt] * 4, sampled)]
+    assert results[0] == results[1] and results[2] == results[3]
+
+
+def test_shard_seeds_near_2_to_the_64_do_not_overflow(runner):
+    from workers.rows import PromptSource, generate_shard
+
+    rows = [{"text": "the cat"}, {"text": "a dog"}, {"text": "the cat"}]
+    sampling = dict(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 1)
+    columns = generate_shard(runner, rows, PromptSource(prompt_column="text"), sampling, first_row=0)
+    assert columns["error"] == [None] * 3
+    # Row i samples with seed + i modulo 2^64: row 1 uses seed 0, row 2 seed 1.
+    again = generate_shard(runner, rows[1:], PromptSource(prompt_column="text"), {**sampling, "seed": 0}, 0)
+    assert again["generated_token_ids"] == columns["generated_token_ids"][1:]

@@ -188,9 +188,8 @@ class Scheduler:
             logits = self.model.logits(out.hidden)
         # 3. Accept: the count of valid tokens drives everything that follows.
         output_token_ids = self.rejection_sampler(
-            proposal.token_ids, logits, proposal.probs,
-            [r.params for r in requests], [r.generator for r in requests],
-        )  # fmt: skip  # [num_reqs, max_k + 1]
+            drafts, logits, proposal.probs, [r.params for r in requests], [r.generator for r in requests],
+        )  # fmt: skip  # [num_reqs, max_k + 1], on the device
         accepted = num_accepted_tokens(output_token_ids)
         # 4. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         if planned:
@@ -200,7 +199,10 @@ class Scheduler:
         self.proposer.accepted(requests, accepted.tolist())
         for request, row, k in zip(requests, output_token_ids.tolist(), proposal.num_draft_tokens):
             tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
-            request.spec.record(k, len(tokens) - 1)
+            num_kept = 0
             for token in tokens:  # stop exactly where plain decoding would (eos, stop string, max_tokens)
+                num_kept += 1
                 if request.append(token, self.tokenizer):
                     break
+            # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
+            request.spec.record(k, min(len(tokens) - 1, num_kept))

@@ -59,7 +59,8 @@ class DraftModelProposer:
         contexts = [r.prompt + r.output for r in active]
         slots = torch.tensor([r.slot for r in active], device=self.device)
         sampled = any(not r.params.greedy for r in active)
-        probs = torch.zeros(len(requests), max(budgets), self.model.config.vocab_size) if sampled else None
+        vocab_size = self.model.config.vocab_size  # q stays on the device: the rejection sampler subtracts it from p
+        probs = torch.zeros(len(requests), max(budgets), vocab_size, device=self.device) if sampled else None
         # Step 0 feeds every unseen token; steps 1 … k-1 feed the previous draft.
         unseen = [ctx[self.covered[r.slot] :] for r, ctx in zip(active, contexts)]
         cache_lens = [self.covered[r.slot] for r in active]
@@ -127,7 +128,7 @@ class DraftModelProposer:
         if request.params.greedy or not is_draft:
             return int(logits.argmax())
         q = target_probs(logits, request.params)
-        probs[row, step] = q.cpu()
+        probs[row, step] = q
         return sample_from(q, request.generator)
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:

@@ -59,7 +59,12 @@ def rejection_sample(
     (n-gram proposals). Returns output_token_ids [num_reqs, max_k + 1] with PLACEHOLDER_TOKEN_ID padding.
     """
     num_reqs, width, _ = target_logits.shape
-    output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    device = target_logits.device
+    assert draft_token_ids.device == device and (draft_probs is None or draft_probs.device == device), (
+        f"drafts on {draft_token_ids.device}, draft probs on {getattr(draft_probs, 'device', None)}, "
+        f"target logits on {device}: every input must be on the target's device"
+    )
+    output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     argmax = target_logits.argmax(-1).tolist()  # [num_reqs, max_k + 1]
     for row, p_row in enumerate(params):
         draft = [t for t in draft_token_ids[row].tolist() if t != PLACEHOLDER_TOKEN_ID]
@@ -72,7 +77,7 @@ def rejection_sample(
             p = target_probs(target_logits[row, : k + 1], p_row)
             q = None if draft_probs is None else draft_probs[row, :k]
             tokens = _sample_row(draft, p, q, generators[row])
-        output[row, : len(tokens)] = torch.tensor(tokens)
+        output[row, : len(tokens)] = torch.tensor(tokens, device=device)
     return output
 
 

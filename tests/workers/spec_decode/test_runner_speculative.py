@@ -10,6 +10,7 @@ from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool
 from workers.sampling import target_probs
 from workers.spec_decode.ngram import propose_ngram
+from workers.spec_decode.rejection_sampler import rejection_sample
 
 
 def _next_token_probs(runner: ModelRunner, sequences: list[list[int]], params: SamplingParams) -> torch.Tensor:
@@ -93,11 +94,53 @@ def test_stops_in_the_middle_of_an_accepted_run_truncate_like_plain(stop, checkp
     spec = spec_runner.generate([prompt], params)[0]
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) < 30
     assert (spec.finish_reason, spec.text) == (plain.finish_reason, plain.text)
-    produced = spec.num_accepted_draft_tokens + spec.num_drafts  # tokens the verification steps produced
-    if stop == "max_tokens":
-        assert produced <= len(spec.token_ids) - 1  # drafts never go past max_tokens
-    else:
-        assert produced > len(spec.token_ids) - 1  # the accepted run went past the stop and was cut
+    # Counters count what was kept: accepted drafts after the stop are dropped and not counted.
+    expected = _self_draft_counts(len(spec.token_ids), 4, params.max_tokens)
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_draft_tokens) == expected
+
+
+def _self_draft_counts(num_tokens: int, k: int, max_tokens: int) -> tuple[int, int, int]:
+    """(num_drafts, num_draft_tokens, kept accepted drafts) when the draft is the target itself under greedy:
+    every draft is accepted, each step appends its drafts and the bonus token until the request stops."""
+    produced, drafts, draft_tokens, accepted = 1, 0, 0, 0  # token 0 comes from the prefill
+    while produced < num_tokens:
+        budget = min(k, max_tokens - produced - 1)  # drafts never go past max_tokens
+        appended = min(budget + 1, num_tokens - produced)
+        if budget:
+            drafts, draft_tokens, accepted = drafts + 1, draft_tokens + budget, accepted + min(budget, appended)
+        produced += appended
+    return drafts, draft_tokens, accepted
+
+
+def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(checkpoint_dir, monkeypatch):
+    """Every tensor the rejection sampler receives is on the runner's device, and the draft side makes no host
+    copies of its distributions (on CUDA those would meet the target's probabilities on another device)."""
+    import workers.scheduler
+
+    path = str(checkpoint_dir("bamba"))
+    runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 3, draft_model=path))
+    seen = []
+
+    def checked(draft_token_ids, target_logits, draft_probs, params, generators):
+        seen.append({t.device for t in (draft_token_ids, target_logits, draft_probs) if t is not None})
+        return rejection_sample(draft_token_ids, target_logits, draft_probs, params, generators)
+
+    def no_host_copy(tensor, *args, **kwargs):
+        raise AssertionError("a host copy (.cpu()) in a speculative step")
+
+    monkeypatch.setattr(workers.scheduler.RejectionSampler, "__call__", staticmethod(checked))
+    monkeypatch.setattr(torch.Tensor, "cpu", no_host_copy)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
+    results = runner.generate([[5, 6, 7], [8, 9]], params)
+    assert all(r.num_draft_tokens > 0 for r in results)
+    assert seen and all(devices == {runner.device} for devices in seen)
+
+
+def test_rejection_sampler_refuses_inputs_on_another_device():
+    logits = torch.zeros(1, 2, 8)
+    with pytest.raises(AssertionError, match="target's device"):
+        rejection_sample(torch.zeros(1, 1, dtype=torch.long), logits, torch.zeros(1, 1, 8, device="meta"),
+                         [SamplingParams(temperature=1.0)], [torch.Generator()])  # fmt: skip
 
 
 def test_metrics_per_request_and_per_runner(checkpoint_dir):

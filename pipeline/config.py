@@ -73,7 +73,8 @@ class SamplingConfig:
     temperature: float = _doc("0 = greedy", default=1.0)
     top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=1.0)
     top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=0)
-    seed: int | None = _doc("base seed: row i samples with seed + i, so results do not depend on sharding",
+    seed: int | None = _doc("base seed: row i samples with seed + i (modulo 2^64), so results do not depend on "
+                            "sharding; without it the job draws one, recorded in the manifest as sampling_seed",
                             default=None)  # fmt: skip
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
     ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=False)

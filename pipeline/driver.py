@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
-from pipeline.job import Job, model_identity
+from pipeline.job import Job
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
 from pipeline.sharding import Shard
@@ -203,12 +203,14 @@ def _maybe_kill_driver(num_written: int) -> None:
 def run(job: Job) -> dict[str, Any]:
     """Run (or resume) a job to completion; returns the manifest totals."""
     out = OutputDir(job.output.output)
-    done = prepare_output(out, job, model_identity(job.worker.model), job.output.overwrite)
-    todo = [shard for shard in job.plan if shard.index not in done]
+    resume = prepare_output(out, job, job.output.overwrite)
+    if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
+        job.worker = dataclasses.replace(job.worker, task_options={**job.worker.task_options, "seed": resume.seed})
+    todo = [shard for shard in job.plan if shard.index not in resume.done]
     start = time.perf_counter()
-    done_rows = sum(s.num_rows for s in job.plan if s.index in done)
+    done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
     with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
         if todo:
             connect(job.scaling.ray_address)
             ShardLoop(job, out, todo, progress).run()
-    return finalize_output(out, job, time.perf_counter() - start)
+    return finalize_output(out, job, time.perf_counter() - start, {shard.index for shard in todo})

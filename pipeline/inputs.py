@@ -24,7 +24,8 @@ def _builder_for(files: list[str]) -> str:
 
 def load_rows(source: str, split: str = "train") -> datasets.Dataset:
     """A `datasets.Dataset` from a hub name, a file / directory / glob of Parquet, JSONL or CSV, or save_to_disk."""
-    if os.path.isdir(source) and (Path(source) / "dataset_info.json").exists():
+    saved_markers = ("dataset_info.json", "dataset_dict.json")  # save_to_disk of a Dataset / of a DatasetDict
+    if os.path.isdir(source) and any((Path(source) / name).exists() for name in saved_markers):
         loaded = datasets.load_from_disk(source)
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -63,25 +60,6 @@ def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len, **task_fields)  # fmt: skip
 
 
-def model_identity(model: str) -> dict[str, Any]:
-    """Who the model is: its path or repo id, model_type and a hash of its config.json (no weights are read)."""
-    path = Path(model)
-    if path.is_dir():
-        config_text = (path / "config.json").read_text() if (path / "config.json").exists() else None
-    else:
-        from huggingface_hub import hf_hub_download
-
-        config_text = Path(hf_hub_download(model, "config.json")).read_text()
-    if config_text is None:
-        raise FileNotFoundError(f"model directory {model!r} has no config.json")
-    config = json.loads(config_text)
-    return {
-        "model": model,
-        "model_type": config.get("model_type"),
-        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
-    }
-
-
 def build_job(
     name: str,
     config: Any,
@@ -96,6 +74,7 @@ def build_job(
     `config` is the job's config dataclass (with `model`, `scaling` and `output` sections); `source` is
     (input, split); `columns` maps each column flag to the column it names.
     """
+    from pipeline.identity import input_identity, model_identity
     from pipeline.inputs import check_columns, load_rows
     from pipeline.sharding import plan_shards
 
@@ -107,6 +86,11 @@ def build_job(
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
     for performance_only in ("device", "max_num_seqs"):
         fingerprint["model"].pop(performance_only)
+    # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.
+    fingerprint["model_identity"] = model_identity(worker.model)
+    if worker.speculative is not None and worker.speculative.draft_model:
+        fingerprint["draft_model_identity"] = model_identity(worker.speculative.draft_model)
+    fingerprint["input_identity"] = input_identity(rows, source[0])
     return Job(
         name=name,
         rows=rows,

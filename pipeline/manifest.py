@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.job import Job
@@ -15,6 +17,11 @@ def _plan(job: Job) -> list[dict[str, Any]]:
     return [{"shard": s.index, "start": s.start, "stop": s.stop, "file": s.file_name} for s in job.plan]
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     keys = sorted(set(old) | set(new))
     out = []
@@ -23,72 +30,129 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
         if isinstance(a, dict) and isinstance(b, dict):
             out += _differences(a, b, f"{prefix}{key}.")
         elif a != b:
-            out.append(f"{prefix}{key}: {a!r} → {b!r}")
+            out.append(f"{prefix}{key}: {_short(a)} → {_short(b)}")
     return out
 
 
-def prepare_output(out: OutputDir, job: Job, model: dict[str, Any], overwrite: bool) -> set[int]:
-    """Check the output directory against this job; return the shards already complete.
+@dataclass(frozen=True)
+class Resume:
+    """What a run starts from: the shards already complete, and the sampling seed its rows use."""
 
-    Same job → finished shard files are kept as they are. A different job (or unknown files) → `ValueError`
-    listing what differs, unless `overwrite`, which clears the directory's hybridgen files first.
+    done: set[int]
+    seed: int | None  # generate jobs: row i samples with seed + i (the flag's, or drawn once per job); else None
+
+
+def _sampling_seed(job: Job, old: dict[str, Any] | None) -> int | None:
+    """`--seed` when given; else the seed this job drew in an earlier run (resume); else fresh entropy."""
+    if "seed" not in job.worker.task_options:
+        return None  # not a sampling job
+    given = job.worker.task_options["seed"]
+    if given is not None:
+        return given
+    if old is not None and isinstance(old.get("sampling_seed"), int):
+        return old["sampling_seed"]
+    return secrets.randbits(63)
+
+
+def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
+    """Check the output directory against this job; return the shards already complete and the sampling seed.
+
+    Same job (flags, model and draft weights, tokenizer, input contents) → finished shard files are kept as they
+    are. A different job (or unknown files) → `ValueError` listing what differs, unless `overwrite`, which clears
+    the directory's hybridgen files first.
     """
     out.remove_temporaries()
     fingerprint = json.loads(json.dumps({**job.fingerprint, "plan": _plan(job)}))
     parts = [n for n in out.names() if n.startswith("part-") and n.endswith(".parquet")]
-    if out.exists(MANIFEST):
-        old = out.read_json(MANIFEST)
+    old = out.read_json(MANIFEST) if out.exists(MANIFEST) else None
+    if old is not None:
         differences = _differences(old.get("fingerprint", {}), fingerprint)
     else:
         differences = [f"{len(parts)} part files without a {MANIFEST}"] if parts else []
     if differences and not overwrite:
-        shown = "; ".join(differences[:5])
+        shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
         raise ValueError(f"output {out.uri} holds a different job ({shown}); use --overwrite to replace it")
     if differences:
         for name in parts + [MANIFEST, SUCCESS]:
             out.delete(name)
-        parts = []
+        parts, old = [], None
+    done = {s.index for s in job.plan if s.file_name in set(parts)}
+    seed = _sampling_seed(job, old)
+    runs = (old or {}).get("runs", [])
+    runs.append({"started_at": _now(), "finished_at": None, "shards_already_done": len(done)})
     manifest = {
         "job": job.name,
         "status": "running",
         "config": job.config,
-        "model": model,
+        "model": job.fingerprint.get("model_identity"),
         "fingerprint": fingerprint,
         "num_rows": len(job.rows),
         "plan": _plan(job),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started_at": (old or {}).get("started_at", runs[-1]["started_at"]),
+        "runs": runs,
     }
+    if seed is not None:
+        manifest["sampling_seed"] = seed
     out.delete(SUCCESS)
     out.write_text(MANIFEST, json.dumps(manifest, indent=2, default=str))
-    done = set(parts)
-    return {s.index for s in job.plan if s.file_name in done}
+    return Resume(done, seed)
 
 
-def finalize_output(out: OutputDir, job: Job, wall_seconds: float) -> dict[str, Any]:
-    """Check every row is present exactly once, write totals into the manifest and `_SUCCESS`; return the totals."""
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _sum_counts(infos: list[dict[str, Any]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for info in infos:
+        for key, value in info.items():
+            if isinstance(value, (int, float)) and key not in ("start", "stop", "index"):
+                totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+def _throughput(counts: dict[str, float], wall_seconds: float) -> dict[str, float]:
+    """Tokens per second for the token counts present."""
+    return {f"{tokens}_per_second": counts[tokens] / wall_seconds if wall_seconds else 0.0
+            for tokens in ("generated_tokens", "scored_tokens") if tokens in counts}  # fmt: skip
+
+
+def finalize_output(out: OutputDir, job: Job, wall_seconds: float, computed: set[int]) -> dict[str, Any]:
+    """Check every row is present exactly once, write totals into the manifest and `_SUCCESS`; return the totals.
+
+    `computed`: the shards this run wrote (its throughput counts only their tokens over its own wall time). The
+    totals' throughput covers every run whose wall time is known; shards written by a run that crashed count in
+    the totals' rows and tokens but not in their throughput (`untimed_shards`).
+    """
     manifest = out.read_json(MANIFEST)
-    shards, totals = {}, {"rows": 0, "seconds": 0.0}
+    shards = {}
     for shard in job.plan:
         info = out.shard_info(shard.file_name)
         if info.get("rows") != shard.num_rows or info.get("start") != shard.start:
             raise RuntimeError(f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
                                f"expected {shard.num_rows} from {shard.start}")  # fmt: skip
         shards[str(shard.index)] = info
-        for key, value in info.items():
-            if isinstance(value, (int, float)) and key not in ("start", "stop", "index"):
-                totals[key] = totals.get(key, 0) + value
+    totals: dict[str, Any] = {"rows": 0, "seconds": 0.0, **_sum_counts(list(shards.values()))}
     if totals["rows"] != len(job.rows):
         raise RuntimeError(f"output holds {totals['rows']} rows, input has {len(job.rows)}")
-    totals["wall_seconds"] = wall_seconds
-    for tokens in ("generated_tokens", "scored_tokens"):
-        if tokens in totals:
-            totals[f"{tokens}_per_second"] = totals[tokens] / wall_seconds if wall_seconds else 0.0
+    token_keys = [k for k in ("generated_tokens", "scored_tokens") if k in totals]
+    this_run = _sum_counts([shards[str(i)] for i in sorted(computed)])
+    this_run = {"rows": this_run.get("rows", 0), **{k: this_run.get(k, 0) for k in token_keys}}
+    run = manifest["runs"][-1]
+    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(computed), **this_run,
+               **_throughput(this_run, wall_seconds))  # fmt: skip
+    timed = [r for r in manifest["runs"] if r.get("wall_seconds") is not None]
+    timed_counts = _sum_counts([{k: r.get(k, 0) for k in token_keys} for r in timed])
+    totals["runs"] = len(manifest["runs"])
+    totals["wall_seconds"] = sum(r["wall_seconds"] for r in timed)
+    totals.update(_throughput(timed_counts, totals["wall_seconds"]))
+    totals["untimed_shards"] = len(job.plan) - sum(r.get("shards_written", 0) for r in timed)
     if totals.get("scored_tokens"):
         totals["corpus_perplexity"] = math.exp(-totals["sum_logprob"] / totals["scored_tokens"])
     if totals.get("num_draft_tokens"):
         totals["acceptance_rate"] = totals["num_accepted_draft_tokens"] / totals["num_draft_tokens"]
         totals["mean_accepted_length"] = 1 + totals["num_accepted_draft_tokens"] / totals["num_drafts"]
-    manifest.update(status="complete", shards=shards, totals=totals, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    manifest.update(status="complete", shards=shards, totals=totals, finished_at=_now())
     out.write_text(MANIFEST, json.dumps(manifest, indent=2, default=str))
     out.write_text(SUCCESS, "")
     return totals

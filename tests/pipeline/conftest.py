@@ -9,7 +9,15 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pytest
 
-from pipeline.config import GenerateJobConfig, InputConfig, ModelConfig, OutputConfig, SamplingConfig, ScalingConfig
+from pipeline.config import (
+    GenerateJobConfig,
+    InputConfig,
+    ModelConfig,
+    OutputConfig,
+    SamplingConfig,
+    ScalingConfig,
+    SpeculativeOptions,
+)
 from tests.tiny_models import WORDS
 
 NUM_ROWS = 48
@@ -47,10 +55,11 @@ def job_config(model: Path, data: Path, output: Path, **overrides) -> GenerateJo
         "model": dict(model=str(model), max_model_len=40, max_num_seqs=8),
         "sampling": dict(max_tokens=6, temperature=0.0, ignore_eos=True),
         "scaling": dict(num_workers=2, rows_per_shard=8, ray_address="local"),
+        "speculative": dict(),
         "output": dict(output=str(output)),
     }
-    classes = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig, "scaling": ScalingConfig,
-               "output": OutputConfig}  # fmt: skip
+    classes = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig,
+               "speculative": SpeculativeOptions, "scaling": ScalingConfig, "output": OutputConfig}  # fmt: skip
     for key, value in overrides.items():
         section = next(name for name, cls in classes.items() if key in cls.__dataclass_fields__)
         sections[section][key] = value

@@ -97,3 +97,13 @@ def test_shard_plan_is_contiguous_complete_and_deterministic():
     assert plan[3].file_name == "part-00003.parquet"
     assert default_rows_per_shard(100) == 64 and default_rows_per_shard(64_000) == 2000
     assert default_rows_per_shard(10**9) == 10_000
+
+
+def test_saved_dataset_dict_reads_the_split_asked_for(tmp_path):
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
+                                   "test": datasets.Dataset.from_dict({"text": ["c"]})})  # fmt: skip
+    splits.save_to_disk(str(tmp_path / "saved"))
+    assert load_rows(str(tmp_path / "saved")).to_dict() == {"text": ["a", "b"]}
+    assert load_rows(str(tmp_path / "saved"), split="test").to_dict() == {"text": ["c"]}
+    with pytest.raises(ValueError, match=r"split 'validation' not in .*available: \['test', 'train'\]"):
+        load_rows(str(tmp_path / "saved"), split="validation")

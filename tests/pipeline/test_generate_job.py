@@ -63,10 +63,19 @@ def test_manifest_and_success_marker(model, dataset, tmp_path, ray_session):
 
 
 def test_rerun_keeps_finished_files_and_other_config_needs_overwrite(model, dataset, tmp_path, ray_session):
-    run(build_generate_job(job_config(model, dataset, tmp_path)))
+    first = run(build_generate_job(job_config(model, dataset, tmp_path)))
     stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("part-*.parquet")}
-    run(build_generate_job(job_config(model, dataset, tmp_path)))
+    second = run(build_generate_job(job_config(model, dataset, tmp_path)))
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("part-*.parquet")} == stamps
+    # Throughput per run and in total: the rerun computed nothing, and the total is not divided by its wall alone.
+    runs = json.loads((tmp_path / MANIFEST).read_text())["runs"]
+    assert [r["shards_written"] for r in runs] == [NUM_ROWS // 8, 0]
+    assert runs[0]["generated_tokens"] == second["generated_tokens"] and runs[1]["generated_tokens_per_second"] == 0
+    assert runs[0]["generated_tokens_per_second"] == first["generated_tokens_per_second"]
+    assert second["generated_tokens_per_second"] == pytest.approx(
+        second["generated_tokens"] / (runs[0]["wall_seconds"] + runs[1]["wall_seconds"])
+    )
+    assert second["runs"] == 2 and second["untimed_shards"] == 0
     with pytest.raises(ValueError, match=r"different job \(sampling.max_tokens: 6 → 7.*--overwrite"):
         run(build_generate_job(job_config(model, dataset, tmp_path, max_tokens=7)))
     run(build_generate_job(job_config(model, dataset, tmp_path, max_tokens=7, overwrite=True)))
@@ -125,3 +134,5 @@ def test_killed_driver_resumes_to_the_same_output(model, dataset, tmp_path, undi
     assert {name: after[name] for name in finished} == finished  # finished shard files untouched
     assert len(after) == NUM_ROWS // 8
     assert read_output(output) == undisturbed
+    totals = json.loads((output / MANIFEST).read_text())["totals"]
+    assert (totals["runs"], totals["untimed_shards"]) == (2, 2)  # the killed run's shards have no wall time

@@ -1,0 +1,130 @@
+"""Identities of what decides a job's output — the model, its tokenizer, a draft model, the input rows — cheap
+enough to compute on the driver for 100 GB checkpoints and billion-row inputs.
+
+A rerun on the same `--output` resumes only when these are unchanged (they are part of the resume fingerprint,
+so a mismatch names what changed). Weights are fingerprinted by each safetensors file's size, a hash of its header
+(tensor names, dtypes, shapes, offsets) and hashes of blocks sampled evenly through its data: a retrained,
+re-quantised or truncated checkpoint changes them, while reading them costs a few seeks per file.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow as pa
+
+# Files besides the weights that change what a model generates.
+MODEL_TEXT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")  # fmt: skip
+NUM_SAMPLED_BLOCKS = 16
+BLOCK_BYTES = 64 * 1024
+NUM_SAMPLED_ROWS = 1024
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sampled_blocks_sha256(path: Path, start: int, size: int) -> str:
+    """Hash of NUM_SAMPLED_BLOCKS blocks spread evenly over bytes [start, size) of a file (first and last included)."""
+    digest = hashlib.sha256()
+    span = max(0, size - start - BLOCK_BYTES)
+    with path.open("rb") as f:
+        for i in range(NUM_SAMPLED_BLOCKS):
+            f.seek(start + span * i // (NUM_SAMPLED_BLOCKS - 1))
+            digest.update(f.read(BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def safetensors_identity(path: Path) -> dict[str, Any]:
+    """Size, header hash and sampled-data hash of one safetensors file; `ValueError` when it is not one."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            raise ValueError(f"{path} is not a complete safetensors file ({size} bytes)")
+        header = f.read(header_len)
+    return {"bytes": size, "header_sha256": _sha256(header),
+            "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size)}  # fmt: skip
+
+
+def _weight_files(directory: Path) -> list[str]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def _local_model_identity(directory: Path) -> dict[str, Any]:
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"model directory {str(directory)!r} has no config.json")
+    config = json.loads((directory / "config.json").read_text())
+    files = {
+        name: {"sha256": _sha256((directory / name).read_bytes())}
+        for name in (*MODEL_TEXT_FILES, *TOKENIZER_FILES)
+        if (directory / name).is_file()
+    }
+    for name in _weight_files(directory):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"model directory {str(directory)!r} lacks the weight file {name!r}")
+        files[name] = safetensors_identity(directory / name)
+    return {"model_type": config.get("model_type"), "files": files}
+
+
+def _hub_model_identity(repo_id: str) -> dict[str, Any]:
+    """A hub repo: its commit and every relevant file's content hash, as the hub reports them (no download)."""
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo_id, files_metadata=True)
+    relevant = (*MODEL_TEXT_FILES, *TOKENIZER_FILES)
+    files = {}
+    for sibling in info.siblings or []:
+        name = sibling.rfilename
+        if name.endswith(".safetensors") or name in relevant:
+            lfs = sibling.lfs
+            files[name] = {"bytes": sibling.size, "sha256": lfs.sha256 if lfs else None, "blob_id": sibling.blob_id}
+    model_type = (info.config or {}).get("model_type") if isinstance(info.config, dict) else None
+    return {"model_type": model_type, "revision": info.sha, "files": files}
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """What identifies a model's output: config, generation config, tokenizer files and weights (see module doc)."""
+    if os.path.isdir(model):
+        return {"model": model, **_local_model_identity(Path(model))}
+    if os.path.exists(model) or model.count("/") != 1:
+        raise ValueError(f"model {model!r} is neither a model directory nor a hub repo id ('org/name')")
+    return {"model": model, **_hub_model_identity(model)}
+
+
+def _local_files(source: str) -> list[str]:
+    """The local data files behind an input argument (empty for hub datasets)."""
+    path = Path(source)
+    if path.is_file():
+        return [source]
+    if path.is_dir():
+        return sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+
+
+def input_identity(rows: datasets.Dataset, source: str) -> dict[str, Any]:
+    """Row count, schema, a hash of up to NUM_SAMPLED_ROWS rows spread over the dataset, and local file sizes."""
+    num_rows = len(rows)
+    step = max(1, num_rows // NUM_SAMPLED_ROWS)
+    sample: pa.Table = rows.with_format("arrow")[list(range(0, num_rows, step))[:NUM_SAMPLED_ROWS]]
+    digest = hashlib.sha256()
+    for batch in sample.to_batches():
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        digest.update(sink.getvalue().to_pybytes())
+    files = {name: os.path.getsize(name) for name in _local_files(source)}
+    return {"num_rows": num_rows, "features": str(rows.features), "rows_sha256_sampled": digest.hexdigest(),
+            "file_bytes": files}  # fmt: skip

@@ -1,0 +1,74 @@
+"""Resume trusts nothing that changed: model weights, config, tokenizer, draft model, input rows (no Ray needed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.generate import build_generate_job
+from pipeline.manifest import prepare_output
+from pipeline.output import MANIFEST, OutputDir
+from tests.pipeline.conftest import job_config, write_dataset
+
+
+@pytest.fixture
+def setup(checkpoint_dir, tmp_path):
+    """Own copies of a model, a draft and a dataset, and a prepared output directory for them."""
+    model, draft = tmp_path / "model", tmp_path / "draft"
+    shutil.copytree(checkpoint_dir("granite_moe"), model)
+    shutil.copytree(checkpoint_dir("draft_attention"), draft)
+    data = write_dataset(tmp_path / "prompts.jsonl")
+    out = tmp_path / "out"
+
+    def prepare(overwrite: bool = False, **overrides):
+        config = job_config(model, data, out, speculative="draft", draft_model=str(draft), **overrides)
+        return prepare_output(OutputDir(str(out)), build_generate_job(config), overwrite)
+
+    first = prepare()
+    assert prepare().done == first.done == set()  # unchanged: resumes
+    return model, draft, data, out, prepare
+
+
+def _flip_byte(path: Path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (lambda m, d, data: _flip_byte(m / "model.safetensors", 1000), "model_identity.files.model.safetensors"),
+        (lambda m, d, data: (m / "config.json").write_text(
+            json.dumps({**json.loads((m / "config.json").read_text()), "rms_norm_eps": 1e-3})),
+         "model_identity.files.config.json"),
+        (lambda m, d, data: (m / "tokenizer.json").write_text((m / "tokenizer.json").read_text().replace('"cat"', '"cow"')),
+         "model_identity.files.tokenizer.json"),
+        (lambda m, d, data: _flip_byte(d / "model.safetensors", 5000), "draft_model_identity.files.model.safetensors"),
+        (lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
+         "input_identity.rows_sha256_sampled"),
+        (lambda m, d, data: write_dataset(data, num_rows=49), "input_identity.num_rows"),
+    ],
+    ids=["weights", "config", "tokenizer", "draft", "input-contents", "input-rows"],
+)  # fmt: skip
+def test_a_changed_model_draft_or_input_is_refused_naming_what_changed(setup, change, named):
+    model, draft, data, out, prepare = setup
+    change(model, draft, data)
+    with pytest.raises(ValueError, match=rf"different job \(.*{named}.*use --overwrite"):
+        prepare()
+    assert prepare(overwrite=True).done == set()
+    prepare()  # and the replaced job now resumes
+
+
+def test_unseeded_job_draws_its_seed_once_records_it_and_keeps_it_on_resume(setup):
+    model, draft, data, out, prepare = setup
+    manifest = json.loads((out / MANIFEST).read_text())
+    seed = manifest["sampling_seed"]
+    assert isinstance(seed, int) and prepare().seed == seed
+    assert json.loads((out / MANIFEST).read_text())["sampling_seed"] == seed
+    assert len(json.loads((out / MANIFEST).read_text())["runs"]) == 3  # setup prepared twice, then once more
+    assert prepare(overwrite=True, max_tokens=5).seed != seed  # a new job draws afresh
+    assert prepare(overwrite=True, seed=7).seed == 7

@@ -53,7 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
                    "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step at most")
+    p.add_argument("--speculative-policy", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: drafts per step chosen from measured step times and acceptance; fixed: always "
+                   "--num-speculative-tokens")  # fmt: skip
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
                    help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
@@ -126,7 +129,8 @@ def bench_score(args: argparse.Namespace, path: str, runner: ModelRunner) -> lis
 def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
     """Spec decode vs plain on copy-heavy prompts, same run; greedy outputs must agree."""
     spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
-                             draft_model=(args.draft_model or path) if args.speculative == "draft" else None)  # fmt: skip
+                             draft_model=(args.draft_model or path) if args.speculative == "draft" else None,
+                             policy=args.speculative_policy)  # fmt: skip
     spec_runner = ModelRunner.from_pretrained(
         path,
         device=str(runner.device),
@@ -150,12 +154,14 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
         drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
         accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
         steps = after["num_drafts"] - before["num_drafts"]
+        chosen = {k: n - before["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
         same = [r.token_ids for r in runner.generate(prompts, params)] == [
             r.token_ids for r in spec_runner.generate(prompts, params)
         ]
         rows.append({"engine": f"hybridgen+{args.speculative}", "batch": batch, "identical_to_plain": same,
                      "acceptance_rate": accepted / drafts if drafts else 0.0,
                      "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                     "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
                      "plain_tokens_per_s": batch * args.new_tokens / plain.seconds,
                      "spec_tokens_per_s": batch * args.new_tokens / fast.seconds,
                      "speedup": plain.seconds / fast.seconds})  # fmt: skip

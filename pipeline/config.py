@@ -13,6 +13,7 @@ from typing import Any
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -86,7 +87,10 @@ class SpeculativeOptions:
 
     speculative: str = _doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
     draft_model: str | None = _doc("draft model directory or hub id (with --speculative draft)", default=None)
-    num_speculative_tokens: int = _doc("draft tokens per step", default=4)
+    num_speculative_tokens: int = _doc("draft tokens per step at most", default=4)
+    speculative_policy: str = _doc("adaptive: each step verifies the number of drafts (0 … --num-speculative-tokens) "
+                                   "that this run's measured step times and acceptance say pays best; fixed: always "
+                                   "--num-speculative-tokens", default="adaptive")  # fmt: skip
     prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=2)
     prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=5)
 
@@ -98,6 +102,9 @@ class SpeculativeOptions:
                 self.speculative,
                 f"must be one of {', '.join(SPECULATIVE_METHODS)}",
             )
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            _fail("SpeculativeOptions", "speculative_policy", self.speculative_policy,
+                  f"must be one of {', '.join(SPECULATIVE_POLICIES)}")  # fmt: skip
 
 
 @dataclass(frozen=True)

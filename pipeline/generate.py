@@ -22,6 +22,7 @@ def speculative_config(config: GenerateJobConfig) -> SpeculativeConfig | None:
         draft_model=options.draft_model if options.speculative == "draft" else None,
         prompt_lookup_min=options.prompt_lookup_min,
         prompt_lookup_max=options.prompt_lookup_max,
+        policy=options.speculative_policy,
     )
 
 

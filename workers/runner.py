@@ -16,6 +16,7 @@ from workers.scheduler import Scheduler, Workspace
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.ngram import NgramProposer
+from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
 
 # Scoring batches: at most this many (padded) tokens per forward, and logits for this many positions at a time.
@@ -86,6 +87,8 @@ class ModelRunner:
         self.decode_plan = decode_plan
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
+        # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
+        self._policy = make_policy(speculative.policy, speculative.num_speculative_tokens) if speculative else None
         if speculative is not None and speculative.method == "draft":
             if draft_model is None:
                 raise ValueError("speculative method 'draft' needs a draft model")
@@ -141,8 +144,10 @@ class ModelRunner:
         return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
 
     def spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding counters over every request this runner has finished."""
-        return self._spec_stats.as_dict()
+        """Speculative decoding counters over every request this runner has finished, and how many steps
+        verified each number of drafts (`num_steps_by_k`, the adaptive policy's choices)."""
+        steps = dict(sorted(self._policy.chosen.items())) if self._policy is not None else {}
+        return {**self._spec_stats.as_dict(), "num_steps_by_k": steps}
 
     # ----------------------------------------------------------------------------------------------- generate
     def generate(
@@ -202,7 +207,7 @@ class ModelRunner:
         proposer = self._make_proposer() if self.speculative else None
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan,
-                              self._workspace)  # fmt: skip
+                              self._workspace, self._policy)  # fmt: skip
         self._workspace = scheduler.workspace
         while scheduler.has_work():
             scheduler.step()

@@ -7,6 +7,7 @@ which is the next model input. A speculative step keeps that invariant through s
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from workers.model import ForwardBatch, HybridModel, StatePool
 from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
 from workers.sampling import sample
+from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
 from workers.spec_decode.proposal import Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
 
@@ -53,10 +55,13 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         decode_plan: bool = False,
         workspace: Workspace | None = None,
+        policy: AdaptivePolicy | FixedPolicy | None = None,
     ):
-        """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits."""
+        """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits.
+        `policy` decides each step's number of drafts (default: always `num_speculative_tokens`)."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
+        self.policy = policy if policy is not None else FixedPolicy()
         self.rejection_sampler = RejectionSampler()
         param = model.embed_tokens.weight
         self.device = param.device
@@ -100,6 +105,7 @@ class Scheduler:
             self._decode(self.running)
         for request in [r for r in self.running if r.finish_reason is not None]:
             self.running.remove(request)
+            self.policy.forget(request.index)
             self.free_slots.append(request.slot)
             self.finished.append(request)
         self._compact()
@@ -159,19 +165,21 @@ class Scheduler:
             request.append(token, self.tokenizer)
 
     def _speculate(self, requests: list[Request]) -> None:
-        """propose → verify → accept → shift state, for all live requests at once (k_i may be 0)."""
-        # 1. Propose: never draft past max_tokens or max_model_len.
+        """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0)."""
+        start, request_ids = time.perf_counter(), [r.index for r in requests]
+        # 1. Decide and propose: never draft past max_tokens or max_model_len; the policy picks k within that.
         budget = [
             max(0, min(self.num_speculative_tokens, r.params.max_tokens - len(r.output) - 1,
                        r.max_model_len - r.num_tokens - 1))
             for r in requests
         ]  # fmt: skip
-        proposal = self.proposer.propose(requests, budget)
+        proposal = self.proposer.propose(requests, self.policy.num_drafts(request_ids, budget))
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         if drafts.shape[1] == 0:
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
+            self.policy.observe(request_ids, [0] * len(requests), [0] * len(requests), time.perf_counter() - start)
             return
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
         slots = self._slots(requests)
@@ -197,6 +205,8 @@ class Scheduler:
         else:
             self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
         self.proposer.accepted(requests, accepted.tolist())
+        accepted_drafts = [n - 1 for n in accepted.tolist()]
+        self.policy.observe(request_ids, proposal.num_draft_tokens, accepted_drafts, time.perf_counter() - start)
         for request, row, k in zip(requests, output_token_ids.tolist(), proposal.num_draft_tokens):
             tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
             num_kept = 0

@@ -38,6 +38,11 @@ def test_unknown_yaml_key_is_named(tmp_path):
         (["--temperature", "-1"], "SamplingParams.temperature=-1.0 is invalid"),
         (["--speculative", "eagle"], "must be one of none, ngram, draft"),
         (["--speculative", "draft"], "--speculative draft needs --draft-model"),
+        (
+            ["--speculative-policy", "greedy"],
+            "--speculative-policy (SpeculativeOptions.speculative_policy) = 'greedy' "
+            "is invalid: must be one of adaptive, fixed",
+        ),
         (["--max-workers", "0"], "--max-workers"),
         (["--messages-column", "m"], "exactly one of --prompt-column or --messages-column"),
     ],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.spec_decode.policy import POLICIES
+
 METHODS = ("ngram", "draft")
 
 
@@ -13,7 +15,9 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup over the request's prompt + generated tokens (n-grams of
     `prompt_lookup_min`…`prompt_lookup_max` tokens). method "draft": a smaller model (`draft_model`, a local
-    directory or hub id with the target's vocabulary), attention-only or hybrid.
+    directory or hub id with the target's vocabulary), attention-only or hybrid. `policy` "adaptive" picks each
+    step's number of drafts (0 … num_speculative_tokens) from measured step times and acceptance; "fixed" always
+    asks for num_speculative_tokens (see `workers/spec_decode/policy.py`).
     """
 
     method: str = "ngram"
@@ -21,8 +25,13 @@ class SpeculativeConfig:
     draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    policy: str = "adaptive"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"SpeculativeConfig.policy={self.policy!r} is invalid: must be one of {', '.join(POLICIES)}"
+            )
         if self.method not in METHODS:
             raise ValueError(
                 f"SpeculativeConfig.method={self.method!r} is invalid: must be one of {', '.join(METHODS)}"

@@ -140,7 +140,7 @@ def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, fa
     plain = ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False)
     expected = [r.token_ids for r in plain.generate(prompts, params)]
     spec = ModelRunner.from_pretrained(
-        path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft)
+        path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft, policy="fixed")
     )
     for _ in range(2):  # the second call reuses the first one's slots and plan
         assert [r.token_ids for r in spec.generate(prompts, params)] == expected
@@ -172,7 +172,7 @@ def test_draft_model_steps_through_plans_propose_what_the_module_path_proposes()
     expected = [r.token_ids for r in ModelRunner.from_pretrained(target, dtype="float32").generate(prompts, params)]
     stats = {}
     for decode_plan in (True, False):
-        spec = SpeculativeConfig("draft", 4, draft_model=draft)
+        spec = SpeculativeConfig("draft", 4, draft_model=draft, policy="fixed")
         runner = ModelRunner.from_pretrained(target, dtype="float32", speculative=spec, decode_plan=decode_plan)
         assert [r.token_ids for r in runner.generate(prompts, params)] == expected
         stats[decode_plan] = runner.spec_stats()

@@ -46,9 +46,9 @@ def near_draft(checkpoint_dir, tmp_path_factory):
 def test_sampled_speculative_tokens_follow_the_target_distribution(method, checkpoint_dir, near_draft):
     """Chi-square on the second generated token (the first one a speculative step produces)."""
     if method == "draft":
-        spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=str(near_draft))
+        spec = SpeculativeConfig("draft", num_speculative_tokens=2, draft_model=str(near_draft), policy="fixed")
     else:
-        spec = SpeculativeConfig("ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+        spec = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=1, policy="fixed")
     runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_moe")), max_num_seqs=64, speculative=spec)
     # Every vocabulary token occurs in the prompt, so an n-gram lookup always finds a draft.
     prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()
@@ -77,7 +77,8 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(method, check
 def test_stops_in_the_middle_of_an_accepted_run_truncate_like_plain(stop, checkpoint_dir):
     path = str(checkpoint_dir("bamba"))
     plain_runner = ModelRunner.from_pretrained(path)
-    spec_runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 4, draft_model=path))
+    spec = SpeculativeConfig("draft", 4, draft_model=path, policy="fixed")
+    spec_runner = ModelRunner.from_pretrained(path, speculative=spec)
     prompt = plain_runner.tokenizer.encode("the cat sat on the mat")
     free = plain_runner.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     if stop == "eos":
@@ -118,7 +119,9 @@ def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(chec
     import workers.scheduler
 
     path = str(checkpoint_dir("bamba"))
-    runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 3, draft_model=path))
+    runner = ModelRunner.from_pretrained(
+        path, speculative=SpeculativeConfig("draft", 3, draft_model=path, policy="fixed")
+    )
     seen = []
 
     def checked(draft_token_ids, target_logits, draft_probs, params, generators):
@@ -145,7 +148,9 @@ def test_rejection_sampler_refuses_inputs_on_another_device():
 
 def test_metrics_per_request_and_per_runner(checkpoint_dir):
     path = str(checkpoint_dir("nemotron_dense"))
-    runner = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("draft", 3, draft_model=path))
+    runner = ModelRunner.from_pretrained(
+        path, speculative=SpeculativeConfig("draft", 3, draft_model=path, policy="fixed")
+    )
     results = runner.generate([[5, 6, 7], [9] * 5], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))
     stats = runner.spec_stats()
     # Self-drafting under greedy: every draft is accepted; 12 tokens after the first come in 3 steps of 4.

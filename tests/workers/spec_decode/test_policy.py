@@ -1,0 +1,89 @@
+"""The speculation policy against a scripted cost model and scripted acceptance (no model, no clock)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, batch_bucket, make_policy
+
+K = 4
+
+
+def _run(policy, steps: int, cost: Callable[[int], float], acceptance: Callable[[int], list[float]],
+         batch: int = 8, seed: int = 0) -> list[int]:  # fmt: skip
+    """Drive the policy for `steps` steps; acceptance(step)[j] is the chance draft j is accepted once reached."""
+    rng, ids, chosen = random.Random(seed), list(range(batch)), []
+    for step in range(steps):
+        num_drafts = policy.num_drafts(ids, [K] * batch)
+        rates = acceptance(step)
+        accepted = []
+        for k in num_drafts:
+            n = 0
+            while n < k and rng.random() < rates[n]:
+                n += 1
+            accepted.append(n)
+        width = max(num_drafts)
+        policy.observe(ids, num_drafts, accepted, cost(width) * rng.uniform(0.95, 1.05))  # timing noise
+        chosen.append(width)
+    return chosen
+
+
+def _expected_throughput(rates: list[float], cost: Callable[[int], float], k: int) -> float:
+    tokens, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= rates[j]
+        tokens += reach
+    return tokens / cost(k)
+
+
+def test_picks_no_drafts_when_verification_cannot_pay():
+    cost = lambda k: 1.0 + 1.0 * k  # noqa: E731 — a busy large batch: k + 1 tokens cost k + 1 steps
+    chosen = _run(AdaptivePolicy(K), 300, cost, lambda step: [0.5] * K)
+    assert Counter(chosen[-100:])[0] >= 90  # the rest are the periodic re-tries
+
+
+@pytest.mark.parametrize(
+    "rates,slope",
+    [([0.95, 0.95, 0.1, 0.1], 0.1), ([0.9] * K, 0.05), ([0.8, 0.3, 0.3, 0.3], 0.35)],
+    ids=["interior", "all", "one"],
+)
+def test_picks_the_best_fixed_k_when_speculation_pays(rates, slope):
+    cost = lambda k: 1.0 + slope * k  # noqa: E731
+    best = max(range(K + 1), key=lambda k: _expected_throughput(rates, cost, k))
+    assert best > 0
+    chosen = _run(AdaptivePolicy(K), 300, cost, lambda step: rates)
+    assert Counter(chosen[-100:])[best] >= 85, Counter(chosen[-100:])
+
+
+def test_reacts_when_acceptance_changes_mid_run():
+    cost = lambda k: 1.0 + 0.1 * k  # noqa: E731
+    low, high = [0.02] * K, [0.95] * K
+    chosen = _run(AdaptivePolicy(K), 600, cost, lambda step: low if step < 300 else high)
+    assert Counter(chosen[250:300])[0] >= 45  # drafts are rejected: plain steps
+    assert Counter(chosen[-100:])[K] >= 90  # drafts are accepted again: the full width
+    switched = next(i for i in range(300, 600) if all(k == K for k in chosen[i : i + 10]))
+    assert switched - 300 < 80
+    chosen = _run(AdaptivePolicy(K), 600, cost, lambda step: high if step < 300 else low)
+    assert Counter(chosen[250:300])[K] >= 45 and Counter(chosen[-100:])[0] >= 90
+
+
+def test_measures_each_batch_size_bucket_on_its_own():
+    policy = AdaptivePolicy(K)
+    _run(policy, 100, lambda k: 1.0 + 0.05 * k, lambda step: [0.9] * K, batch=1)
+    _run(policy, 100, lambda k: 1.0 + 1.0 * k, lambda step: [0.9] * K, batch=32)
+    assert policy.num_drafts([0], [K]) == [K]
+    assert policy.num_drafts(list(range(32)), [K] * 32) == [0] * 32
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
+
+
+def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
+    policy = AdaptivePolicy(K)
+    assert policy.num_drafts([0, 1], [0, 0]) == [0, 0]
+    assert policy.num_drafts([0, 1], [2, 1]) == [2, 1]  # first measurement: the widest allowed
+    assert FixedPolicy().num_drafts([0, 1, 2], [4, 0, 2]) == [4, 0, 2]
+    with pytest.raises(ValueError, match="policy 'greedy' is invalid: must be one of adaptive, fixed"):
+        make_policy("greedy", K)

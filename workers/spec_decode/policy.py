@@ -1,0 +1,184 @@
+"""How many drafts each step verifies: a fixed k, or the k that this run's own measurements say pays best.
+
+Speculation pays when the tokens a verification step produces outweigh what it costs over a plain step. Both
+sides move with the batch: a plain step at batch 64 is already busy, so a k + 1 wide verification costs nearly
+k + 1 times as much, while at batch 1 it costs about one step. The adaptive policy measures, in this run:
+- the seconds of a whole step (propose + verify + accept, or a plain step for k = 0) per batch-size bucket and k;
+- per draft position j, the chance that draft j is accepted once drafts 1 … j-1 were (per request, pulled towards
+  the batch's rate while the request has few observations).
+Each step it picks the k that maximises expected tokens per second,
+
+    Σ_r E_r(k) / seconds(bucket(b), k),   E_r(k) = 1 + Σ_{j ≤ min(k, budget_r)} Π_{i ≤ j} α_{r,i},
+
+verifying unmeasured widths once and re-trying speculation now and then after choosing 0, so that it notices
+when acceptance rises. The choice never changes what greedy decoding produces, and rejection sampling keeps the
+sampled distribution exact for any k chosen before the drafts are drawn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "fixed")
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes measured together: 1, 2, 4, 8, … (the power of two at or above)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+@dataclass
+class _Acceptance:
+    """Per draft position: how often it was reached (drafts before it all accepted) and accepted."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted_drafts: int) -> None:
+        while len(self.reached) < num_drafts:
+            self.reached.append(0)
+            self.accepted.append(0)
+        for j in range(min(num_drafts, num_accepted_drafts + 1)):
+            self.reached[j] += 1
+            self.accepted[j] += j < num_accepted_drafts
+
+    def decay(self, factor: float) -> None:
+        """Let older observations weigh less (acceptance drifts as the text moves on)."""
+        self.reached = [n * factor for n in self.reached]
+        self.accepted = [n * factor for n in self.accepted]
+
+    def rate(self, j: int, prior: float, prior_weight: float) -> float:
+        """Smoothed chance that draft j is accepted once reached."""
+        reached = self.reached[j] if j < len(self.reached) else 0
+        accepted = self.accepted[j] if j < len(self.accepted) else 0
+        return (accepted + prior * prior_weight) / (reached + prior_weight)
+
+
+class FixedPolicy:
+    """Always as many drafts as allowed (`--speculative-policy fixed`)."""
+
+    def __init__(self) -> None:
+        self.chosen: Counter[int] = Counter()
+
+    def num_drafts(self, request_ids: list[int], budgets: list[int]) -> list[int]:
+        """Every request gets its full budget."""
+        self.chosen[max(budgets, default=0)] += 1
+        return list(budgets)
+
+    def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
+                seconds: float) -> None:  # fmt: skip
+        """Nothing to learn."""
+
+    def forget(self, request_id: int) -> None:
+        """Nothing kept per request."""
+
+
+class AdaptivePolicy:
+    """Chooses k per step from measured step times and observed acceptance (see the module docstring)."""
+
+    def __init__(self, max_drafts: int, explore_every: int = 16, prior_weight: float = 4.0, smoothing: float = 0.3,
+                 decay: float = 0.95):  # fmt: skip
+        """`explore_every`: after this many steps at k = 0, verify once at the best k seen so far (or 1).
+        `prior_weight`: observations a request needs before its own rate outweighs the batch's. `smoothing`: weight
+        of a new step time. `decay`: per step, the weight left to older acceptance counts (batch and request)."""
+        self.max_drafts = max_drafts
+        self.explore_every, self.prior_weight, self.smoothing = explore_every, prior_weight, smoothing
+        self.decay = decay
+        self.seconds: dict[tuple[int, int], float] = {}  # (batch bucket, k) → smoothed step seconds
+        self.tried: set[tuple[int, int]] = set()  # widths asked for once to measure them
+        self.batch = _Acceptance()
+        self.requests: dict[int, _Acceptance] = {}
+        self.steps_without_drafts = 0
+        self.last_useful_k = 1
+        self.chosen: Counter[int] = Counter()  # k → steps (the "chosen k distribution" of the spec stats)
+
+    # ------------------------------------------------------------------------------------------------ decide
+    def num_drafts(self, request_ids: list[int], budgets: list[int]) -> list[int]:
+        """Drafts per request for this step: min(k, budget) with one k for the batch."""
+        k = self._choose(request_ids, budgets)
+        self.chosen[k] += 1
+        self.steps_without_drafts = self.steps_without_drafts + 1 if k == 0 else 0
+        return [min(k, budget) for budget in budgets]
+
+    def _choose(self, request_ids: list[int], budgets: list[int]) -> int:
+        top = min(self.max_drafts, max(budgets, default=0))
+        if top == 0:
+            return 0
+        bucket = batch_bucket(len(request_ids))
+        # 1. Measure first: both ends of the range, so every other width can be interpolated. (A proposer may
+        #    return fewer drafts than asked: the step is then measured at the width it ran.)
+        for k in (top, 0):
+            if (bucket, k) not in self.seconds and (bucket, k) not in self.tried:
+                self.tried.add((bucket, k))
+                return k
+        # 2. Look again now and then: acceptance may have risen since speculation last paid.
+        if self.steps_without_drafts >= self.explore_every:
+            return min(self.last_useful_k, top)
+        # 3. The best expected throughput.
+        rates = [self._rates(rid) for rid in request_ids]
+        best_k, best = 0, -1.0
+        for k in range(top + 1):
+            tokens = sum(_expected_tokens(r, min(k, b)) for r, b in zip(rates, budgets))
+            throughput = tokens / self._seconds(bucket, k)
+            if throughput > best * 1.0001:  # ties go to fewer drafts
+                best_k, best = k, throughput
+        if best_k:
+            self.last_useful_k = best_k
+        return best_k
+
+    def _rates(self, request_id: int) -> list[float]:
+        mine = self.requests.get(request_id, _Acceptance())
+        batch_rates = [self.batch.rate(j, 0.5, 1.0) for j in range(self.max_drafts)]
+        return [mine.rate(j, batch_rates[j], self.prior_weight) for j in range(self.max_drafts)]
+
+    def _seconds(self, bucket: int, k: int) -> float:
+        """Measured, else linear in k through the nearest measured widths of this bucket (beyond them: the line
+        through the two closest; one measured width: the same seconds for every k, which invites a try)."""
+        points = sorted((j, t) for (b, j), t in self.seconds.items() if b == bucket)
+        if not points:
+            return 1.0  # nothing measured at this size yet: every width looks alike
+        measured = dict(points)
+        if k in measured or len(points) == 1:
+            return measured.get(k, points[0][1])
+        below = [p for p in points if p[0] < k][-1:]
+        above = [p for p in points if p[0] > k][:1]
+        (k0, t0), (k1, t1) = (below + above) if below and above else (points[:2] if not below else points[-2:])
+        return max(t0 + (t1 - t0) * (k - k0) / (k1 - k0), min(t for _, t in points) * 0.5)
+
+    # ------------------------------------------------------------------------------------------------- learn
+    def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
+                seconds: float) -> None:  # fmt: skip
+        """One step's outcome: drafts verified and accepted per request, and the step's wall time."""
+        key = (batch_bucket(len(request_ids)), max(num_drafts, default=0))
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.batch.decay(self.decay)
+        for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
+            if k:
+                self.batch.record(k, accepted)
+                mine = self.requests.setdefault(rid, _Acceptance())
+                mine.decay(self.decay)
+                mine.record(k, accepted)
+
+    def forget(self, request_id: int) -> None:
+        """A request finished: drop its own counts (the batch's stay)."""
+        self.requests.pop(request_id, None)
+
+
+def _expected_tokens(rates: list[float], k: int) -> float:
+    """1 + Σ_{j ≤ k} Π_{i ≤ j} α_i: the expected tokens of a step with k drafts."""
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= rates[j]
+        total += reach
+    return total
+
+
+def make_policy(name: str, max_drafts: int) -> FixedPolicy | AdaptivePolicy:
+    """The policy named by `SpeculativeConfig.policy`."""
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "adaptive":
+        return AdaptivePolicy(max_drafts)
+    raise ValueError(f"speculative policy {name!r} is invalid: must be one of {', '.join(POLICIES)}")

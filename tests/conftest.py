@@ -28,13 +28,17 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def hf_model():
     """family path → transformers' own model loaded from it (the oracle), cached."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     cache: dict[Path, torch.nn.Module] = {}
 
     def get(path: Path) -> torch.nn.Module:
         if path not in cache:
-            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            # The class the checkpoint was saved from: for a vision-language wrapper (Qwen3.5) that is the
+            # ForConditionalGeneration model, whose LM head follows the wrapper's tying.
+            architecture = transformers.AutoConfig.from_pretrained(path).architectures[0]
+            model_class = getattr(transformers, architecture)
+            cache[path] = model_class.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]
 
     return get

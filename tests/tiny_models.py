@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BambaConfig,
@@ -19,6 +20,12 @@ from transformers import (
     NemotronHConfig,
     NemotronHForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 VOCAB_SIZE = 128
@@ -35,6 +42,18 @@ _IBM_MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_gr
                   mamba_expand=2, mamba_chunk_size=16)  # fmt: skip
 _NEMOTRON = dict(head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
                  conv_kernel=4, intermediate_size=96)  # fmt: skip
+
+# Gated DeltaNet hybrids: value heads = 2 × key heads (repeat_interleave matters), partial RoPE (0.25 of 32 dims).
+# rms_norm_eps 1e-3, not 1e-6: with random weights some heads' delta-rule outputs are ~1e-4, and the gated norm
+# then amplifies float32 rounding up to 1/sqrt(eps) — transformers itself moved by 2-3e-4 in logprob between
+# float32 and float64 at 1e-6 (measured), which would drown a 1e-4 comparison in rounding noise.
+_QWEN = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             rms_norm_eps=1e-3, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, num_hidden_layers=4, max_position_embeddings=512,
+             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+             pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 
 FAMILIES = {
     "granite_dense": lambda: GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
@@ -53,7 +72,15 @@ FAMILIES = {
         **_COMMON, **_NEMOTRON, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
         routed_scaling_factor=1.5)),
+    "qwen3_next": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **_QWEN, **_QWEN_MOE, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_5": lambda: Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=dict(**_QWEN, intermediate_size=96), vision_config=_VISION, tie_word_embeddings=True)),
+    "qwen3_5_moe": lambda: Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
+        text_config=dict(**_QWEN, **_QWEN_MOE), vision_config=_VISION)),
 }  # fmt: skip
+# Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
+FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
 
 # Small draft models with the same vocabulary: one without any recurrent layer, one hybrid.
 DRAFT_FAMILIES = {
@@ -66,8 +93,12 @@ DRAFT_FAMILIES = {
 }  # fmt: skip
 
 
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D."""
+def randomise(model: torch.nn.Module, seed: int, zero_centred_norms: bool = False) -> None:
+    """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D.
+
+    `zero_centred_norms` (Qwen): RMSNorms scale by 1 + w, so w is drawn near 0 — except the Gated DeltaNet's own
+    gated norm (`linear_attn.norm`), which has a plain weight.
+    """
     generator = torch.Generator().manual_seed(seed)
 
     def randn(t: torch.Tensor) -> torch.Tensor:
@@ -84,9 +115,24 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith(".D") or "e_score_correction_bias" in name:
                 tensor.copy_(randn(tensor) * 0.5)
             elif "norm" in name:
-                tensor.copy_(1 + 0.2 * randn(tensor))
+                centre = 0.0 if zero_centred_norms and "linear_attn.norm" not in name else 1.0
+                tensor.copy_(centre + 0.2 * randn(tensor))
             else:
                 tensor.copy_(randn(tensor) * (0.5 if "conv1d" in name else 0.15))
+
+
+def fuse_experts(path: Path) -> None:
+    """Rewrite per-expert `experts.E.{gate,up,down}_proj.weight` as the hub's fused `experts.gate_up_proj
+    [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`."""
+    tensors = load_file(path)
+    prefixes = sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k})
+    for prefix in prefixes:
+        num_experts = len({k for k in tensors if k.startswith(f"{prefix}.experts.") and k.endswith("down_proj.weight")})
+        pop = lambda e, p: tensors.pop(f"{prefix}.experts.{e}.{p}_proj.weight")  # noqa: E731
+        gate_up = [torch.cat([pop(e, "gate"), pop(e, "up")]) for e in range(num_experts)]
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([pop(e, "down") for e in range(num_experts)])
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -106,8 +152,10 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     """Save a tiny random `family` model, its tokenizer and a generation config into `directory`."""
     torch.manual_seed(seed)
     model = {**FAMILIES, **DRAFT_FAMILIES}[family]()
-    randomise(model, seed)
+    randomise(model, seed, zero_centred_norms=family.startswith("qwen"))
     model.to(dtype).save_pretrained(directory)
+    if family in FUSED_EXPERT_FAMILIES:
+        fuse_experts(directory / "model.safetensors")
     make_tokenizer().save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory

@@ -1,4 +1,8 @@
-"""Grouped-query attention over a slot-indexed KV cache, with NoPE or (partial) RoPE."""
+"""Grouped-query attention over a slot-indexed KV cache, with NoPE or (partial) RoPE.
+
+Qwen3-Next / Qwen3.5 add an output gate (q_proj rows per head are `[q_h | gate_h]`, output × sigmoid(gate)) and
+an RMSNorm over each head of q and k before RoPE.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch import nn
 
 from workers.model import native
 from workers.model.config import AttentionConfig, HybridConfig
+from workers.model.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
 
 
@@ -38,11 +43,33 @@ class Attention(nn.Module):
         super().__init__()
         a: AttentionConfig = config.attention
         self.config = a
-        self.q_proj = nn.Linear(config.hidden_size, a.num_heads * a.head_dim, bias=a.bias)
+        q_width = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=a.bias)
         self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=a.bias)
+        self.q_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
         self.native = False  # decode steps through the native kernel (set at load for CPU float32)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [b, l, d] → q [b, l, heads, hd], k, v [b, l, kv_heads, hd], gate [b, l, heads · hd] or None."""
+        a = self.config
+        b, length, _ = hidden.shape
+        q = self.q_proj(hidden).view(b, length, a.num_heads, -1)
+        gate = None
+        if a.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(b, length, a.num_heads * a.head_dim)
+        k = self.k_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        return q, k, v, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [b, l, heads · hd] → o_proj (after the output gate when the model has one)."""
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
@@ -52,9 +79,8 @@ class Attention(nn.Module):
             return self._decode(hidden, batch, cache)
         offsets = torch.arange(length, device=hidden.device)
         positions = batch.cache_lens[:, None] + offsets  # [b, l]
-        q = self.q_proj(hidden).view(b, length, a.num_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q, k, v, gate = self._project(hidden)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if a.rope_theta is not None:
             q = rotary(q, positions, a.rope_theta, a.rotary_dim)
             k = rotary(k, positions, a.rope_theta, a.rotary_dim)
@@ -73,16 +99,16 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim))
+        return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)
 
     def _decode(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """`forward` for one new token in every row: direct cache writes, one mask row per request."""
         a = self.config
         b = hidden.shape[0]
         positions = batch.cache_lens  # [b]: each row's new token goes right after its cached ones
-        q = self.q_proj(hidden).view(b, a.num_heads, 1, a.head_dim)
-        k = self.k_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
-        v = self.v_proj(hidden).view(b, a.num_kv_heads, 1, a.head_dim)
+        q, k, v, gate = self._project(hidden)  # [b, 1, heads, hd]: one token, so heads can move to dim 1 freely
+        q = q.reshape(b, a.num_heads, 1, a.head_dim)
+        k, v = k.reshape(b, a.num_kv_heads, 1, a.head_dim), v.reshape(b, a.num_kv_heads, 1, a.head_dim)
         if self.native and native.fits(q, k, v, cache.key, cache.value):
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
             if a.rope_theta is not None:  # in place, on the fresh projections
@@ -90,7 +116,7 @@ class Attention(nn.Module):
                 native.rope(q, positions, inv_freq, a.rotary_dim)
                 native.rope(k, positions, inv_freq, a.rotary_dim)
             out = native.attention_decode(q, k, v, cache.key, cache.value, batch.slot_ids, positions, a.scale)
-            return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))
+            return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
         if a.rope_theta is not None:
             q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
             k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
@@ -105,4 +131,4 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
-        return self.o_proj(out.view(b, 1, a.num_heads * a.head_dim))
+        return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)

@@ -1,11 +1,13 @@
 """One normalised architecture description for every supported hybrid family.
 
-`config.json` files of Granite 4.0-H, Bamba and Nemotron-H name the same ideas differently (and the hub's names
+`config.json` files of Granite 4.0-H, Bamba, Nemotron-H and the Qwen Gated DeltaNet hybrids name the same ideas
+differently (and the hub's names
 differ from transformers 5's). `HybridConfig.from_hf_dict` reads any of them into one frozen dataclass, so the
 model code never looks at a family-specific field name.
 
 A model is a flat list of *blocks*, each `x = x + residual_multiplier * mixer(norm(x))`. A Granite/Bamba decoder
-layer is two blocks (sequence mixer, then feed-forward); a Nemotron-H layer is one block.
+layer is two blocks (sequence mixer, then feed-forward); a Nemotron-H layer is one block. The Qwen readers
+(Qwen3-Next, Qwen3.5, Qwen3.5-MoE) live in `config_qwen.py`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
+QWEN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", *QWEN_MODEL_TYPES)
 
-# Block kinds.
-MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+# Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
+MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
+RECURRENT_KINDS = (MAMBA, GDN)
 
 _LAYER_TYPE_ALIASES = {
     "mamba": MAMBA,
@@ -60,6 +64,33 @@ class MambaConfig:
 
 
 @dataclass(frozen=True)
+class GdnConfig:
+    """Shapes of the Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): value heads share key heads in groups."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: value head j reads key head j // (value / key heads)
+    key_head_dim: int  # d_k
+    value_head_dim: int  # d_v
+    conv_kernel: int  # W
+    chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+
+    @property
+    def key_dim(self) -> int:
+        """Width of q (and of k): key heads × key head dim."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of v (and of the gate z): value heads × value head dim."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v together."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention shapes and positional encoding."""
 
@@ -70,6 +101,8 @@ class AttentionConfig:
     bias: bool
     rope_theta: float | None  # None: no positional encoding (NoPE)
     rotary_dim: int  # leading dims of each head that RoPE rotates (partial RoPE)
+    output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
 
 
 @dataclass(frozen=True)
@@ -89,6 +122,7 @@ class FeedForwardConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     latent_size: int | None = None  # Nemotron-H MoE latent projection
+    shared_expert_gate: bool = False  # shared MLP output × sigmoid(linear(x)) (Qwen)
 
 
 @dataclass(frozen=True)
@@ -99,7 +133,7 @@ class HybridConfig:
     vocab_size: int
     hidden_size: int
     block_kinds: tuple[str, ...]
-    mamba: MambaConfig
+    mamba: MambaConfig | None  # None for families without Mamba2 blocks
     attention: AttentionConfig
     feed_forward: FeedForwardConfig
     rms_norm_eps: float
@@ -111,6 +145,26 @@ class HybridConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    gdn: GdnConfig | None = None  # Gated DeltaNet families only
+    zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
+
+    @property
+    def recurrent_kind(self) -> str | None:
+        """MAMBA or GDN: the kind of this model's recurrent blocks (None when it has none)."""
+        kinds = {kind for kind in self.block_kinds if kind in RECURRENT_KINDS}
+        assert len(kinds) <= 1, "a model mixes Mamba2 and Gated DeltaNet blocks"
+        return kinds.pop() if kinds else None
+
+    def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n] or
+        Gated DeltaNet [h_v, d_k, d_v]. A model without recurrent blocks gets empty shapes."""
+        if self.gdn is not None:
+            g = self.gdn
+            return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)
+        if self.mamba is None:
+            return (0, 0), (0, 0, 0)
+        m = self.mamba
+        return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> HybridConfig:
@@ -121,8 +175,12 @@ class HybridConfig:
                 f"unsupported model_type {model_type!r} (architectures={raw.get('architectures')}); "
                 f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type in QWEN_MODEL_TYPES:
+            from workers.model.config_qwen import read_qwen  # it builds on this module's dataclasses
+
+            return cls(model_type=model_type, **read_qwen(raw))
         reader = {"granitemoehybrid": _granite, "bamba": _bamba, "nemotron_h": _nemotron_h}[model_type]
-        return cls(model_type=model_type, **_common(raw), **reader(raw))
+        return cls(model_type=model_type, **common_fields(raw), **reader(raw))
 
 
 def _float(value: Any) -> float:
@@ -137,7 +195,8 @@ def _dt_limits(raw: dict[str, Any], default_min: float = 0.0) -> tuple[float, fl
     return max(_float(limit[0]), default_min), _float(limit[1])
 
 
-def _common(raw: dict[str, Any]) -> dict[str, Any]:
+def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fields every family names alike: vocabulary, width, tying, limits, special tokens, dtype."""
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
     return {
@@ -161,7 +220,8 @@ def _kinds(names: list[str]) -> list[str]:
     return kinds
 
 
-def _rope(raw: dict[str, Any], head_dim: int, partial_factor: float) -> tuple[float, int]:
+def rope_fields(raw: dict[str, Any], head_dim: int, partial_factor: float) -> tuple[float, int]:
+    """(theta, rotary dims) of a plain RoPE; `partial_factor` unless `rope_parameters` names its own."""
     params = raw.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     factor = float(params.get("partial_rotary_factor", partial_factor))
@@ -195,7 +255,7 @@ def _mamba_ibm(raw: dict[str, Any]) -> MambaConfig:
 def _attention_ibm(raw: dict[str, Any], scale: float | None, rope: bool, partial: float) -> AttentionConfig:
     num_heads = int(raw["num_attention_heads"])
     head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads)
-    theta, rotary_dim = _rope(raw, head_dim, partial) if rope else (None, 0)
+    theta, rotary_dim = rope_fields(raw, head_dim, partial) if rope else (None, 0)
     return AttentionConfig(
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),

@@ -36,7 +36,10 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Top-k expert choice: softmax over the top-k logits (Granite) or grouped sigmoid with score bias (Nemotron-H)."""
+    """Top-k expert choice: softmax (Granite, Qwen) or grouped sigmoid with score bias (Nemotron-H).
+
+    Softmax with `norm_topk_prob` is a softmax over the top-k logits; without it, the top-k of a softmax over all.
+    """
 
     def __init__(self, hidden_size: int, ff: FeedForwardConfig):
         super().__init__()
@@ -50,6 +53,8 @@ class Router(nn.Module):
         ff = self.ff
         if ff.router == "softmax":
             logits = F.linear(hidden, self.weight).float()
+            if not ff.norm_topk_prob:
+                return torch.softmax(logits, dim=-1).topk(ff.experts_per_token, dim=-1)
             top_logits, top_ids = logits.topk(ff.experts_per_token, dim=-1)
             return torch.softmax(top_logits, dim=-1), top_ids
         scores = F.linear(hidden.float(), self.weight.float()).sigmoid()  # [t, e]
@@ -67,7 +72,7 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus an always-on shared MLP; expert weights stacked as [e, out, in]."""
+    """Routed experts plus an always-on shared MLP (Qwen: scaled by sigmoid(shared_gate(x))); experts as [e, out, in]."""
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -80,6 +85,7 @@ class MoE(nn.Module):
         )
         self.experts_down = nn.Parameter(torch.zeros(ff.num_experts, width, ff.expert_intermediate_size))
         self.shared = MLP(config.hidden_size, ff.shared_expert_intermediate_size, ff.gated, ff.bias)
+        self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if ff.shared_expert_gate else None
         self.latent_in = nn.Linear(config.hidden_size, ff.latent_size, bias=ff.bias) if ff.latent_size else None
         self.latent_out = nn.Linear(ff.latent_size, config.hidden_size, bias=ff.bias) if ff.latent_size else None
 
@@ -97,4 +103,7 @@ class MoE(nn.Module):
         routed = routed.to(hidden.dtype)
         if self.latent_out is not None:
             routed = self.latent_out(routed)
-        return routed.view_as(hidden) + self.shared(hidden)
+        shared = self.shared(hidden)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(hidden)) * shared
+        return routed.view_as(hidden) + shared

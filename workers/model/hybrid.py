@@ -1,4 +1,8 @@
-"""The hybrid language model: embeddings, a list of pre-norm residual blocks, final norm, LM head."""
+"""The hybrid language model: embeddings, a list of pre-norm residual blocks, final norm, LM head.
+
+Recurrent blocks (Mamba2 or Gated DeltaNet) share one contract: `mixer(x, state, num_tokens, in_place)` →
+(out, new state, scan inputs), and `mixer.state_after(state, scan, num_tokens)` for speculative state shifting.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import torch
 from torch import nn
 
 from workers.model.attention import Attention
-from workers.model.config import ATTENTION, MAMBA, MLP, HybridConfig
+from workers.model.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS, HybridConfig
 from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.feed_forward import MoE
+from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.norm import RMSNorm
-from workers.model.state import ForwardBatch, KVCache, MambaState, ScanInputs
+from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
 
 
 @dataclass
@@ -21,12 +26,12 @@ class ForwardOutput:
     """Result of one forward pass."""
 
     hidden: torch.Tensor  # [b, l, d] final hidden states (after the final norm)
-    mamba_states: list[MambaState]  # per Mamba layer: state after each row's last valid token
-    scan_inputs: list[ScanInputs] = field(default_factory=list)  # per Mamba layer, when asked to keep them
+    mamba_states: list[RecurrentState]  # per recurrent layer (Mamba2 or GDN): state after each row's last valid token
+    scan_inputs: list[ScanInputs | DeltaScanInputs] = field(default_factory=list)  # per recurrent layer, if asked
 
 
 class Block(nn.Module):
-    """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, attention, an MLP or a MoE."""
+    """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
     def __init__(self, config: HybridConfig, kind: str):
         super().__init__()
@@ -35,6 +40,8 @@ class Block(nn.Module):
         ff = config.feed_forward
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)
+        elif kind == GDN:
+            self.mixer = GatedDeltaNetMixer(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config)
         elif kind == MLP:
@@ -44,7 +51,7 @@ class Block(nn.Module):
 
 
 class HybridModel(nn.Module):
-    """A causal LM over explicit state: `forward` takes Mamba states and KV caches and returns new Mamba states."""
+    """A causal LM over explicit state: `forward` takes recurrent states and KV caches and returns new recurrent states."""
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -60,16 +67,16 @@ class HybridModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         batch: ForwardBatch,
-        mamba_states: list[MambaState] | None,
+        mamba_states: list[RecurrentState] | None,
         kv_caches: list[KVCache],
         keep_scan_inputs: bool = False,
         in_place: bool = False,
     ) -> ForwardOutput:
-        """input_ids [b, l] (right-padded to l) → final hidden states, new Mamba states (and scan inputs).
+        """input_ids [b, l] (right-padded to l) → final hidden states, new recurrent states (and scan inputs).
 
-        `mamba_states` None: every row starts its sequence (zero Mamba states; prompts, scoring).
-        The new Mamba states are those after each row's last valid token; `kv_caches` receive the new keys.
-        `in_place` (decode, one token per row): the given Mamba state tensors are updated and returned.
+        `mamba_states` (one per recurrent layer, Mamba2 or GDN) None: every row starts its sequence (zero states;
+        prompts, scoring). The new states are those after each row's last valid token; `kv_caches` receive the new
+        keys. `in_place` (decode, one token per row): the given state tensors are updated and returned.
         """
         if keep_scan_inputs and (in_place or mamba_states is None):
             raise ValueError("keep_scan_inputs needs the old states: not with in_place or without states")
@@ -77,13 +84,14 @@ class HybridModel(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
         output = ForwardOutput(hidden, [])
-        num_mamba = sum(block.kind == MAMBA for block in self.blocks)
-        mamba_iter, kv_iter = iter(mamba_states if mamba_states is not None else [None] * num_mamba), iter(kv_caches)
+        num_recurrent = sum(block.kind in RECURRENT_KINDS for block in self.blocks)
+        states = mamba_states if mamba_states is not None else [None] * num_recurrent
+        state_iter, kv_iter = iter(states), iter(kv_caches)
         normed = self.blocks[0].norm(hidden) if self.blocks else self.final_norm(hidden)
         next_norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
         for block, next_norm in zip(self.blocks, next_norms):
-            if block.kind == MAMBA:
-                out, state, scan = block.mixer(normed, next(mamba_iter), batch.num_tokens, in_place)
+            if block.kind in RECURRENT_KINDS:
+                out, state, scan = block.mixer(normed, next(state_iter), batch.num_tokens, in_place)
                 output.mamba_states.append(state)
                 if keep_scan_inputs:
                     output.scan_inputs.append(scan)
@@ -97,10 +105,13 @@ class HybridModel(nn.Module):
         return output
 
     def states_after(
-        self, mamba_states: list[MambaState], scan_inputs: list[ScanInputs], num_tokens: torch.Tensor
-    ) -> list[MambaState]:
-        """Every Mamba layer's state after each row's first `num_tokens` inputs of a kept forward."""
-        mixers = [block.mixer for block in self.blocks if block.kind == MAMBA]
+        self,
+        mamba_states: list[RecurrentState],
+        scan_inputs: list[ScanInputs | DeltaScanInputs],
+        num_tokens: torch.Tensor,
+    ) -> list[RecurrentState]:
+        """Every recurrent layer's state after each row's first `num_tokens` inputs of a kept forward."""
+        mixers = [block.mixer for block in self.blocks if block.kind in RECURRENT_KINDS]
         return [
             m.state_after(s, scan, num_tokens) for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)
         ]

@@ -85,6 +85,8 @@ def _pick(sources: list[Source], handles: dict[str, Any]) -> Source | None:
 
 def _read(source: Source, handles: dict[str, Any]) -> torch.Tensor:
     tensors = [handles[key].get_tensor(key) for key in source.keys]
+    if source.transform is not None:
+        return source.transform(tensors)
     if source.combine == "cat":
         return torch.cat(tensors, dim=0)
     if source.combine == "stack":
@@ -102,9 +104,11 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
     problems, used = [], set()
     plan = {}
     for name, param in params.items():
-        source = _pick(sources.get(name, []), handles)
-        if source is None:
-            wanted = [k for s in sources.get(name, [])[:1] for k in s.keys[:2]]
+        options = sources.get(name, [])
+        source = _pick(options, handles)
+        if source is None:  # name what is missing from the layout the checkpoint comes closest to
+            closest = max(options, key=lambda s: sum(k in handles for k in s.keys), default=None)
+            wanted = [k for k in closest.keys if k not in handles][:2] if closest else []
             problems.append(f"missing weight {wanted or name} for parameter {name!r} of shape {tuple(param.shape)}")
             continue
         used.update(source.keys)
@@ -116,11 +120,12 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
             shape = tuple(handles[key].get_slice(key).get_shape())
             problems.append(f"unexpected weight {key!r} with shape {shape} in the checkpoint")
     for name, source in plan.items():
-        shape = tuple(params[name].shape)
-        if source.combine == "one":
-            found = tuple(handles[source.keys[0]].get_slice(source.keys[0]).get_shape())
-            if found != shape:
-                problems.append(f"weight {source.keys[0]!r} has shape {found} in the checkpoint, model expects {shape}")
+        plain = source.combine == "one" and source.transform is None
+        expected = source.shapes or ((tuple(params[name].shape),) if plain else ())
+        for key, shape in zip(source.keys, expected):
+            found = tuple(handles[key].get_slice(key).get_shape())
+            if found != tuple(shape):
+                problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
@@ -185,6 +190,10 @@ def load_checkpoint(
     for name, param in model.named_parameters():
         if name.endswith(FLOAT32_SUFFIXES):
             param.data = param.data.float()
+    if config.zero_centred_norms:  # 1 + w is rounded once, in float32, as the reference computes it
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, handles)

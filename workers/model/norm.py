@@ -56,3 +56,18 @@ class GatedRMSNorm(nn.Module):
         grouped = gated.view(*gated.shape[:-1], self.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """The Gated DeltaNet's output norm (norm before gate): weight · rmsnorm(y) · silu(z) over each head's channels."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., heads, head_dim] → [..., heads, head_dim] in `out_dtype`."""
+        y = y.float()
+        normed = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(out_dtype)
+        return (self.weight * normed * F.silu(z.float())).to(out_dtype)

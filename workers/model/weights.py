@@ -8,12 +8,15 @@ present wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.model.config import ATTENTION, MAMBA, MLP, HybridConfig
+import torch
 
-# Checkpoint keys we knowingly do not use (Nemotron-H multi-token-prediction heads, cached RoPE tables).
-IGNORED_PREFIXES = ("mtp.",)
+from workers.model.config import ATTENTION, MAMBA, MLP, QWEN_MODEL_TYPES, HybridConfig
+
+# Checkpoint keys we knowingly do not use (multi-token-prediction heads, vision towers, cached RoPE tables).
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 MAMBA_PARAMS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
@@ -27,6 +30,8 @@ class Source:
 
     keys: tuple[str, ...]
     combine: str = "one"  # "one" | "cat" (along dim 0) | "stack" (new dim 0)
+    transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # replaces `combine` when set
+    shapes: tuple[tuple[int, ...], ...] | None = None  # each key's expected shape, checked before reading
 
 
 def _one(*alternatives: str) -> list[Source]:
@@ -102,7 +107,11 @@ def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Sourc
 
 def checkpoint_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
     """Every parameter name → its candidate sources in a checkpoint with `checkpoint_keys`."""
-    if config.model_type == "nemotron_h":
+    if config.model_type in QWEN_MODEL_TYPES:
+        from workers.model.weights_qwen import qwen_sources  # it builds on this module's Source
+
+        sources = qwen_sources(config, checkpoint_keys)
+    elif config.model_type == "nemotron_h":
         prefix = "model" if any(k.startswith("model.") for k in checkpoint_keys) else "backbone"
         sources = _nemotron_sources(config, prefix)
     else:

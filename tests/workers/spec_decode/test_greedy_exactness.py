@@ -17,7 +17,7 @@ def _prompts(batch: int, seed: int) -> list[list[int]]:
     prompts = []
     for i in range(batch):
         phrase = torch.randint(4, 128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-        prompts.append(phrase * 4 if i % 2 else phrase + [5] * (i % 3))
+        prompts.append(phrase * 4 if i % 2 == 0 else phrase + [5] * (i % 3))  # row 0 repeats: batch 1 drafts too
     return prompts
 
 

@@ -1,0 +1,109 @@
+"""The Gated DeltaNet mixer of Qwen3-Next and Qwen3.5 (the "linear_attention" layers).
+
+in_proj → causal depthwise conv (SiLU) over q, k, v → l2norm q and k, q · d_k^-0.5, key heads repeated to the
+value heads → gated delta rule (g, beta in float32) → per-head gated RMSNorm (weight · norm(o) · silu(z)) → out_proj.
+Our `in_proj` holds the checkpoint's projections as one matrix with rows `[q | k | v | z | b | a]` (the loader
+de-interleaves Qwen3-Next's per-key-head groups). State comes in as a `RecurrentState` (conv window, delta-rule
+state [h_v, d_k, d_v]) and the new one is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import HybridConfig
+from workers.model.gated_delta import chunked_delta_rule, delta_rule_scan, delta_state_after, l2norm
+from workers.model.norm import HeadGatedRMSNorm
+from workers.model.ssd import causal_conv, conv_window_after
+from workers.model.state import DeltaScanInputs, RecurrentState
+
+# Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
+# rule runs token by token; longer inputs (prompts) take the chunked form.
+RECURRENT_MAX_TOKENS = 8
+
+
+class GatedDeltaNetMixer(nn.Module):
+    """Gated DeltaNet over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        g = config.gdn
+        self.config = g
+        self.in_proj = nn.Linear(config.hidden_size, g.conv_dim + g.value_dim + 2 * g.num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(g.conv_dim, g.conv_dim, g.conv_kernel, groups=g.conv_dim, bias=False)
+        # A_log and dt_bias are kept in float32 whatever the weight dtype (see loader).
+        self.dt_bias = nn.Parameter(torch.zeros(g.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(g.num_value_heads))
+        self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [b, l, conv_dim] → q, k [b, l, h_v, d_k] (normalised, q scaled), v [b, l, h_v, d_v]; float32."""
+        g = self.config
+        b, length, _ = qkv.shape
+        q, k, v = qkv.float().split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        q = l2norm(q.reshape(b, length, g.num_key_heads, g.key_head_dim)) * g.key_head_dim**-0.5
+        k = l2norm(k.reshape(b, length, g.num_key_heads, g.key_head_dim))
+        repeats = g.num_value_heads // g.num_key_heads
+        if repeats > 1:  # value head j reads key head j // repeats (repeat_interleave, not tiling)
+            q, k = q.repeat_interleave(repeats, dim=2), k.repeat_interleave(repeats, dim=2)
+        return q, k, v.reshape(b, length, g.num_value_heads, g.value_head_dim)
+
+    def _gates(
+        self, b_raw: torch.Tensor, a_raw: torch.Tensor, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g = −exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b)), [b, l, h_v] float32, both 0 at padding."""
+        g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())
+        valid = (torch.arange(g.shape[1], device=g.device)[None, :] < num_tokens[:, None])[..., None]  # [b, l, 1]
+        return g * valid, b_raw.float().sigmoid() * valid
+
+    def forward(
+        self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
+
+        `state` None: every row starts its sequence here (zero state). `in_place` (with a state): write the new
+        state into `state`'s tensors and return them — the decode loop updates its pool views this way.
+        """
+        g = self.config
+        b, length, _ = hidden.shape
+        # 1. Projections.
+        conv_in, z, b_raw, a_raw = self.in_proj(hidden).split(
+            [g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1
+        )
+        # 2. Causal conv (+ SiLU) over q, k, v, continuing the stored window.
+        previous = hidden.new_zeros(b, g.conv_dim, g.conv_kernel - 1) if state is None else state.conv
+        qkv, conv_state = causal_conv(conv_in, previous, self.conv1d.weight.squeeze(1), None, num_tokens)
+        q, k, v = self._heads(qkv)
+        decay, beta = self._gates(b_raw, a_raw, num_tokens)
+        # 3. The delta rule: token by token from a kept state for a few tokens, chunked otherwise.
+        start = hidden.new_zeros(b, g.num_value_heads, g.key_head_dim, g.value_head_dim, dtype=torch.float32)
+        start = start if state is None else state.ssm
+        if state is not None and length <= RECURRENT_MAX_TOKENS:
+            o, delta_state = delta_rule_scan(q, k, v, decay, beta, start)
+        else:
+            o, delta_state = chunked_delta_rule(q, k, v, decay, beta, start, g.chunk_size)
+        # 4. Gated norm per head, output projection.
+        y = self.norm(o, z.reshape(b, length, g.num_value_heads, g.value_head_dim), hidden.dtype)
+        out = self.out_proj(y.reshape(b, length, g.value_dim))
+        new_state = RecurrentState(conv_state, delta_state)
+        if in_place and state is not None:
+            state.conv.copy_(conv_state)
+            state.ssm.copy_(delta_state)
+            new_state = state
+        return out, new_state, DeltaScanInputs(conv_in, k, v, decay, beta)
+
+    def state_after(self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor) -> RecurrentState:
+        """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
+
+        Speculative state shifting for a recurrence that is not diagonal: the conv window is a gather, the delta-rule
+        state re-runs the accepted prefix (≤ k + 1 steps) from the step's start state over the kept k, v, g, beta.
+        That keeps only the small per-token inputs — ((h_v·(d_k + d_v + 2)) floats per token and layer) — instead
+        of one [h_v, d_k, d_v] state per verified position, at the price of re-running ≤ k + 1 recurrence steps.
+        """
+        return RecurrentState(
+            conv_window_after(state.conv, scan.conv_in, num_tokens),
+            delta_state_after(scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens),
+        )

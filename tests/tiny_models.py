@@ -13,6 +13,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     BambaConfig,
     BambaForCausalLM,
     GraniteMoeHybridConfig,
@@ -93,6 +103,18 @@ DRAFT_FAMILIES = {
 }  # fmt: skip
 
 
+# Attention-only standard models with the same vocabulary (drafts for the hybrids, and plain targets).
+_DENSE = dict(**{**_COMMON, "hidden_size": 32}, head_dim=8, intermediate_size=48, num_hidden_layers=2)
+DENSE_FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_DENSE, attention_bias=True, rope_theta=500.0)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_DENSE, sliding_window=64)),  # max_model_len 64
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_DENSE, tie_word_embeddings=True)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_DENSE)),
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(
+        **_DENSE, embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0)),
+}  # fmt: skip
+
+
 def randomise(model: torch.nn.Module, seed: int, zero_centred_norms: bool = False) -> None:
     """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D.
 
@@ -151,7 +173,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """Save a tiny random `family` model, its tokenizer and a generation config into `directory`."""
     torch.manual_seed(seed)
-    model = {**FAMILIES, **DRAFT_FAMILIES}[family]()
+    model = {**FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[family]()
     randomise(model, seed, zero_centred_norms=family.startswith("qwen"))
     model.to(dtype).save_pretrained(directory)
     if family in FUSED_EXPERT_FAMILIES:

@@ -47,7 +47,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=a.bias)
         self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=a.bias)
+        output_bias = a.bias if a.output_bias is None else a.output_bias
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=output_bias)
         self.q_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
         self.native = False  # decode steps through the native kernel (set at load for CPU float32)

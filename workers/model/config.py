@@ -7,7 +7,8 @@ model code never looks at a family-specific field name.
 
 A model is a flat list of *blocks*, each `x = x + residual_multiplier * mixer(norm(x))`. A Granite/Bamba decoder
 layer is two blocks (sequence mixer, then feed-forward); a Nemotron-H layer is one block. The Qwen readers
-(Qwen3-Next, Qwen3.5, Qwen3.5-MoE) live in `config_qwen.py`.
+(Qwen3-Next, Qwen3.5, Qwen3.5-MoE) live in `config_qwen.py`, the attention-only families (Llama, Mistral, Qwen2,
+Qwen3, Granite) in `config_dense.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 QWEN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-SUPPORTED_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", *QWEN_MODEL_TYPES)
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")  # attention-only (drafts, mostly)
+SUPPORTED_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", *QWEN_MODEL_TYPES, *DENSE_MODEL_TYPES)
 
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
@@ -98,11 +100,12 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     scale: float
-    bias: bool
+    bias: bool  # q, k, v projections (and o_proj unless output_bias says otherwise)
     rope_theta: float | None  # None: no positional encoding (NoPE)
     rotary_dim: int  # leading dims of each head that RoPE rotates (partial RoPE)
     output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
+    output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,10 @@ class HybridConfig:
             from workers.model.config_qwen import read_qwen  # it builds on this module's dataclasses
 
             return cls(model_type=model_type, **read_qwen(raw))
+        if model_type in DENSE_MODEL_TYPES:
+            from workers.model.config_dense import read_dense  # it builds on this module's dataclasses
+
+            return cls(model_type=model_type, **read_dense(raw))
         reader = {"granitemoehybrid": _granite, "bamba": _bamba, "nemotron_h": _nemotron_h}[model_type]
         return cls(model_type=model_type, **common_fields(raw), **reader(raw))
 

@@ -61,6 +61,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Mamba2 decode steps do not run through the native kernel"
         if block.kind == ATTENTION and not mixer.native:
             return "attention decode steps do not run through the native kernel"
+        if block.kind == ATTENTION and mixer.config.output_gate:
+            return "gated attention outputs (Qwen3.5 / Qwen3-Next) are not covered"
         if block.kind == MLP and not mixer.native:
             return "MLP activations do not run through the native kernels"
         if block.kind not in (MAMBA, ATTENTION, MLP):
@@ -257,6 +259,10 @@ class DecodePlan:
         rec.linear(attention.q_proj, self.normed[:n], q.view(n, width))
         rec.linear(attention.k_proj, self.normed[:n], keys.view(n, -1))
         rec.linear(attention.v_proj, self.normed[:n], values.view(n, -1))
+        if attention.q_norm is not None:  # per-head RMSNorm of q and k (Qwen3), in place, before RoPE
+            for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
+                rows = x.reshape(n * heads, a.head_dim)
+                rec.emit(Op.RMS_NORM, [rows, norm.weight, rows, n * heads, a.head_dim], (norm.eps,))
         inv_freq = None
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.config import ATTENTION, MAMBA, MLP, QWEN_MODEL_TYPES, HybridConfig
+from workers.model.config import ATTENTION, DENSE_MODEL_TYPES, MAMBA, MLP, QWEN_MODEL_TYPES, HybridConfig
 
 # Checkpoint keys we knowingly do not use (multi-token-prediction heads, vision towers, cached RoPE tables).
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
@@ -105,12 +105,35 @@ def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Sourc
     return sources
 
 
+def _dense_sources(config: HybridConfig) -> dict[str, list[Source]]:
+    """Llama-style attention-only models: `model.layers.N.{input_layernorm, self_attn, post_attention_layernorm,
+    mlp}`, two blocks per decoder layer (attention, then the MLP with gate and up fused)."""
+    sources: dict[str, list[Source]] = {
+        "embed_tokens.weight": _one("model.embed_tokens.weight"),
+        "final_norm.weight": _one("model.norm.weight"),
+    }
+    for layer in range(len(config.block_kinds) // 2):
+        hub, attention, mlp = f"model.layers.{layer}", f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}"
+        sources[f"{attention}.norm.weight"] = _one(f"{hub}.input_layernorm.weight")
+        for name in (*ATTENTION_PARAMS, "q_norm.weight", "k_norm.weight"):
+            sources[f"{attention}.mixer.{name}"] = _one(f"{hub}.self_attn.{name}")
+        sources[f"{mlp}.norm.weight"] = _one(f"{hub}.post_attention_layernorm.weight")
+        for w in ("weight", "bias"):
+            sources[f"{mlp}.mixer.up_proj.{w}"] = [
+                Source((f"{hub}.mlp.gate_proj.{w}", f"{hub}.mlp.up_proj.{w}"), "cat")
+            ]
+            sources[f"{mlp}.mixer.down_proj.{w}"] = _one(f"{hub}.mlp.down_proj.{w}")
+    return sources
+
+
 def checkpoint_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
     """Every parameter name → its candidate sources in a checkpoint with `checkpoint_keys`."""
     if config.model_type in QWEN_MODEL_TYPES:
         from workers.model.weights_qwen import qwen_sources  # it builds on this module's Source
 
         sources = qwen_sources(config, checkpoint_keys)
+    elif config.model_type in DENSE_MODEL_TYPES:
+        sources = _dense_sources(config)
     elif config.model_type == "nemotron_h":
         prefix = "model" if any(k.startswith("model.") for k in checkpoint_keys) else "backbone"
         sources = _nemotron_sources(config, prefix)

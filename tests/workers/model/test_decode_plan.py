@@ -11,8 +11,9 @@ from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.decode_plan import DecodePlan, unsupported_reason
 
-# NoPE and partial-RoPE attention, SwiGLU and relu² MLPs, μP multipliers ≠ 1 (granite_dense).
-PLANNED = ["granite_dense", "nemotron_dense", "bamba"]
+# NoPE and partial-RoPE attention, SwiGLU and relu² MLPs, μP multipliers ≠ 1 (granite_dense); attention-only
+# models with q/k/v biases (qwen2) and per-head q/k norms (qwen3).
+PLANNED = ["granite_dense", "nemotron_dense", "bamba", "qwen2", "qwen3"]
 
 
 def _random_pool(model, slots: int, capacity: int, seed: int) -> StatePool:

@@ -34,7 +34,8 @@ class InputConfig:
     split: str = _doc("dataset split to read", default="train")
     prompt_column: str | None = _doc("column with raw prompt text", default=None)
     messages_column: str | None = _doc("column with chat messages (list of {role, content})", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the row index)", default=None)
+    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
+                                "has one, else the row index)", default=None)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.input:
@@ -226,7 +227,8 @@ class ScoreInputConfig:
     prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
     completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
     messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the row index)", default=None)
+    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
+                                "has one, else the row index)", default=None)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.input:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,3 +70,30 @@ def test_work_starts_with_fewer_workers_than_requested(checkpoint_dir, data, tmp
                        "--num-workers", "3", "--cpus-per-worker", "1", timeout=180)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["id"] for row in read_output(tmp_path / "out")] == [f"row-{i:03d}" for i in range(NUM_ROWS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stale_recorded_cluster_is_skipped_and_a_dead_address_fails_fast(checkpoint_dir, data, tmp_path):
+    # A head that died uncleanly leaves its address in Ray's temp dir; here a private temp dir (RAY_TMPDIR).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        dead = f"127.0.0.1:{_free_port()}"
+        (ray_tmp / "ray").mkdir()
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(dead)
+        env = {"RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
+        result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out", "--num-workers", "1", env=env,
+                           timeout=180)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"no Ray cluster answers at {dead} (recorded in {ray_tmp}/ray/ray_current_cluster" in result.stderr
+        assert len(read_output(tmp_path / "out")) == NUM_ROWS
+        start = time.monotonic()
+        result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out2", "--ray-address", dead, env=env, timeout=60)
+        assert result.returncode == 1 and time.monotonic() - start < 45, result.stderr[-3000:]
+        assert f"error: no Ray cluster answers at {dead} (--ray-address) within 10 s" in result.stderr
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -207,7 +207,10 @@ class ShardLoop:
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
             self.fleet.release(actor)
-            if kind == "shard":
+            if kind == "shard" and getattr(error, "preempted", False):  # spot reclaim: not the shard's fault
+                _say(f"shard {shard.index} requeued: its worker's node was preempted")
+                self.queue.appendleft(shard)
+            elif kind == "shard":
                 self._retry(shard, error)
             elif not getattr(error, "preempted", False):  # a worker that died while loading its model
                 return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", "?")
@@ -259,6 +262,9 @@ class ShardLoop:
                 f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {self.attempts[shard.index]} "
                 f"times; last error: {type(error).__name__}: {error}"
             ) from error
+        first_line = (str(error).splitlines() or [""])[0]
+        _say(f"shard {shard.index} requeued ({self.attempts[shard.index]} of at most "
+             f"{self.job.scaling.max_shard_retries} retries): {type(error).__name__}: {first_line}")  # fmt: skip
         self.queue.appendleft(shard)
 
 

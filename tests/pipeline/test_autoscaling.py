@@ -80,7 +80,7 @@ def autoscaling_config(gcs_address: str) -> dict:
 
 
 @pytest.fixture
-def autoscaling_cluster(tmp_path):
+def autoscaling_cluster(tmp_path, monkeypatch):
     """GCS address of a fake autoscaling cluster with only its head up; stopped by pid afterwards."""
     import ray
     from ray._private.services import get_node_ip_address
@@ -91,10 +91,12 @@ def autoscaling_cluster(tmp_path):
     gcs_address = f"{get_node_ip_address()}:{port}"
     config = tmp_path / "autoscaling.json"
     config.write_text(json.dumps(autoscaling_config(gcs_address)))
-    # Token authentication off for this private test cluster: this process's Ray client may or may not have found a
-    # token (an earlier local ray.init writes ~/.ray/auth_token), and a head that finds one would require it.
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_TMPDIR": ray_tmp,
-           "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+    # The head and this process (the driver) must agree on token authentication. An earlier local ray.init in this
+    # process turned it on here (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token): the head then uses the same.
+    # Otherwise both run without it (a head that finds ~/.ray/auth_token would require a token this client lacks).
+    mode = os.environ.get("RAY_AUTH_MODE") or "disabled"
+    monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen([RAY, "start", "--head", f"--port={port}", "--num-cpus=0", "--block",
                              f"--autoscaling-config={config}", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],

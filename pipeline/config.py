@@ -108,8 +108,8 @@ class ScalingConfig:
     """How many workers, where they go, how rows are cut into shards, how failures are retried."""
 
     num_workers: int | None = _doc("fixed number of workers (default: autoscale between min and max)", default=None)
-    min_workers: int = _doc("autoscaling: workers always asked of the cluster (work starts as soon as one is ready)",
-                            default=1)  # fmt: skip
+    min_workers: int = _doc("autoscaling: fewest workers asked of the cluster (fewer only when there are fewer "
+                            "shards); work starts as soon as one is ready", default=1)  # fmt: skip
     max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
     cpus_per_worker: int | None = _doc(
         "CPUs per worker; a CPU worker also runs this many torch threads (default: GPU workers 1; CPU workers the "

@@ -134,9 +134,7 @@ class ShardLoop:
 
     def __init__(self, job: Job, out: OutputDir, todo: list[Shard], progress: tqdm):
         self.job, self.out, self.progress = job, out, progress
-        low, high = job.scaling.worker_range
-        self.num_workers = min(high, len(todo))
-        self.num_requested = max(low, self.num_workers)  # --min-workers is a floor for the request, not a gate
+        self.num_workers = min(job.scaling.worker_range[1], len(todo))  # never more workers than shards
         self.fleet = Fleet(job, self.num_workers)
         self.queue: deque[Shard] = deque(todo)
         self.idle: list[Any] = []
@@ -148,7 +146,7 @@ class ShardLoop:
 
     def run(self) -> None:
         """Until every shard is written. Work starts as soon as one worker is ready."""
-        self.fleet.request(self.num_requested)
+        self.fleet.request(self.num_workers)
         self.fleet_requested = True
         for _ in range(self.num_workers):
             self._start_worker()
@@ -213,7 +211,7 @@ class ShardLoop:
             elif kind == "shard":
                 self._retry(shard, error)
             elif not getattr(error, "preempted", False):  # a worker that died while loading its model
-                return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", "?")
+                return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
             if self.queue or kind == "shard":
                 self._start_worker()
             return
@@ -228,7 +226,12 @@ class ShardLoop:
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,
                 "seconds": value.seconds, **value.stats}  # fmt: skip
-        self.out.write_table(shard.file_name, table, info)
+        try:
+            self.out.write_table(shard.file_name, table, info)
+        except OSError as error:  # full disk, lost credentials …: what is written stays; a rerun resumes
+            raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
+                            f"the {self.num_written} shard files written by this run are kept: rerun the same "
+                            "command to resume") from error  # fmt: skip
         self._show(table.num_rows, value.stats)
         self.num_written += 1
         _maybe_kill_driver(self.num_written)
@@ -266,6 +269,12 @@ class ShardLoop:
         _say(f"shard {shard.index} requeued ({self.attempts[shard.index]} of at most "
              f"{self.job.scaling.max_shard_retries} retries): {type(error).__name__}: {first_line}")  # fmt: skip
         self.queue.appendleft(shard)
+
+
+def _node_ip(error: Exception) -> str:
+    """The node a dead actor ran on, from Ray's error text ("ip: 10.0.0.5"), or '?'."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    return next((line[len("ip:") :].strip() for line in lines if line.startswith("ip:")), "?")
 
 
 def _maybe_kill_driver(num_written: int) -> None:

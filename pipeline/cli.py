@@ -20,11 +20,22 @@ import yaml
 
 
 def _base_type(annotation: Any) -> Any:
-    """int | None → int; tuple[str, ...] → tuple."""
+    """int | None → int; tuple[str, ...] → tuple; dict[str, float] | None → dict."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
+        return _base_type(next(a for a in typing.get_args(annotation) if a is not type(None)))
     return origin or annotation
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag value given as a JSON object (`--worker-resources '{"spot_node": 1}'`)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON object"  # argparse names the type in its error: "invalid JSON object value"
 
 
 def _field_types(section: type) -> dict[str, Any]:
@@ -53,6 +64,8 @@ def build_parser(description: str, sections: dict[str, type]) -> argparse.Argume
                 group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
             elif kind is tuple:
                 group.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
+            elif kind is dict:
+                group.add_argument(flag, type=_json_object, default=argparse.SUPPRESS, help=help_text)
             else:
                 group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
     return parser
@@ -96,7 +109,8 @@ def run_job_cli(
 ) -> int:
     """The whole life of a job command: flags → config → job → run → printed summary.
 
-    A bad flag, input or column exits with status 2 and a one-line message, before any worker starts.
+    A bad flag, input, column or model exits with status 2 and a one-line message, before any worker starts; a job
+    that cannot finish (workers fail to start, a shard keeps failing) exits with status 1 and a one-line message.
     """
     try:
         config = config_class(**parse_sections(description, sections, argv))
@@ -104,8 +118,12 @@ def run_job_cli(
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from pipeline.driver import run
+    from pipeline.driver import JobFailed, run
 
-    totals = run(job)
+    try:
+        totals = run(job)
+    except JobFailed as error:  # no worker could start, a shard kept failing, no cluster answered
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(json.dumps({"output": config.output.output, **totals}, indent=2))
     return 0

@@ -35,7 +35,8 @@ class InputConfig:
     split: str = _doc("dataset split to read", default="train")
     prompt_column: str | None = _doc("column with raw prompt text", default=None)
     messages_column: str | None = _doc("column with chat messages (list of {role, content})", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the row index)", default=None)
+    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
+                                "has one, else the row index)", default=None)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.input:
@@ -107,18 +108,40 @@ class SpeculativeOptions:
                   f"must be one of {', '.join(SPECULATIVE_POLICIES)}")  # fmt: skip
 
 
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 @dataclass(frozen=True)
 class ScalingConfig:
-    """How many workers, how rows are cut into shards, how failures are retried."""
+    """How many workers, where they go, how rows are cut into shards, how failures are retried."""
 
     num_workers: int | None = _doc("fixed number of workers (default: autoscale between min and max)", default=None)
-    min_workers: int = _doc("autoscaling: workers to wait for before starting", default=1)
+    min_workers: int = _doc("autoscaling: fewest workers asked of the cluster (fewer only when there are fewer "
+                            "shards); work starts as soon as one is ready", default=1)  # fmt: skip
     max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
+    cpus_per_worker: int | None = _doc(
+        "CPUs per worker; a CPU worker also runs this many torch threads (default: GPU workers 1; CPU workers the "
+        "most that lets every worker fit on the nodes that can hold one, or 1 when no such node is up yet)",
+        default=None,
+    )
+    worker_resources: dict[str, float] | None = _doc(
+        "extra Ray resources per worker as JSON, e.g. '{\"spot_node\": 1}' (a custom resource of a node type); "
+        "asked of the autoscaler too",
+        default=None,
+    )
+    accelerator_type: str | None = _doc(
+        "place workers on nodes with this accelerator (Ray's accelerator_type:NAME resource, e.g. L4, A100, H100); "
+        "asked of the autoscaler too",
+        default=None,
+    )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
     max_shard_retries: int = _doc("times a shard is retried after its worker dies", default=3)
+    max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",
+                                          default=3)  # fmt: skip
     ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
                              "Ray), 'local' (always a new local Ray) or an address", default="auto")  # fmt: skip
-    worker_startup_timeout_s: float = _doc("fail when no worker has started after this many seconds", default=1800.0)
+    worker_startup_timeout_s: float = _doc("fail when no worker has started after this many seconds, naming what "
+                                           "the pending workers wait for", default=1800.0)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
@@ -132,10 +155,38 @@ class ScalingConfig:
                 self.max_workers,
                 f"must be an integer ≥ min_workers ({self.min_workers})",
             )
+        if self.cpus_per_worker is not None and (not isinstance(self.cpus_per_worker, int) or self.cpus_per_worker < 1):
+            _fail("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, "must be an integer ≥ 1")
+        self._check_resources()
         if self.rows_per_shard is not None and (not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1):
             _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")
         if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
             _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
+        if not isinstance(self.max_worker_start_failures, int) or self.max_worker_start_failures < 1:
+            _fail(
+                "ScalingConfig", "max_worker_start_failures", self.max_worker_start_failures, "must be an integer ≥ 1"
+            )
+        if not isinstance(self.worker_startup_timeout_s, (int, float)) or self.worker_startup_timeout_s <= 0:
+            _fail("ScalingConfig", "worker_startup_timeout_s", self.worker_startup_timeout_s, "must be a number > 0")
+
+    def _check_resources(self) -> None:
+        resources = self.worker_resources
+        if resources is not None:
+            if not isinstance(resources, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for k, v in resources.items()
+            ):
+                _fail("ScalingConfig", "worker_resources", resources,
+                      'must be a JSON object of resource names to positive amounts, e.g. {"spot_node": 1}')  # fmt: skip
+            reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
+            if reserved or any(k.startswith("accelerator_type:") for k in resources):
+                _fail("ScalingConfig", "worker_resources", resources,
+                      f"{', '.join(RESERVED_RESOURCES)} and accelerator_type:* are set by --cpus-per-worker, "
+                      "--device and --accelerator-type")  # fmt: skip
+        accelerator = self.accelerator_type
+        if accelerator is not None and (not isinstance(accelerator, str) or not accelerator or " " in accelerator
+                                        or ":" in accelerator):  # fmt: skip
+            _fail("ScalingConfig", "accelerator_type", accelerator, "must be an accelerator name such as L4 or A100")
 
     @property
     def worker_range(self) -> tuple[int, int]:
@@ -184,7 +235,8 @@ class ScoreInputConfig:
     prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
     completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
     messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the row index)", default=None)
+    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
+                                "has one, else the row index)", default=None)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.input:

@@ -3,7 +3,8 @@
 The only pipeline module that imports ray. Scheduling is a `ray.wait` loop over a dict ref → (kind, actor, shard):
 a worker that dies (actor died or unavailable, node lost, spot preemption) sends its shard back to the queue and
 is replaced; a shard that keeps failing ends the job with a message naming it. Actors are requested up to
---max-workers (pending actors let the cluster launcher add GPU nodes) and released as soon as the queue drains.
+--max-workers (pending actors let the cluster launcher add nodes) and released as soon as the queue drains. Work
+starts as soon as one worker is ready; while workers wait for room the driver says what they wait for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from collections import Counter, deque
 from typing import Any
@@ -20,52 +22,91 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
+from pipeline.address import answers, recorded_address
 from pipeline.job import Job
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
+from pipeline.placement import pending_message, plan_placement
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 
+CONNECT_TIMEOUT_S = 10.0  # how long an address may take to answer before the driver gives up on it
+MAX_REPORT_INTERVAL_S = 300.0  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
+
 
 class JobFailed(RuntimeError):
-    """The job could not finish (a shard kept failing, or no worker could start)."""
+    """The job could not finish (a shard kept failing, no worker could start, no cluster answered)."""
+
+
+def _say(message: str) -> None:
+    """A line on the console (stderr) that does not break the progress bar."""
+    tqdm.write(message, file=sys.stderr)
 
 
 def connect(address: str = "auto") -> None:
     """Join the cluster this job was submitted to (or one running here); else start a local Ray.
 
-    A local Ray started here runs no dashboard; clusters we ship bind theirs to 127.0.0.1.
+    `auto` tries RAY_ADDRESS (set by `ray job submit`), then the cluster `ray start` last recorded on this machine;
+    a recorded address where nothing answers (a head that died uncleanly) is reported and skipped. An explicit
+    address that does not answer within CONNECT_TIMEOUT_S fails the job. A local Ray runs no dashboard.
     """
     if ray.is_initialized():
         return
-    local = dict(include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=False)
+    # address="local": a new Ray even when Ray's temp dir records a cluster (a plain ray.init() would join it).
+    local = dict(address="local", include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=False)
     if address == "local":
         ray.init(**local)
-    elif address != "auto" or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=None if address == "auto" else address, log_to_driver=False)
-    else:
-        try:
-            ray.init(address="auto", log_to_driver=False)
-        except ConnectionError:
+        return
+    origin = "--ray-address"
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address, origin = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    elif address == "auto":
+        from ray._common.utils import get_ray_address_file
+
+        record = get_ray_address_file(None)
+        address = recorded_address(record)
+        if address is not None and not answers(address, timeout_s=2.0):
+            _say(f"note: no Ray cluster answers at {address} (recorded in {record} by an earlier `ray start`; "
+                 "stale after an unclean stop): starting a local Ray instead")  # fmt: skip
+            address = None
+        if address is None:
             ray.init(**local)
+            return
+    if not answers(address, CONNECT_TIMEOUT_S):
+        raise JobFailed(f"no Ray cluster answers at {address} ({origin}) within {CONNECT_TIMEOUT_S:.0f} s")
+    ray.init(address=address, log_to_driver=False)
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    """Each alive node's resource totals."""
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def _autoscaler_running() -> bool:
+    """Whether an autoscaler with node types of its own watches this cluster (not Ray's read-only stand-in)."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        status = json.loads(_internal_kv_get(DEBUG_AUTOSCALING_STATUS) or "{}")
+    except (ValueError, TypeError, RuntimeError):
+        return False
+    report = status.get("autoscaler_report") or {}
+    node_types = set(report.get("active_nodes") or {}) | set(report.get("pending_launches") or {})
+    node_types |= {entry[1] for entry in report.get("pending_nodes") or [] if len(entry) > 1}
+    return any(not name.startswith("node_") for name in node_types)  # read-only types are "node_<id>"
 
 
 class Fleet:
     """Starts, tracks and releases worker actors."""
 
     def __init__(self, job: Job, num_workers: int):
-        resources = ray.cluster_resources()
-        use_gpu = job.worker.device == "cuda" or (job.worker.device == "auto" and resources.get("GPU", 0) > 0)
-        if use_gpu:
-            options: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
-            spec = dataclasses.replace(job.worker, device="cuda")
-        else:
-            cpus = max(1, int(resources.get("CPU", 1)) // num_workers)
-            options = {"num_cpus": cpus}
-            spec = dataclasses.replace(job.worker, device="cpu", num_threads=cpus)
+        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers)
+        options: dict[str, Any] = self.placement.actor_options()
         if FAULT_INJECTION_ENV in os.environ:  # crash tests: hand the hook to the workers
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
-        self.use_gpu, self.spec = use_gpu, spec
+        self.spec = dataclasses.replace(job.worker, device=self.placement.device,
+                                        num_threads=self.placement.num_threads)  # fmt: skip
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **options)
 
     def start(self) -> Any:
@@ -73,11 +114,14 @@ class Fleet:
         return self.actor_class.remote(self.spec)
 
     def request(self, num_workers: int) -> None:
-        """Tell the autoscaler how many GPU workers we want (a no-op without an autoscaler)."""
-        if self.use_gpu:
-            from ray.autoscaler.sdk import request_resources
+        """Tell the autoscaler how many workers we want (a no-op without an autoscaler)."""
+        from ray.autoscaler.sdk import request_resources
 
-            request_resources(bundles=[{"GPU": 1}] * num_workers)
+        request_resources(bundles=[self.placement.bundle] * num_workers)
+
+    def why_pending(self, num_pending: int) -> str:
+        """What `num_pending` workers wait for, in one line."""
+        return pending_message(num_pending, self.placement.bundle, _alive_nodes(), _autoscaler_running())
 
     @staticmethod
     def release(actor: Any) -> None:
@@ -90,34 +134,39 @@ class ShardLoop:
 
     def __init__(self, job: Job, out: OutputDir, todo: list[Shard], progress: tqdm):
         self.job, self.out, self.progress = job, out, progress
-        low, high = job.scaling.worker_range
-        self.num_workers = min(high, len(todo))
-        self.min_ready = min(low, self.num_workers)
+        self.num_workers = min(job.scaling.worker_range[1], len(todo))  # never more workers than shards
         self.fleet = Fleet(job, self.num_workers)
         self.queue: deque[Shard] = deque(todo)
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
         self.attempts: Counter[int] = Counter()
-        self.num_ready, self.num_written = 0, 0
+        self.num_ready, self.num_written, self.num_start_failures = 0, 0, 0
         self.fleet_requested = False  # an autoscaler request is outstanding
         self.counts = Counter()  # generated tokens, drafts … for the progress bar
 
     def run(self) -> None:
-        """Until every shard is written."""
+        """Until every shard is written. Work starts as soon as one worker is ready."""
         self.fleet.request(self.num_workers)
         self.fleet_requested = True
         for _ in range(self.num_workers):
             self._start_worker()
-        deadline = time.monotonic() + self.job.scaling.worker_startup_timeout_s
+        timeout = self.job.scaling.worker_startup_timeout_s
+        started, interval = time.monotonic(), min(timeout / 3, MAX_REPORT_INTERVAL_S)
+        next_report = started + interval
         while self.queue or any(kind == "shard" for kind, *_ in self.in_flight.values()):
             self._dispatch()
-            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=10.0)
+            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=min(10.0, interval / 2))
             if done:
                 self._collect(done[0])
-            elif self.num_ready == 0 and time.monotonic() > deadline:
-                kind = "GPU" if self.fleet.use_gpu else "CPU"
-                raise JobFailed(f"no worker started within {self.job.scaling.worker_startup_timeout_s:.0f} s "
-                                f"({self.num_workers} {kind} workers requested)")  # fmt: skip
+                continue
+            num_pending = sum(kind == "ready" for kind, *_ in self.in_flight.values())
+            now = time.monotonic()
+            if self.num_ready == 0 and now > started + timeout:
+                raise JobFailed(f"no worker started within {timeout:g} s: {self.fleet.why_pending(num_pending)}")
+            if num_pending and now > next_report:
+                _say(f"waiting for workers ({self.num_ready} ready): {self.fleet.why_pending(num_pending)}")
+                interval = min(2 * interval, MAX_REPORT_INTERVAL_S)
+                next_report = now + interval
         self._release_spare_workers()
 
     def _start_worker(self) -> None:
@@ -125,7 +174,7 @@ class ShardLoop:
         self.in_flight[actor.ready.remote()] = ("ready", actor, None, None)
 
     def _dispatch(self) -> None:
-        while self.idle and self.queue and self.num_ready >= self.min_ready:
+        while self.idle and self.queue:
             actor, shard = self.idle.pop(), self.queue.popleft()
             task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
             self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows)
@@ -149,28 +198,55 @@ class ShardLoop:
             value = ray.get(ref)
         except RayTaskError as error:  # the worker is alive but raised
             if kind == "ready":
-                raise JobFailed(f"a worker failed to start: {error}") from error
+                self.fleet.release(actor)
+                return self._start_failed(f"{type(error.cause).__name__}: {error.cause}", "?")
             self._retry(shard, error)
             self.idle.append(actor)
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
             self.fleet.release(actor)
-            if kind == "shard":
+            if kind == "shard" and getattr(error, "preempted", False):  # spot reclaim: not the shard's fault
+                _say(f"shard {shard.index} requeued: its worker's node was preempted")
+                self.queue.appendleft(shard)
+            elif kind == "shard":
                 self._retry(shard, error)
+            elif not getattr(error, "preempted", False):  # a worker that died while loading its model
+                return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
             if self.queue or kind == "shard":
                 self._start_worker()
             return
-        self.idle.append(actor)
         if kind == "ready":
+            if "error" in value:
+                self.fleet.release(actor)
+                return self._start_failed(value["error"], value["node"])
             self.num_ready += 1
+            self.idle.append(actor)
             return
+        self.idle.append(actor)
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,
                 "seconds": value.seconds, **value.stats}  # fmt: skip
-        self.out.write_table(shard.file_name, table, info)
+        try:
+            self.out.write_table(shard.file_name, table, info)
+        except OSError as error:  # full disk, lost credentials …: what is written stays; a rerun resumes
+            raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
+                            f"the {self.num_written} shard files written by this run are kept: rerun the same "
+                            "command to resume") from error  # fmt: skip
         self._show(table.num_rows, value.stats)
         self.num_written += 1
         _maybe_kill_driver(self.num_written)
+
+    def _start_failed(self, error: str, node: str) -> None:
+        """Print a worker's start failure; fail the job at --max-worker-start-failures, else start another."""
+        self.num_start_failures += 1
+        limit = self.job.scaling.max_worker_start_failures
+        line = f"a worker failed to start on node {node}: {error}"
+        if self.num_start_failures >= limit:
+            raise JobFailed(f"{self.num_start_failures} workers failed to start (--max-worker-start-failures "
+                            f"{limit}); the last: {line}")  # fmt: skip
+        _say(f"{line} ({self.num_start_failures} of at most {limit}; starting another)")
+        if self.queue:
+            self._start_worker()
 
     def _show(self, rows: int, stats: dict[str, float]) -> None:
         self.counts.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
@@ -189,7 +265,16 @@ class ShardLoop:
                 f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {self.attempts[shard.index]} "
                 f"times; last error: {type(error).__name__}: {error}"
             ) from error
+        first_line = (str(error).splitlines() or [""])[0]
+        _say(f"shard {shard.index} requeued ({self.attempts[shard.index]} of at most "
+             f"{self.job.scaling.max_shard_retries} retries): {type(error).__name__}: {first_line}")  # fmt: skip
         self.queue.appendleft(shard)
+
+
+def _node_ip(error: Exception) -> str:
+    """The node a dead actor ran on, from Ray's error text ("ip: 10.0.0.5"), or '?'."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    return next((line[len("ip:") :].strip() for line in lines if line.startswith("ip:")), "?")
 
 
 def _maybe_kill_driver(num_written: int) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 
 from pipeline.config import GenerateJobConfig
 from pipeline.job import Job, build_job, worker_spec
+from pipeline.preflight import check_model
 from workers.rows import GENERATE_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
@@ -30,6 +31,9 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     sampling = dataclasses.asdict(config.sampling)
     SamplingParams(**sampling)  # the same validation the workers apply, now
+    check_model(config.model.model)
+    if config.speculative.speculative == "draft":
+        check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input
     worker = worker_spec(
         "generate",

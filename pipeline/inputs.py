@@ -8,6 +8,8 @@ from pathlib import Path
 
 import datasets
 
+from pipeline.remote import is_remote, local_copy
+
 # File suffix → `datasets` builder name.
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
@@ -24,6 +26,8 @@ def _builder_for(files: list[str]) -> str:
 
 def load_rows(source: str, split: str = "train") -> datasets.Dataset:
     """A `datasets.Dataset` from a hub name, a file / directory / glob of Parquet, JSONL or CSV, or save_to_disk."""
+    if is_remote(source):  # s3://, gs://, …: copied through pyarrow.fs, then read like a local input
+        source = local_copy(source)
     saved_markers = ("dataset_info.json", "dataset_dict.json")  # save_to_disk of a Dataset / of a DatasetDict
     if os.path.isdir(source) and any((Path(source) / name).exists() for name in saved_markers):
         loaded = datasets.load_from_disk(source)

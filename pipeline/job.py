@@ -79,6 +79,8 @@ def build_job(
     from pipeline.sharding import plan_shards
 
     rows = load_rows(*source)
+    if id_column is None and "id" in rows.column_names:
+        id_column = "id"  # an input `id` column is the output `id` unless --id-column names another
     reserved = ("id",) * (id_column != "id") + tuple(f.name for f in task_fields)
     check_columns(rows, columns, reserved=reserved)
     fingerprint = config.to_dict()

@@ -6,12 +6,14 @@ import dataclasses
 
 from pipeline.config import ScoreJobConfig
 from pipeline.job import Job, build_job, worker_spec
+from pipeline.preflight import check_model
 from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
 
 
 def build_score_job(config: ScoreJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     columns, model = config.input, config.model
+    check_model(model.model)
     spec = ScoreSpec(
         text_column=columns.text_column,
         prompt_column=columns.prompt_column,

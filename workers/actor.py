@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,9 @@ from workers.runner import ModelRunner
 from workers.scoring import score_shard
 from workers.spec_decode import SpeculativeConfig
 
-# Test hook: {"kill_during_shard": N, "marker": path} makes the worker kill its own process (SIGKILL) while it
-# processes shard N, once (the marker file remembers). Used by the pipeline's crash tests; unset in normal runs.
+# Test hooks, unset in normal runs: {"kill_during_shard": N, "marker": path} makes the worker kill its own process
+# (SIGKILL) while it processes shard N, once (the marker file remembers); {"hang_during_shard": N, "marker": path}
+# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away.
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 
@@ -73,25 +75,49 @@ def _python_rows(table: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
+def node_name() -> str:
+    """Where this process runs: the Ray node id when inside Ray, and the host name."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return f"{ray.get_runtime_context().get_node_id()[:12]} ({socket.gethostname()})"
+    except ImportError:
+        pass
+    return socket.gethostname()
+
+
 class ShardWorker:
-    """Loads the model once, then turns shards of rows into output columns."""
+    """Loads the model once, then turns shards of rows into output columns.
+
+    A worker that cannot load its model stays up and says why from `ready()`, so the driver can print the error
+    (type, message, node) and decide whether to try another worker; `process` is never called on it.
+    """
 
     def __init__(self, spec: WorkerSpec):
-        if spec.num_threads:
-            torch.set_num_threads(spec.num_threads)
-        self.spec = spec
-        self.runner = ModelRunner.from_pretrained(
-            spec.model, spec.device, spec.dtype, spec.max_num_seqs, spec.max_model_len, spec.speculative
-        )
-        if self.runner.tokenizer is None:
-            raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
+        self.spec, self.runner, self.start_error = spec, None, None
+        try:
+            if spec.num_threads:
+                torch.set_num_threads(spec.num_threads)
+            self.runner = ModelRunner.from_pretrained(
+                spec.model, spec.device, spec.dtype, spec.max_num_seqs, spec.max_model_len, spec.speculative
+            )
+            if self.runner.tokenizer is None:
+                raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
+        except Exception as error:  # reported by ready(); the driver decides
+            self.start_error = f"{type(error).__name__}: {error}"
 
     def ready(self) -> dict[str, Any]:
-        """Called once by the driver: the worker is up; where it runs."""
-        return {"pid": os.getpid(), "device": str(self.runner.device)}
+        """Called once by the driver: where the worker runs, and `error` when it could not load its model."""
+        info = {"pid": os.getpid(), "node": node_name()}
+        if self.start_error is not None:
+            return {**info, "error": self.start_error}
+        return {**info, "device": str(self.runner.device)}
 
     def process(self, task: ShardTask) -> ShardOutput:
         """Generate (or score) every row of a shard."""
+        if self.runner is None:
+            raise RuntimeError(f"this worker failed to start: {self.start_error}")
         start = time.perf_counter()
         rows = _python_rows(task.rows)
         self._maybe_inject_fault(task, rows)
@@ -121,3 +147,10 @@ class ShardWorker:
         if task.index == plan.get("kill_during_shard") and not marker.exists():
             marker.write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)
+        if task.index == plan.get("hang_during_shard") and not marker.exists():
+            import ray
+
+            partial = marker.with_name(marker.name + ".partial")
+            partial.write_text(ray.get_runtime_context().get_node_id())
+            partial.rename(marker)
+            time.sleep(3600)  # until the test takes this node away

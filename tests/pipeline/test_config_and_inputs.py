@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from jobs.generate import SECTIONS, main
-from pipeline.cli import parse_sections
+from pipeline.cli import build_parser, parse_sections
 from pipeline.inputs import load_rows
 from pipeline.sharding import default_rows_per_shard, plan_shards
 
@@ -112,3 +112,23 @@ def test_saved_dataset_dict_reads_the_split_asked_for(tmp_path):
     assert load_rows(str(tmp_path / "saved"), split="test").to_dict() == {"text": ["c"]}
     with pytest.raises(ValueError, match=r"split 'validation' not in .*available: \['test', 'train'\]"):
         load_rows(str(tmp_path / "saved"), split="validation")
+
+
+def test_input_id_column_becomes_the_output_id(tmp_path, checkpoint_dir):
+    from pipeline.config import GenerateJobConfig, InputConfig, ModelConfig, OutputConfig
+    from pipeline.generate import build_generate_job
+    from workers.actor import ShardOutput
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "q-7", "text": "the cat"}\n{"id": "q-9", "text": "a dog"}\n')
+    config = GenerateJobConfig(InputConfig(input=str(data), prompt_column="text"),
+                               ModelConfig(model=str(checkpoint_dir("bamba"))), output=OutputConfig(str(tmp_path / "o")))  # fmt: skip
+    job = build_generate_job(config)  # refused before: "input columns ['id'] collide with output columns"
+    assert job.schema.names[:2] == ["id", "text"] and job.schema.field("id").type == "string"
+    shard = job.plan[0]
+    columns = {f.name: [None, None] for f in job.task_fields}
+    table = job.output_table(shard, job.shard_rows(shard), ShardOutput(0, columns, 0.0))
+    assert table.column("id").to_pylist() == ["q-7", "q-9"] and table.column_names.count("id") == 1
+    assert "(default: the input's `id` column if it has one, else the row index)" in " ".join(
+        build_parser("t", SECTIONS).format_help().split()
+    )

@@ -79,8 +79,8 @@ def _open_shards(directory: Path) -> dict[str, Any]:
     return handles
 
 
-def _pick(sources: list[Source], handles: dict[str, Any]) -> Source | None:
-    return next((s for s in sources if all(k in handles for k in s.keys)), None)
+def _pick(sources: list[Source], available: dict[str, Any]) -> Source | None:
+    return next((s for s in sources if all(k in available for k in s.keys)), None)
 
 
 def _read(source: Source, handles: dict[str, Any]) -> torch.Tensor:
@@ -94,10 +94,13 @@ def _read(source: Source, handles: dict[str, Any]) -> torch.Tensor:
     return tensors[0]
 
 
-def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
-    """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key."""
+def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, Source]:
+    """Parameter name → where it comes from, given the checkpoint's key → shape (its safetensors headers).
+
+    One `ValueError` listing every missing, extra or mis-shaped key; reads no tensor data.
+    """
     config = model.config
-    sources = checkpoint_sources(config, set(handles))
+    sources = checkpoint_sources(config, set(shapes))
     params = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
@@ -105,30 +108,37 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
     plan = {}
     for name, param in params.items():
         options = sources.get(name, [])
-        source = _pick(options, handles)
+        source = _pick(options, shapes)
         if source is None:  # name what is missing from the layout the checkpoint comes closest to
-            closest = max(options, key=lambda s: sum(k in handles for k in s.keys), default=None)
-            wanted = [k for k in closest.keys if k not in handles][:2] if closest else []
+            closest = max(options, key=lambda s: sum(k in shapes for k in s.keys), default=None)
+            wanted = [k for k in closest.keys if k not in shapes][:2] if closest else []
             problems.append(f"missing weight {wanted or name} for parameter {name!r} of shape {tuple(param.shape)}")
             continue
         used.update(source.keys)
         plan[name] = source
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # a tied checkpoint may still carry a copy
-    for key in sorted(set(handles) - used):
+    for key in sorted(set(shapes) - used):
         if not is_ignored(key):
-            shape = tuple(handles[key].get_slice(key).get_shape())
-            problems.append(f"unexpected weight {key!r} with shape {shape} in the checkpoint")
+            problems.append(f"unexpected weight {key!r} with shape {tuple(shapes[key])} in the checkpoint")
     for name, source in plan.items():
         plain = source.combine == "one" and source.transform is None
         expected = source.shapes or ((tuple(params[name].shape),) if plain else ())
         for key, shape in zip(source.keys, expected):
-            found = tuple(handles[key].get_slice(key).get_shape())
+            found = tuple(shapes[key])
             if found != tuple(shape):
                 problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
+    return plan
+
+
+def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
+    """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key."""
+    shapes = {key: tuple(handle.get_slice(key).get_shape()) for key, handle in handles.items()}
+    plan = match_weights(model, shapes)
+    params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, source in plan.items():
             tensor = _read(source, handles)

@@ -1,0 +1,96 @@
+"""Where workers go: the Ray resources one worker asks for, how many CPUs it gets, what a pending worker waits for.
+
+Pure functions over plain values (each alive node's resource totals as a dict), so they are tested without a
+cluster; `pipeline/driver.py` feeds them `ray.nodes()` and turns the result into actor options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config import ScalingConfig
+
+ACCELERATOR_AMOUNT = 0.001  # what Ray's own `accelerator_type=` option asks of an `accelerator_type:NAME` resource
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What each worker asks of the cluster and which device it computes on."""
+
+    device: str  # "cuda" | "cpu"
+    num_cpus: int
+    num_gpus: int
+    resources: dict[str, float] = field(default_factory=dict)  # custom ones, accelerator_type:NAME included
+    num_threads: int | None = None  # torch threads of a CPU worker
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One worker's resources, as the autoscaler is asked for them."""
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}), **self.resources}
+
+    def actor_options(self) -> dict[str, object]:
+        """Options for `ray.remote(...).options(...)`."""
+        options: dict[str, object] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+def plan_placement(device: str, scaling: ScalingConfig, nodes: list[dict[str, float]], num_workers: int) -> Placement:
+    """The placement of `num_workers` workers for `--device` on a cluster whose alive nodes have `nodes` resources.
+
+    `auto` means GPU workers when some node has a GPU. CPU workers get `--cpus-per-worker`, or by default the most
+    CPUs that let every worker fit on the nodes able to hold one (never more than one such node has; 1 when none is
+    up yet, e.g. on an autoscaling cluster that starts with no worker node).
+    """
+    resources = dict(scaling.worker_resources or {})
+    if scaling.accelerator_type:
+        resources[f"accelerator_type:{scaling.accelerator_type}"] = ACCELERATOR_AMOUNT
+    use_gpu = device == "cuda" or (device == "auto" and any(node.get("GPU", 0) > 0 for node in nodes))
+    if use_gpu:
+        return Placement("cuda", scaling.cpus_per_worker or 1, 1, resources)
+    eligible = [node.get("CPU", 0) for node in nodes if _holds(node, resources)]
+    cpus = scaling.cpus_per_worker or fitting_cpus(eligible, num_workers)
+    return Placement("cpu", cpus, 0, resources, num_threads=cpus)
+
+
+def fitting_cpus(node_cpus: list[float], num_workers: int) -> int:
+    """The largest whole CPU count c such that `num_workers` workers of c CPUs fit on nodes with `node_cpus`; 1 if none.
+
+    Two 8-CPU nodes and one worker → 8 (not the 16 a cluster-wide division gives, which no node has).
+    """
+    for cpus in range(int(max(node_cpus, default=0)), 0, -1):
+        if sum(int(n // cpus) for n in node_cpus) >= num_workers:
+            return cpus
+    return 1
+
+
+def _holds(node: dict[str, float], resources: dict[str, float]) -> bool:
+    return all(node.get(name, 0) >= amount for name, amount in resources.items())
+
+
+def _amount(value: float) -> str:
+    return f"{value:g}"
+
+
+def describe_bundle(bundle: dict[str, float]) -> str:
+    """{CPU: 1, GPU: 1} as the messages show it."""
+    return "{" + ", ".join(f"{name}: {_amount(value)}" for name, value in bundle.items()) + "}"
+
+
+def pending_message(num_pending: int, bundle: dict[str, float], nodes: list[dict[str, float]], autoscaler: bool) -> str:
+    """Why `num_pending` workers wait: which resource no node has, and whether an autoscaler can add nodes.
+
+    E.g. "2 workers need {CPU: 1, GPU: 1}: no node has GPU ≥ 1 (cluster total 0), and no autoscaler is running".
+    """
+    needs = f"{num_pending} worker{'s' if num_pending != 1 else ''} need{'s' if num_pending == 1 else ''}"
+    lacking = [
+        f"no node has {name} ≥ {_amount(amount)} (cluster total {_amount(sum(n.get(name, 0) for n in nodes))})"
+        for name, amount in bundle.items()
+        if not any(node.get(name, 0) >= amount for node in nodes)
+    ]
+    if not lacking and not any(_holds(node, bundle) for node in nodes):
+        lacking = ["no single node has all of it"]
+    why = ", ".join(lacking) if lacking else "the nodes that can hold one are busy"
+    scaler = "the autoscaler has been asked for nodes" if autoscaler else "no autoscaler is running to add nodes"
+    return f"{needs} {describe_bundle(bundle)}: {why}, and {scaler}"

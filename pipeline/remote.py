@@ -1,0 +1,65 @@
+"""Inputs on object storage (`s3://`, `gs://`, … whatever `pyarrow.fs` understands), copied to a local directory.
+
+The driver reads the input once to plan shards; `datasets` then keeps its own Arrow cache. Copying the matching
+files first lets a remote input be read exactly like a local one (same builders, same column types). The copy lives
+in a temporary directory removed when the driver exits. Credentials and endpoints come from the usual environment
+(`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, … for S3).
+"""
+
+from __future__ import annotations
+
+import atexit
+import fnmatch
+import shutil
+import tempfile
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+GLOB_CHARS = "*?["
+
+
+def is_remote(source: str) -> bool:
+    """Whether `source` is a URI with a scheme (s3://…) rather than a local path or a hub dataset name."""
+    return "://" in source
+
+
+def local_copy(uri: str) -> str:
+    """A local path holding the file, directory or glob matches at `uri`; `FileNotFoundError` or `ValueError`."""
+    scheme, _, rest = uri.partition("://")
+    cut = min((rest.find(c) for c in GLOB_CHARS if c in rest), default=-1)
+    if cut < 0:
+        base_rest, pattern = rest.rstrip("/"), None
+    else:  # the directory above the first glob character, and the pattern below it
+        base_rest = rest[:cut].rsplit("/", 1)[0]
+        pattern = rest[len(base_rest) + 1 :]
+    try:
+        fs, base = pafs.FileSystem.from_uri(f"{scheme}://{base_rest}")
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"input {uri!r} does not exist")
+        target = Path(tempfile.mkdtemp(prefix="hybridgen-input-"))
+        atexit.register(shutil.rmtree, target, True)
+        if info.type == pafs.FileType.File:
+            return str(_download(fs, base, target / Path(base).name))
+        files = [f for f in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if f.type == pafs.FileType.File]
+        copied = 0
+        for file in files:
+            relative = file.path[len(base.rstrip("/")) + 1 :]
+            if pattern is None or fnmatch.fnmatch(relative, pattern):
+                _download(fs, file.path, target / relative)
+                copied += 1
+        if not copied:
+            raise ValueError(f"no files match input {uri!r}")
+        return str(target)
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise ValueError(f"input {uri!r} cannot be read: {error}") from None
+
+
+def _download(fs: pafs.FileSystem, path: str, local: Path) -> Path:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with fs.open_input_stream(path) as source, local.open("wb") as sink:
+        shutil.copyfileobj(source, sink, length=16 << 20)
+    return local

@@ -61,6 +61,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Mamba2 decode steps do not run through the native kernel"
         if block.kind == ATTENTION and not mixer.native:
             return "attention decode steps do not run through the native kernel"
+        if block.kind == ATTENTION and (mixer.config.output_gate or mixer.config.qk_norm):
+            return "gated attention (output gate, q/k norms) is not covered"
         if block.kind == MLP and not mixer.native:
             return "MLP activations do not run through the native kernels"
         if block.kind not in (MAMBA, ATTENTION, MLP):

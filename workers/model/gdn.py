@@ -100,8 +100,12 @@ class GatedDeltaNetMixer(nn.Module):
 
         Speculative state shifting for a recurrence that is not diagonal: the conv window is a gather, the delta-rule
         state re-runs the accepted prefix (≤ k + 1 steps) from the step's start state over the kept k, v, g, beta.
-        That keeps only the small per-token inputs — ((h_v·(d_k + d_v + 2)) floats per token and layer) — instead
-        of one [h_v, d_k, d_v] state per verified position, at the price of re-running ≤ k + 1 recurrence steps.
+        That keeps only the small per-token inputs (conv inputs, k, v, g, beta) instead of one [h_v, d_k, d_v] state
+        per verified position, at the price of re-running ≤ k + 1 recurrence steps. Measured with Qwen3.5-0.8B GDN
+        shapes (h_v 16, d_k = d_v 128; k = 4; 2 shared CPU cores, noisy): per request and GDN layer the state is
+        1 MiB; per-position states would hold 5 MiB, the re-run keeps 0.2 MiB of scan inputs for the step. The
+        re-run cost 20–23% of the verification forward of a 3-GDN + 1-attention-layer stack (batch 1 and 8);
+        merely copying per-position states cost 3% (batch 1) to 27% (batch 8) of it, before any bookkeeping.
         """
         return RecurrentState(
             conv_window_after(state.conv, scan.conv_in, num_tokens),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,8 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup over the request's prompt + generated tokens (n-grams of
     `prompt_lookup_min`…`prompt_lookup_max` tokens). method "draft": a smaller model (`draft_model`, a local
-    directory or hub id with the target's vocabulary), attention-only or hybrid.
+    directory or hub id with the target's vocabulary), attention-only or hybrid. method "mtp": the target
+    checkpoint's own multi-token-prediction head (Qwen3-Next / Qwen3.5 `mtp.*` weights), chained k times.
     """
 
     method: str = "ngram"
@@ -34,7 +35,7 @@ class SpeculativeConfig:
             )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("SpeculativeConfig.draft_model is required when method='draft' (a model dir or hub id)")
-        if self.method == "ngram" and self.draft_model:
+        if self.method != "draft" and self.draft_model:
             raise ValueError("SpeculativeConfig.draft_model is only used with method='draft'")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
             raise ValueError(f"SpeculativeConfig.prompt_lookup_min={self.prompt_lookup_min!r} is invalid: must be ≥ 1")

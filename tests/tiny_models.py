@@ -6,6 +6,7 @@ moves the logits, and a wrong state would still "match".
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -143,6 +144,25 @@ def randomise(model: torch.nn.Module, seed: int, zero_centred_norms: bool = Fals
                 tensor.copy_(randn(tensor) * (0.5 if "conv1d" in name else 0.15))
 
 
+def add_mtp_head(model: torch.nn.Module, path: Path, seed: int) -> None:
+    """Add random `mtp.*` weights as Qwen3-Next / Qwen3.5 checkpoints ship them (transformers builds no MTP head):
+    fc [d, 2d], pre_fc_norm_embedding, pre_fc_norm_hidden, norm and `mtp.layers.0` — a copy of one of the model's
+    own full-attention decoder layers (experts saved fused), re-randomised."""
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    layer = copy.deepcopy(text.layers[text.config.layer_types.index("full_attention")])
+    d = text.config.hidden_size
+    head = torch.nn.ParameterDict(
+        {"fc": torch.nn.Parameter(torch.empty(d, 2 * d))}
+        | {name: torch.nn.Parameter(torch.empty(d)) for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    )
+    randomise(layer, seed + 1, zero_centred_norms=True)
+    randomise(head, seed + 2, zero_centred_norms=True)
+    tensors = load_file(path)
+    tensors.update({f"mtp.layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items()})
+    tensors.update({f"mtp.{k}.weight": v.detach().contiguous() for k, v in head.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def fuse_experts(path: Path) -> None:
     """Rewrite per-expert `experts.E.{gate,up,down}_proj.weight` as the hub's fused `experts.gate_up_proj
     [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`."""
@@ -178,6 +198,8 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     model.to(dtype).save_pretrained(directory)
     if family in FUSED_EXPERT_FAMILIES:
         fuse_experts(directory / "model.safetensors")
+    if family.startswith("qwen"):
+        add_mtp_head(model, directory / "model.safetensors", seed)
     make_tokenizer().save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory

@@ -15,6 +15,7 @@ from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler, Workspace
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
+from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
@@ -87,6 +88,8 @@ class ModelRunner:
         self.decode_plan = decode_plan
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
+        if speculative is not None and speculative.method == "mtp" and model.mtp is None:
+            raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
         self._policy = make_policy(speculative.policy, speculative.num_speculative_tokens) if speculative else None
         if speculative is not None and speculative.method == "draft":
@@ -120,7 +123,8 @@ class ModelRunner:
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
         reference path). `decode_plan`: see `__init__`.
         """
-        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel)
+        mtp = speculative is not None and speculative.method == "mtp"
+        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp)
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -141,6 +145,8 @@ class ModelRunner:
         assert self.speculative is not None
         if self.speculative.method == "ngram":
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        if self.speculative.method == "mtp":
+            return MtpProposer(self.model, self.speculative.num_speculative_tokens)
         return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
 
     def spec_stats(self) -> dict[str, Any]:

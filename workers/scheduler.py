@@ -137,6 +137,7 @@ class Scheduler:
         batch = ForwardBatch(slots, torch.zeros_like(num_tokens), num_tokens)
         out = self.model(input_ids.to(self.device), batch, None, self.pool.kv_caches())
         self.pool.write(slots, out.mamba_states)
+        self._observe(requests, out.hidden, [0] * len(requests), lengths)
         last = out.hidden[torch.arange(len(requests), device=self.device), num_tokens - 1]
         self._sample_and_append(requests, self.model.logits(last))
 
@@ -157,7 +158,14 @@ class Scheduler:
         out = self.model(input_ids, batch, states, self.pool.kv_caches(), in_place=True)
         if not prefix:
             self.pool.write(slots, out.mamba_states)
+        self._observe(requests, out.hidden, cache_lens.tolist(), [1] * len(requests))
         self._sample_and_append(requests, self.model.logits(out.hidden[:, 0]))
+
+    def _observe(self, requests: list[Request], hidden: torch.Tensor, cache_lens: list[int], kept: list[int]) -> None:
+        """Hand the target's final hidden states to a proposer that drafts from them (MTP); others ignore them."""
+        observe = getattr(self.proposer, "observe_target", None)
+        if observe is not None:
+            observe(requests, hidden, cache_lens, kept)
 
     def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:
         tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
@@ -204,6 +212,7 @@ class Scheduler:
             self.plan.keep(accepted.tolist())
         else:
             self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
+            self._observe(requests, out.hidden, cache_lens, accepted.tolist())
         self.proposer.accepted(requests, accepted.tolist())
         accepted_drafts = [n - 1 for n in accepted.tolist()]
         self.policy.observe(request_ids, proposal.num_draft_tokens, accepted_drafts, time.perf_counter() - start)

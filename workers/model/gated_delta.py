@@ -19,15 +19,25 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def delta_rule_step_(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """One token per row, updating a contiguous `state` [b, h, d_k, d_v] in place: k [b, h, d_k]; v [b, h, d_v];
+    g, beta [b, h]. In place and as batched matrix products: the state is the large operand (memory-bound)."""
+    b, h, d_k, d_v = state.shape
+    state.mul_(g.exp()[..., None, None])
+    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # Sᵀk [b, h, d_v]: what the state already says for this key
+    delta = (v - predicted) * beta[..., None]
+    state.view(b * h, d_k, d_v).baddbmm_(k.reshape(b * h, d_k, 1), delta.reshape(b * h, 1, d_v))  # S += k ⊗ delta
+    return state
+
+
 def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: q, k [b, h, d_k]; v [b, h, d_v]; g, beta [b, h] → (o [b, h, d_v], new state)."""
-    state = state * g.exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", state, k)  # Sᵀk: what the state already says for this key
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", state, q), state
+    state = delta_rule_step_(k, v, g, beta, state.contiguous().clone())
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state
 
 
 def delta_rule_scan(
@@ -35,8 +45,10 @@ def delta_rule_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token over l positions → (o [b, l, h, d_v], state after the last position). The reference."""
     outputs = torch.empty(*v.shape[:3], state.shape[-1], dtype=torch.float32, device=v.device)  # [b, l, h, d_v]
+    state = state.contiguous().clone()  # the caller's state stays as it was
     for t in range(q.shape[1]):
-        outputs[:, t], state = delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        delta_rule_step_(k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outputs[:, t] = (q[:, t].unsqueeze(-2) @ state).squeeze(-2)
     return outputs, state
 
 
@@ -47,10 +59,9 @@ def delta_state_after(
     made no-ops (g = beta = 0). Speculative state shifting re-runs the accepted prefix with this."""
     valid = (torch.arange(k.shape[1], device=k.device)[None, :] < num_tokens[:, None])[..., None]  # [b, l, 1]
     g, beta = g * valid, beta * valid
+    state = state.contiguous().clone()
     for t in range(int(num_tokens.max()) if num_tokens.numel() else 0):
-        state = state * g[:, t].exp()[..., None, None]
-        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        delta_rule_step_(k[:, t], v[:, t], g[:, t], beta[:, t], state)
     return state
 
 

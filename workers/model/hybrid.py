@@ -17,6 +17,7 @@ from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.feed_forward import MoE
 from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.mamba2 import Mamba2Mixer
+from workers.model.mtp import MtpHead
 from workers.model.norm import RMSNorm
 from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
 
@@ -53,7 +54,8 @@ class Block(nn.Module):
 class HybridModel(nn.Module):
     """A causal LM over explicit state: `forward` takes recurrent states and KV caches and returns new recurrent states."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, mtp: bool = False):
+        """`mtp`: also build the checkpoint's multi-token-prediction head (`self.mtp`, a draft for speculation)."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -62,6 +64,7 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = MtpHead(config) if mtp else None
 
     def forward(
         self,

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from workers.model import native
 from workers.model.attention import Attention
-from workers.model.config import HybridConfig
+from workers.model.config import QWEN_MODEL_TYPES, HybridConfig
 from workers.model.feed_forward import MLP
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
@@ -174,18 +174,34 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     return kernel
 
 
+def _check_mtp(config: HybridConfig, handles: dict[str, Any], directory: Path) -> None:
+    """An MTP head is only served for the Qwen GDN families, and the checkpoint must carry its weights."""
+    if config.model_type not in QWEN_MODEL_TYPES:
+        raise ValueError(
+            f"speculative method 'mtp' is supported for {', '.join(QWEN_MODEL_TYPES)}, not {config.model_type!r}"
+        )
+    if not any(key.startswith("mtp.") for key in handles):
+        raise ValueError(
+            f"speculative method 'mtp' needs the checkpoint's multi-token-prediction head, but {directory} has no "
+            "mtp.* weights (expected mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight, "
+            "mtp.layers.0.*, mtp.norm.weight); use method 'ngram' or 'draft' for this model"
+        )
+
+
 def load_checkpoint(
     path_or_repo: str,
     device: str | torch.device = "cpu",
     dtype: str = "auto",
     linear_backend: str = "auto",
     decode_kernel: str = "auto",
+    mtp: bool = False,
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
     `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
     `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
-    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`.
+    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`. `mtp`: also load the checkpoint's
+    multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
     """
     directory = resolve_model_dir(path_or_repo)
     config_path = directory / "config.json"
@@ -194,8 +210,10 @@ def load_checkpoint(
     config = HybridConfig.from_hf_dict(json.loads(config_path.read_text()))
     torch_dtype = resolve_dtype(dtype, config)
     handles = _open_shards(directory)
+    if mtp:
+        _check_mtp(config, handles, directory)
     with torch.device("meta"):
-        model = HybridModel(config)
+        model = HybridModel(config, mtp=mtp)
     model = model.to(torch_dtype).to_empty(device=device)
     for name, param in model.named_parameters():
         if name.endswith(FLOAT32_SUFFIXES):

@@ -92,6 +92,21 @@ def _moe_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
     return sources
 
 
+def _mtp_sources(config: HybridConfig) -> dict[str, list[Source]]:
+    """The MTP head (`workers/model/mtp.py`): `mtp.{fc, pre_fc_norm_*, layers.0.*, norm}`."""
+    d, hub = config.hidden_size, "mtp.layers.0"
+    sources = {"mtp.fc.weight": [Source(("mtp.fc.weight",))]}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sources[f"mtp.{name}.weight"] = _norm(f"mtp.{name}.weight", d)
+    sources["mtp.attention_norm.weight"] = _norm(f"{hub}.input_layernorm.weight", d)
+    sources["mtp.feed_forward_norm.weight"] = _norm(f"{hub}.post_attention_layernorm.weight", d)
+    attention = _attention_sources(config, f"{hub}.self_attn")
+    ff = _moe_sources(config, f"{hub}.mlp") if config.feed_forward.num_experts else _mlp_sources(f"{hub}.mlp")
+    sources.update({f"mtp.attention.{name}": options for name, options in attention.items()})
+    sources.update({f"mtp.feed_forward.{name}": options for name, options in ff.items()})
+    return sources
+
+
 def qwen_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
     """Every parameter name (but lm_head) → its candidate sources in a Qwen GDN-hybrid checkpoint."""
     wrapped = any(key.startswith("model.language_model.") for key in checkpoint_keys)
@@ -112,4 +127,5 @@ def qwen_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, l
         else:
             mixer = _mlp_sources(f"{hub}.mlp") if kind == MLP else _moe_sources(config, f"{hub}.mlp")
         sources.update({f"{ours}.mixer.{name}": options for name, options in mixer.items()})
+    sources.update(_mtp_sources(config))  # read only when the model was built with its MTP head
     return sources

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from workers.spec_decode.policy import POLICIES
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -15,9 +15,10 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup over the request's prompt + generated tokens (n-grams of
     `prompt_lookup_min`…`prompt_lookup_max` tokens). method "draft": a smaller model (`draft_model`, a local
-    directory or hub id with the target's vocabulary), attention-only or hybrid. `policy` "adaptive" picks each
-    step's number of drafts (0 … num_speculative_tokens) from measured step times and acceptance; "fixed" always
-    asks for num_speculative_tokens (see `workers/spec_decode/policy.py`).
+    directory or hub id with the target's vocabulary), attention-only or hybrid. method "mtp": the target
+    checkpoint's own multi-token-prediction head (Qwen3-Next / Qwen3.5 `mtp.*` weights), chained k times.
+    `policy` "adaptive" picks each step's number of drafts (0 … num_speculative_tokens) from measured step times
+    and acceptance; "fixed" always asks for num_speculative_tokens (see `workers/spec_decode/policy.py`).
     """
 
     method: str = "ngram"
@@ -43,7 +44,7 @@ class SpeculativeConfig:
             )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("SpeculativeConfig.draft_model is required when method='draft' (a model dir or hub id)")
-        if self.method == "ngram" and self.draft_model:
+        if self.method != "draft" and self.draft_model:
             raise ValueError("SpeculativeConfig.draft_model is only used with method='draft'")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
             raise ValueError(f"SpeculativeConfig.prompt_lookup_min={self.prompt_lookup_min!r} is invalid: must be ≥ 1")

@@ -34,7 +34,12 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    """Proposes drafts; a stateful proposer (a draft model) also shifts its own state after verification."""
+    """Proposes drafts; a stateful proposer (a draft model) also shifts its own state after verification.
+
+    A proposer that drafts from the target's hidden states (MTP) also has `observe_target(requests, hidden,
+    cache_lens, num_tokens)`, which the scheduler calls after every target forward with the final-norm hidden
+    states and how many positions of each row were kept.
+    """
 
     def start(self, num_slots: int, capacity: int) -> None:
         """A new batch of requests: `num_slots` slots of up to `capacity` tokens (drafts included)."""

@@ -109,7 +109,7 @@ def test_forced_acceptance_patterns_keep_states_exact(family, checkpoint_dir):
     assert {r.index: r.output for r in scheduler.finished} == reference
 
 
-@pytest.mark.parametrize("draft", ["draft_hybrid", "granite_moe"])
+@pytest.mark.parametrize("draft", ["draft_hybrid", "granite_moe", "qwen3_5"])
 def test_hybrid_draft_state_is_shifted_to_what_it_has_seen(draft, checkpoint_dir):
     # The reference linear path: this test is about the shifting logic, compared at float32 rounding level.
     target = ModelRunner.from_pretrained(str(checkpoint_dir("nemotron_moe")), max_num_seqs=3, linear_backend="torch")
@@ -126,10 +126,10 @@ def test_hybrid_draft_state_is_shifted_to_what_it_has_seen(draft, checkpoint_dir
             if covered:
                 tokens = (request.prompt + request.output)[:covered]
                 # The draft reached this state through a long prefill and up to 24 single steps, the reference
-                # through one chunked prefill: float32 rounding accumulates, so compare relatively (1e-4).
-                _assert_slot_matches(
-                    proposer.pool, request.slot, draft_runner.model, tokens, dict(atol=1e-5, rtol=1e-4)
-                )
+                # through one chunked prefill: float32 rounding accumulates, so compare relatively (1e-4). The
+                # Gated DeltaNet draft amplifies rounding more (its gated norm over small heads): the target's TOL.
+                tol = TOL if draft.startswith("qwen") else dict(atol=1e-5, rtol=1e-4)
+                _assert_slot_matches(proposer.pool, request.slot, draft_runner.model, tokens, tol)
                 steps_checked += 1
             _assert_slot_matches(scheduler.pool, request.slot, target.model, (request.prompt + request.output)[:-1])
     assert steps_checked > 10

@@ -1,0 +1,160 @@
+"""MTP drafting on the Gated DeltaNet families: lossless, its KV cache follows the accepted positions exactly
+(forced acceptance patterns), the sampled distribution stays the target's, and clear errors without an MTP head."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from tests.workers.spec_decode.test_greedy_exactness import PARAMS as GREEDY
+from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
+from tests.workers.spec_decode.test_runner_speculative import _next_token_probs
+from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer, _prompts, _requests
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.model import ForwardBatch, KVCache, StatePool, load_checkpoint
+from workers.scheduler import Scheduler
+from workers.spec_decode.mtp import MtpProposer
+from workers.spec_decode.proposal import Proposal
+
+GDN_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+TOL = dict(atol=5e-5, rtol=1e-4)
+
+
+class ForcedMtp(ScriptedProposer):
+    """Runs the real MTP proposer every step (its catch-up and chain write its KV), but hands the verifier the
+    scripted drafts, so that acceptance follows the scripted patterns (0 drafts, all, none, partial)."""
+
+    def __init__(self, mtp: MtpProposer, reference: dict[int, list[int]], vocab_size: int):
+        super().__init__(reference, vocab_size)
+        self.mtp = mtp
+        self.first_drafts: list[tuple[int, int, int]] = []  # (request index, its token count, MTP's d_1)
+
+    def start(self, num_slots: int, capacity: int) -> None:
+        self.mtp.start(num_slots, capacity)
+
+    def admit(self, requests) -> None:
+        self.mtp.admit(requests)
+
+    def move(self, source: int, target: int) -> None:
+        self.mtp.move(source, target)
+
+    def observe_target(self, requests, hidden, cache_lens, num_tokens) -> None:
+        self.mtp.observe_target(requests, hidden, cache_lens, num_tokens)
+
+    def propose(self, requests, num_drafts) -> Proposal:
+        scripted = super().propose(requests, num_drafts)
+        # The same counts, so that rows without drafts leave their pending hidden states to accumulate.
+        own = self.mtp.propose(requests, scripted.num_draft_tokens)
+        for request, row in zip(requests, own.token_ids.tolist()):
+            if row and row[0] != -1:
+                self.first_drafts.append((request.index, request.num_tokens, row[0]))
+        return scripted
+
+
+def _fresh_mtp(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP keys over positions 0 … len-2 from scratch, and its logits at the last one: (h_t, token t+1) pairs from
+    one plain target prefill of `tokens`."""
+    n = len(tokens)
+    pool = StatePool(model.config, 1, n + 1, torch.device("cpu"), torch.float32)
+    batch = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([n - 1]))
+    with torch.no_grad():
+        hidden = model(torch.tensor([tokens[:-1]]), batch, None, pool.kv_caches()).hidden
+        a = model.config.attention
+        cache = KVCache(
+            torch.zeros(1, a.num_kv_heads, n + 1, a.head_dim), torch.zeros(1, a.num_kv_heads, n + 1, a.head_dim)
+        )
+        out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, cache)
+    return cache.key[0, :, : n - 1], model.logits(out[0, -1])
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, linear_backend="torch",
+                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=4))  # fmt: skip
+    prompts = _prompts()
+    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS))}  # fmt: skip
+    mtp = MtpProposer(runner.model, 4)
+    proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
+    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4)
+    checked = 0
+    while scheduler.has_work():
+        scheduler.step()
+        for request in scheduler.running:
+            tokens = request.prompt + request.output
+            start, pending = mtp.pending[request.slot]
+            assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
+            if start >= 1:
+                fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
+                torch.testing.assert_close(mtp.cache.key[request.slot, :, :start], fresh_keys, **TOL)
+                checked += 1
+    assert checked > 20
+    for accepted, expected in proposer.seen:
+        assert accepted == expected
+    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
+    assert {r.index: r.output for r in scheduler.finished} == reference
+    # Each proposal's first draft is the argmax of the MTP head run from scratch over the request's tokens.
+    finished = {r.index: r.prompt + r.output for r in scheduler.finished}
+    assert len(proposer.first_drafts) > 20
+    for index, num_tokens, first in proposer.first_drafts:
+        _, logits = _fresh_mtp(runner.model, finished[index][:num_tokens])
+        top2 = logits.topk(2).values
+        assert first == int(logits.argmax()) or top2[0] - top2[1] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 5, 16])
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_greedy_mtp_equals_greedy_plain(family, batch, checkpoint_dir):
+    path = str(checkpoint_dir(family))
+    prompts = greedy_prompts(batch, batch)
+    plain = [r.token_ids for r in ModelRunner.from_pretrained(path, max_num_seqs=8).generate(prompts, GREEDY)]
+    runner = ModelRunner.from_pretrained(path, max_num_seqs=8, speculative=SpeculativeConfig("mtp", 3))
+    results = runner.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == plain
+    assert runner.spec_stats()["num_drafts"] > 0
+
+
+def test_mtp_without_mtp_weights_is_a_clear_error(tmp_path, checkpoint_dir):
+    path = tmp_path / "model"
+    shutil.copytree(checkpoint_dir("qwen3_5"), path)
+    tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.startswith("mtp.")}
+    save_file(tensors, path / "model.safetensors")
+    ModelRunner.from_pretrained(str(path))  # fine without speculation
+    with pytest.raises(ValueError, match=r"no mtp\.\* weights \(expected mtp\.fc\.weight"):
+        ModelRunner.from_pretrained(str(path), speculative=SpeculativeConfig("mtp"))
+
+
+def test_mtp_on_a_mamba2_family_is_refused(checkpoint_dir):
+    with pytest.raises(ValueError, match="speculative method 'mtp' is supported for qwen3_next"):
+        load_checkpoint(str(checkpoint_dir("bamba")), mtp=True)
+    with pytest.raises(ValueError, match="draft_model is only used with method='draft'"):
+        SpeculativeConfig("mtp", draft_model="x")
+
+
+@pytest.mark.slow
+def test_sampled_mtp_tokens_follow_the_target_distribution(checkpoint_dir):
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), max_num_seqs=64,
+                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=2))  # fmt: skip
+    prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()[:40]
+    n = 1500
+    params = [SamplingParams(temperature=1.0, top_k=16, max_tokens=3, seed=i, ignore_eos=True) for i in range(n)]
+    results = runner.generate([prompt] * n, params)
+    assert runner.spec_stats()["num_drafts"] >= n
+    assert 0 < runner.spec_stats()["acceptance_rate"] < 1
+    first = _next_token_probs(runner, [prompt], params[0])[0]
+    candidates = first.nonzero().flatten().tolist()
+    second = _next_token_probs(runner, [prompt + [t] for t in candidates], params[0])
+    expected = (first[candidates, None] * second).sum(0)
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=128).double()
+    assert counts[expected == 0].sum() == 0
+    expected = expected * n
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare & (expected > 0)].sum()[None]])
+    expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    expected = expected / expected.sum() * observed.sum()
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3

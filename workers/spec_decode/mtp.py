@@ -1,0 +1,126 @@
+"""MTP proposer: the target checkpoint's own multi-token-prediction head drafts k tokens, chained.
+
+The head reads the target's final-norm hidden states, so the scheduler hands them over after every target
+forward (`observe_target`: prompt positions at prefill, the accepted inputs of a verification, the one input of a
+plain decode step). Invariant: the head's KV cache holds the entries (h_t, token t+1) of positions 0 … c-1, and
+`pending[slot]` holds the target hidden states of positions c … N-2 that it has not consumed yet (N = the
+request's token count). A proposal first catches up on them — writing their keys/values, which overwrites the
+speculative entries of the previous chain — and the last one's output drafts d_1; each further draft feeds the
+head its own output state and the previous draft. So after a step with n accepted tokens, the next proposal's
+catch-up leaves the KV holding exactly the accepted positions; nothing needs shifting on `accepted`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model import ForwardBatch, HybridModel, KVCache
+from workers.requests import Request
+from workers.sampling import sample_from, target_probs
+from workers.spec_decode.proposal import Proposal
+
+
+class MtpProposer:
+    """Proposes k tokens per request with `model.mtp` (see the module docstring for the state it keeps)."""
+
+    def __init__(self, model: HybridModel, num_speculative_tokens: int = 1):
+        """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`)."""
+        if model.mtp is None:
+            raise ValueError("speculative method 'mtp' needs the target loaded with its MTP head (mtp=True)")
+        self.model, self.head = model, model.mtp
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = model.embed_tokens.weight.device
+        self.cache: KVCache | None = None
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot → (first position, target hidden [m, d])
+
+    def start(self, num_slots: int, capacity: int) -> None:
+        """Allocate the head's KV cache (one attention layer; same slot ids as the target's)."""
+        a, dtype = self.model.config.attention, self.model.embed_tokens.weight.dtype
+        shape = (num_slots, a.num_kv_heads, capacity, a.head_dim)
+        self.cache = KVCache(
+            torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+        )
+        self.pending = {}
+
+    def move(self, source: int, target: int) -> None:
+        """Follow a request to its new slot."""
+        self.cache.key[target] = self.cache.key[source]
+        self.cache.value[target] = self.cache.value[source]
+        if source in self.pending:
+            self.pending[target] = self.pending.pop(source)
+
+    def admit(self, requests: list[Request]) -> None:
+        """New requests start with nothing cached (their prefill's hidden states arrive next)."""
+        for request in requests:
+            self.pending.pop(request.slot, None)
+
+    def observe_target(
+        self, requests: list[Request], hidden: torch.Tensor, cache_lens: list[int], num_tokens: list[int]
+    ) -> None:
+        """The target's final-norm hidden [b, l, d] of a forward whose row i started at position cache_lens[i];
+        its first num_tokens[i] positions are now part of the request (the rest was rejected or padding)."""
+        for row, request in enumerate(requests):
+            new = hidden[row, : num_tokens[row]].detach().clone()  # [n, d]
+            if request.slot in self.pending:
+                start, old = self.pending[request.slot]
+                assert start + old.shape[0] == cache_lens[row], "target positions must follow on"
+                self.pending[request.slot] = (start, torch.cat([old, new]))
+            else:
+                self.pending[request.slot] = (cache_lens[row], new)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
+        """k_i = num_drafts[i] drafts per request; rows with 0 keep their pending hidden states for later."""
+        rows = [i for i, k in enumerate(num_drafts) if k > 0]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not rows:
+            return Proposal.from_lists(drafts, None)
+        active, budgets = [requests[i] for i in rows], [num_drafts[i] for i in rows]
+        sampled = any(not r.params.greedy for r in active)
+        probs = torch.zeros(len(requests), max(budgets), self.model.config.vocab_size) if sampled else None
+        slots = torch.tensor([r.slot for r in active], device=self.device)
+        # 1. Catch up: (h_t, token t+1) for every pending position; the last output drafts d_1.
+        starts, hiddens = zip(*(self.pending.pop(r.slot) for r in active))
+        counts = [h.shape[0] for h in hiddens]
+        token_ids = torch.zeros(len(active), max(counts), dtype=torch.long)
+        hidden = hiddens[0].new_zeros(len(active), max(counts), hiddens[0].shape[-1])
+        for row, (request, start, h) in enumerate(zip(active, starts, hiddens)):
+            context = request.prompt + request.output
+            token_ids[row, : counts[row]] = torch.tensor(context[start + 1 : start + 1 + counts[row]])
+            hidden[row, : counts[row]] = h
+        num_tokens = torch.tensor(counts, device=self.device)
+        batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
+        out = self.head(token_ids.to(self.device), hidden, self.model.embed_tokens, batch, self.cache)
+        last = out[torch.arange(len(active), device=self.device), num_tokens - 1]  # [b, d]
+        positions = [s + c for s, c in zip(starts, counts)]  # where each row's next (chained) entry goes
+        # 2. Chain: feed the head its own output and the previous draft.
+        chains: list[list[int]] = [[] for _ in active]
+        for step in range(max(budgets)):
+            logits = self.model.logits(last)
+            for row, request in enumerate(active):
+                chains[row].append(_choose(logits[row], request, step < budgets[row], probs, rows[row], step))
+            if step + 1 == max(budgets):
+                break
+            previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
+            batch = ForwardBatch(slots, torch.tensor(positions, device=self.device), torch.ones_like(slots),
+                                 one_token_each=True)  # fmt: skip
+            last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.cache)[:, 0]
+            positions = [p + 1 for p in positions]
+        for row, i in enumerate(rows):
+            drafts[i] = chains[row][: budgets[row]]
+        return Proposal.from_lists(drafts, probs)
+
+    def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
+        """Nothing to shift: the next catch-up rewrites the KV from the accepted positions on."""
+
+
+def _choose(
+    logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None, row: int, step: int
+) -> int:
+    """Argmax for greedy requests, else a sample from q (recorded for verification); steps past a request's own
+    budget draw nothing from its generator."""
+    if request.params.greedy or not is_draft:
+        return int(logits.argmax())
+    q = target_probs(logits, request.params)
+    probs[row, step] = q.cpu()
+    return sample_from(q, request.generator)

@@ -12,7 +12,7 @@ from typing import Any
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 
 

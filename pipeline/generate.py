@@ -31,7 +31,7 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     sampling = dataclasses.asdict(config.sampling)
     SamplingParams(**sampling)  # the same validation the workers apply, now
-    check_model(config.model.model)
+    check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp")
     if config.speculative.speculative == "draft":
         check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input

@@ -21,13 +21,14 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON heade
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def check_model(model: str, role: str = "model", need_tokenizer: bool = True) -> None:
-    """Check a local model directory or hub repo id; `ValueError` with one line naming `role` and the problem."""
+def check_model(model: str, role: str = "model", need_tokenizer: bool = True, need_mtp: bool = False) -> None:
+    """Check a local model directory or hub repo id; `ValueError` with one line naming `role` and the problem.
+    `need_mtp`: the checkpoint must also carry a multi-token-prediction head (`--speculative mtp`)."""
     try:
         if _looks_local(model):
-            _check_directory(Path(model).expanduser(), need_tokenizer)
+            _check_directory(Path(model).expanduser(), need_tokenizer, need_mtp)
         else:
-            _check_hub_repo(model)
+            _check_hub_repo(model, need_mtp)
     except ValueError as error:
         raise ValueError(f"{role} {model!r}: {_one_line(str(error))}") from None
 
@@ -42,7 +43,7 @@ def _one_line(text: str) -> str:
     return "; ".join(lines)
 
 
-def _check_directory(directory: Path, need_tokenizer: bool) -> None:
+def _check_directory(directory: Path, need_tokenizer: bool, need_mtp: bool) -> None:
     if not directory.exists():
         raise ValueError("does not exist (give a model directory or a hub repo id 'org/name')")
     if not directory.is_dir():
@@ -52,6 +53,10 @@ def _check_directory(directory: Path, need_tokenizer: bool) -> None:
     for name in _weight_files(directory):
         shapes.update(read_safetensors_header(directory / name))
     _check_tensors(config, shapes)
+    if need_mtp:
+        from workers.model.loader import check_mtp_head
+
+        check_mtp_head(config, shapes, directory)
     if need_tokenizer and not any((directory / name).exists() for name in TOKENIZER_FILES):
         raise ValueError(f"has no tokenizer files ({' or '.join(TOKENIZER_FILES)}): cannot turn text into tokens")
 
@@ -148,7 +153,7 @@ def _check_tensors(config: HybridConfig, shapes: dict[str, tuple[int, ...]]) -> 
     match_weights(model, shapes)
 
 
-def _check_hub_repo(repo: str) -> None:
+def _check_hub_repo(repo: str, need_mtp: bool) -> None:
     """A hub repo: config.json and the safetensors headers, fetched without downloading any weights."""
     import huggingface_hub
 
@@ -165,3 +170,7 @@ def _check_hub_repo(repo: str) -> None:
     for file_metadata in metadata.files_metadata.values():
         shapes.update({key: tuple(info.shape) for key, info in file_metadata.tensors.items()})
     _check_tensors(config, shapes)
+    if need_mtp:
+        from workers.model.loader import check_mtp_head
+
+        check_mtp_head(config, shapes, repo)

@@ -174,13 +174,14 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     return kernel
 
 
-def _check_mtp(config: HybridConfig, handles: dict[str, Any], directory: Path) -> None:
-    """An MTP head is only served for the Qwen GDN families, and the checkpoint must carry its weights."""
+def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> None:
+    """An MTP head is only served for the Qwen GDN families, and the checkpoint (its tensor names `keys`) must carry
+    its weights; `ValueError` naming what is missing otherwise."""
     if config.model_type not in QWEN_MODEL_TYPES:
         raise ValueError(
             f"speculative method 'mtp' is supported for {', '.join(QWEN_MODEL_TYPES)}, not {config.model_type!r}"
         )
-    if not any(key.startswith("mtp.") for key in handles):
+    if not any(key.startswith("mtp.") for key in keys):
         raise ValueError(
             f"speculative method 'mtp' needs the checkpoint's multi-token-prediction head, but {directory} has no "
             "mtp.* weights (expected mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight, "
@@ -211,7 +212,7 @@ def load_checkpoint(
     torch_dtype = resolve_dtype(dtype, config)
     handles = _open_shards(directory)
     if mtp:
-        _check_mtp(config, handles, directory)
+        check_mtp_head(config, handles, directory)
     with torch.device("meta"):
         model = HybridModel(config, mtp=mtp)
     model = model.to(torch_dtype).to_empty(device=device)

@@ -54,9 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step at most")
-    p.add_argument("--speculative-policy", choices=["adaptive", "fixed"], default="adaptive",
+    p.add_argument("--speculative-policy", choices=["adaptive", "fixed", "curve"], default="adaptive",
                    help="adaptive: drafts per step chosen from measured step times and acceptance; fixed: always "
-                   "--num-speculative-tokens")  # fmt: skip
+                   "--num-speculative-tokens; curve: fixed k = 1 … --num-speculative-tokens and adaptive, each "
+                   "against the same plain runs")  # fmt: skip
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
                    help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
@@ -126,19 +127,31 @@ def bench_score(args: argparse.Namespace, path: str, runner: ModelRunner) -> lis
     return rows
 
 
+def _spec_variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(label, policy, k) of every speculative configuration to measure: one, or the whole curve."""
+    k = args.num_speculative_tokens
+    if args.speculative_policy != "curve":
+        return [(f"{args.speculative_policy} k≤{k}" if args.speculative_policy == "adaptive" else f"fixed k={k}",
+                 args.speculative_policy, k)]  # fmt: skip
+    return [(f"fixed k={j}", "fixed", j) for j in range(1, k + 1)] + [(f"adaptive k≤{k}", "adaptive", k)]
+
+
 def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
-    """Spec decode vs plain on copy-heavy prompts, same run; greedy outputs must agree."""
-    spec = SpeculativeConfig(args.speculative, args.num_speculative_tokens,
-                             draft_model=(args.draft_model or path) if args.speculative == "draft" else None,
-                             policy=args.speculative_policy)  # fmt: skip
-    spec_runner = ModelRunner.from_pretrained(
-        path,
-        device=str(runner.device),
-        dtype=args.dtype,
-        speculative=spec,
-        decode_kernel=args.decode_kernel,
-        decode_plan=not args.no_decode_plan,
-    )
+    """Spec decode vs plain on copy-heavy prompts, same run (one plain baseline per batch size, shared by every
+    speculative configuration); greedy outputs must agree."""
+    draft = (args.draft_model or path) if args.speculative == "draft" else None
+    spec_runners = {
+        label: ModelRunner.from_pretrained(
+            path,
+            device=str(runner.device),
+            dtype=args.dtype,
+            max_num_seqs=max(args.batch_sizes),
+            speculative=SpeculativeConfig(args.speculative, k, draft_model=draft, policy=policy),
+            decode_kernel=args.decode_kernel,
+            decode_plan=not args.no_decode_plan,
+        )  # fmt: skip
+        for label, policy, k in _spec_variants(args)
+    }
     rows = []
     for batch in args.batch_sizes:
         if args.prompts:
@@ -148,23 +161,23 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
             prompts = copy_heavy_prompts(batch, args.prompt_len, runner.config.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
         plain = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
-        before = spec_runner.spec_stats()
-        fast = timed(lambda: spec_runner.generate(prompts, params), args.repeats, runner.device)
-        after = spec_runner.spec_stats()
-        drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-        accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
-        steps = after["num_drafts"] - before["num_drafts"]
-        chosen = {k: n - before["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
-        same = [r.token_ids for r in runner.generate(prompts, params)] == [
-            r.token_ids for r in spec_runner.generate(prompts, params)
-        ]
-        rows.append({"engine": f"hybridgen+{args.speculative}", "batch": batch, "identical_to_plain": same,
-                     "acceptance_rate": accepted / drafts if drafts else 0.0,
-                     "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
-                     "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
-                     "plain_tokens_per_s": batch * args.new_tokens / plain.seconds,
-                     "spec_tokens_per_s": batch * args.new_tokens / fast.seconds,
-                     "speedup": plain.seconds / fast.seconds})  # fmt: skip
+        expected = [r.token_ids for r in runner.generate(prompts, params)]
+        for label, spec_runner in spec_runners.items():
+            before = spec_runner.spec_stats()
+            fast = timed(lambda: spec_runner.generate(prompts, params), args.repeats, runner.device)
+            after = spec_runner.spec_stats()
+            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
+            steps = after["num_drafts"] - before["num_drafts"]
+            chosen = {k: n - before["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
+            same = [r.token_ids for r in spec_runner.generate(prompts, params)] == expected
+            rows.append({"engine": f"hybridgen+{args.speculative}", "policy": label, "batch": batch,
+                         "identical_to_plain": same, "acceptance_rate": accepted / drafts if drafts else 0.0,
+                         "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                         "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
+                         "plain_tokens_per_s": batch * args.new_tokens / plain.seconds,
+                         "spec_tokens_per_s": batch * args.new_tokens / fast.seconds,
+                         "speedup": plain.seconds / fast.seconds})  # fmt: skip
     return rows
 
 
@@ -211,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.speculative:
         result["speculative"] = bench_speculative(args, str(path), runner)
         print_table(
-            f"speculative decoding ({args.speculative}, k={args.num_speculative_tokens})", result["speculative"]
+            f"speculative decoding ({args.speculative}, speedup over plain decoding in the same run)",
+            result["speculative"],
         )
     else:
         result["generate"] = bench_generate(args, str(path), runner)

@@ -42,3 +42,18 @@ def test_benchmark_decode_kernel_flag_reaches_the_runner(tmp_path):
     assert result["decode_plan"].startswith("off (the native kernels are off")
     assert main([*args[:-4], "--no-decode-plan", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["decode_plan"] == "off (--no-decode-plan)"
+
+
+def test_benchmark_speculation_curve_measures_every_k_and_adaptive(tmp_path):
+    out = tmp_path / "curve.json"
+    args = ["--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "6", "--prompt-len", "16", "--repeats", "1",
+            "--speculative", "ngram", "--num-speculative-tokens", "2", "--speculative-policy", "curve",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["speculative"]
+    assert [(r["batch"], r["policy"]) for r in rows] == [
+        (b, p) for b in (1, 2) for p in ("fixed k=1", "fixed k=2", "adaptive k≤2")
+    ]
+    assert all(r["identical_to_plain"] for r in rows)
+    chosen = [{pair.split(":")[0] for pair in r["steps_by_k"].split()} for r in rows[:2]]
+    assert "1" in chosen[0] <= {"0", "1"} and "2" in chosen[1] <= {"0", "1", "2"}  # 0 or less: the token budget

@@ -26,7 +26,7 @@ from pipeline.address import answers, recorded_address
 from pipeline.job import Job
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
-from pipeline.placement import pending_message, plan_placement
+from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 
@@ -88,13 +88,9 @@ def _autoscaler_running() -> bool:
     from ray.experimental.internal_kv import _internal_kv_get
 
     try:
-        status = json.loads(_internal_kv_get(DEBUG_AUTOSCALING_STATUS) or "{}")
-    except (ValueError, TypeError, RuntimeError):
+        return autoscaler_in_status(_internal_kv_get(DEBUG_AUTOSCALING_STATUS))
+    except RuntimeError:  # the internal KV is not reachable
         return False
-    report = status.get("autoscaler_report") or {}
-    node_types = set(report.get("active_nodes") or {}) | set(report.get("pending_launches") or {})
-    node_types |= {entry[1] for entry in report.get("pending_nodes") or [] if len(entry) > 1}
-    return any(not name.startswith("node_") for name in node_types)  # read-only types are "node_<id>"
 
 
 class Fleet:
@@ -140,7 +136,8 @@ class ShardLoop:
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
         self.attempts: Counter[int] = Counter()
-        self.num_ready, self.num_written, self.num_start_failures = 0, 0, 0
+        self.num_ready, self.num_written, self.num_start_failures = 0, 0, 0  # num_ready: alive and ready now
+        self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
         self.fleet_requested = False  # an autoscaler request is outstanding
         self.counts = Counter()  # generated tokens, drafts … for the progress bar
 
@@ -151,8 +148,8 @@ class ShardLoop:
         for _ in range(self.num_workers):
             self._start_worker()
         timeout = self.job.scaling.worker_startup_timeout_s
-        started, interval = time.monotonic(), min(timeout / 3, MAX_REPORT_INTERVAL_S)
-        next_report = started + interval
+        interval = min(timeout / 3, MAX_REPORT_INTERVAL_S)
+        next_report = time.monotonic() + interval
         while self.queue or any(kind == "shard" for kind, *_ in self.in_flight.values()):
             self._dispatch()
             done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=min(10.0, interval / 2))
@@ -161,8 +158,9 @@ class ShardLoop:
                 continue
             num_pending = sum(kind == "ready" for kind, *_ in self.in_flight.values())
             now = time.monotonic()
-            if self.num_ready == 0 and now > started + timeout:
-                raise JobFailed(f"no worker started within {timeout:g} s: {self.fleet.why_pending(num_pending)}")
+            if self.num_ready == 0 and now > self.idle_since + timeout:
+                what = "replaced the lost ones" if self.had_workers else "started"
+                raise JobFailed(f"no worker {what} within {timeout:g} s: {self.fleet.why_pending(num_pending)}")
             if num_pending and now > next_report:
                 _say(f"waiting for workers ({self.num_ready} ready): {self.fleet.why_pending(num_pending)}")
                 interval = min(2 * interval, MAX_REPORT_INTERVAL_S)
@@ -205,13 +203,11 @@ class ShardLoop:
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
             self.fleet.release(actor)
-            if kind == "shard" and getattr(error, "preempted", False):  # spot reclaim: not the shard's fault
-                _say(f"shard {shard.index} requeued: its worker's node was preempted")
-                self.queue.appendleft(shard)
-            elif kind == "shard":
-                self._retry(shard, error)
-            elif not getattr(error, "preempted", False):  # a worker that died while loading its model
+            preempted = getattr(error, "preempted", False)
+            if kind == "ready" and not preempted:  # it died while loading its model
                 return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
+            if kind == "shard":
+                self._lost_worker(shard, error, preempted)
             if self.queue or kind == "shard":
                 self._start_worker()
             return
@@ -220,6 +216,7 @@ class ShardLoop:
                 self.fleet.release(actor)
                 return self._start_failed(value["error"], value["node"])
             self.num_ready += 1
+            self.had_workers = True
             self.idle.append(actor)
             return
         self.idle.append(actor)
@@ -235,6 +232,17 @@ class ShardLoop:
         self._show(table.num_rows, value.stats)
         self.num_written += 1
         _maybe_kill_driver(self.num_written)
+
+    def _lost_worker(self, shard: Shard, error: Exception, preempted: bool) -> None:
+        """A ready worker died while it held `shard`: requeue the shard (a preemption uses up no retry)."""
+        self.num_ready -= 1
+        if not self.num_ready:
+            self.idle_since = time.monotonic()  # the startup timeout applies again, from now
+        if preempted:  # a spot reclaim: not the shard's fault
+            _say(f"shard {shard.index} requeued: its worker's node was preempted")
+            self.queue.appendleft(shard)
+        else:
+            self._retry(shard, error)
 
     def _start_failed(self, error: str, node: str) -> None:
         """Print a worker's start failure; fail the job at --max-worker-start-failures, else start another."""

@@ -6,6 +6,7 @@ cluster; `pipeline/driver.py` feeds them `ray.nodes()` and turns the result into
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pipeline.config import ScalingConfig
@@ -94,3 +95,18 @@ def pending_message(num_pending: int, bundle: dict[str, float], nodes: list[dict
     why = ", ".join(lacking) if lacking else "the nodes that can hold one are busy"
     scaler = "the autoscaler has been asked for nodes" if autoscaler else "no autoscaler is running to add nodes"
     return f"{needs} {describe_bundle(bundle)}: {why}, and {scaler}"
+
+
+def autoscaler_in_status(status: bytes | str | None) -> bool:
+    """Whether Ray's autoscaling status (the monitor's JSON report) comes from an autoscaler with node types.
+
+    Without an autoscaling config Ray's monitor still reports, through a read-only stand-in whose node types are
+    named "node_<id>": that one cannot add nodes.
+    """
+    try:
+        report = json.loads(status or "{}").get("autoscaler_report") or {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    node_types = set(report.get("active_nodes") or {}) | set(report.get("pending_launches") or {})
+    node_types |= {entry[1] for entry in report.get("pending_nodes") or [] if len(entry) > 1}
+    return any(not name.startswith("node_") for name in node_types)

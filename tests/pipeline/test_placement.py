@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from jobs.generate import SECTIONS
 from pipeline.cli import parse_sections
 from pipeline.config import ScalingConfig
-from pipeline.placement import fitting_cpus, pending_message, plan_placement
+from pipeline.placement import autoscaler_in_status, fitting_cpus, pending_message, plan_placement
 
 BASE = ["--model", "m", "--input", "d.jsonl", "--prompt-column", "text"]
 HEAD = {"CPU": 0.0, "memory": 1e9}
@@ -75,3 +77,11 @@ def test_placement_flags_parse_and_are_validated():
     ]:
         with pytest.raises(ValueError, match=message):
             ScalingConfig(**bad)
+
+
+def test_autoscaler_is_told_apart_from_rays_read_only_stand_in():
+    real = {"autoscaler_report": {"active_nodes": {"ray.head.default": 1}, "pending_nodes": [], "pending_launches": {}}}
+    read_only = {"autoscaler_report": {"active_nodes": {"node_0af3": 1}, "pending_nodes": [], "pending_launches": {}}}
+    assert autoscaler_in_status(json.dumps(real).encode()) is True
+    assert autoscaler_in_status(json.dumps(read_only)) is False
+    assert autoscaler_in_status(None) is False and autoscaler_in_status(b"not json") is False

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     BambaConfig,
     BambaForCausalLM,
@@ -177,12 +177,25 @@ def fuse_experts(path: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over a few English words, with a chat template."""
-    vocab = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS, "<unk>": 3}
-    vocab.update({word: 4 + i for i, word in enumerate(WORDS)})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+def make_tokenizer(byte_level: bool = False) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over a few English words, with a chat template.
+
+    `byte_level`: a byte-level BPE over the same words instead — transformers loads Qwen3.5 checkpoints' tokenizers
+    as its own byte-level `Qwen3_5Tokenizer` whatever they declare, which mangles a word-level vocabulary.
+    """
+    if byte_level:
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = sorted({c for word in WORDS for c in word} | {"Ġ"})  # "Ġ": byte-level space
+        trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+                                      initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+        backend.train_from_iterator([" ".join(WORDS)] * 10 + [" " + word for word in WORDS] * 10, trainer)
+    else:
+        vocab = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS, "<unk>": 3}
+        vocab.update({word: 4 + i for i, word in enumerate(WORDS)})
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
@@ -200,6 +213,6 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
         fuse_experts(directory / "model.safetensors")
     if family.startswith("qwen"):
         add_mtp_head(model, directory / "model.safetensors", seed)
-    make_tokenizer().save_pretrained(directory)
+    make_tokenizer(byte_level=family.startswith("qwen3_5")).save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory

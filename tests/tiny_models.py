@@ -92,6 +92,16 @@ FAMILIES = {
 }  # fmt: skip
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
+# Zero-centred norms and an MTP head; the Qwen3.5 ones also a byte-level tokenizer (transformers loads qwen3_5
+# tokenizers as its own byte-level class, which would mangle the word-level one).
+QWEN_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+BYTE_LEVEL_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+def draft_for(target: str, draft: str) -> str:
+    """The fixture name of `draft` built with `target`'s tokenizer."""
+    return f"{draft}+bpe" if target in BYTE_LEVEL_FAMILIES and draft not in BYTE_LEVEL_FAMILIES else draft
+
 
 # Small draft models with the same vocabulary: one without any recurrent layer, one hybrid.
 DRAFT_FAMILIES = {
@@ -204,15 +214,21 @@ def make_tokenizer(byte_level: bool = False) -> PreTrainedTokenizerFast:
 
 
 def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Save a tiny random `family` model, its tokenizer and a generation config into `directory`."""
+    """Save a tiny random `family` model, its tokenizer and a generation config into `directory`.
+
+    `family` may end in "+bpe": the same model with the byte-level tokenizer of the Qwen3.5 fixtures (a draft must
+    share its target's tokenizer; see `draft_for`).
+    """
     torch.manual_seed(seed)
-    model = {**FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[family]()
-    randomise(model, seed, zero_centred_norms=family.startswith("qwen"))
+    name, _, flavour = family.partition("+")
+    model = {**FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[name]()
+    gdn_family = name in QWEN_GDN_FAMILIES
+    randomise(model, seed, zero_centred_norms=gdn_family)
     model.to(dtype).save_pretrained(directory)
-    if family in FUSED_EXPERT_FAMILIES:
+    if name in FUSED_EXPERT_FAMILIES:
         fuse_experts(directory / "model.safetensors")
-    if family.startswith("qwen"):
+    if gdn_family:
         add_mtp_head(model, directory / "model.safetensors", seed)
-    make_tokenizer(byte_level=family.startswith("qwen3_5")).save_pretrained(directory)
+    make_tokenizer(byte_level=name in BYTE_LEVEL_FAMILIES or flavour == "bpe").save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory

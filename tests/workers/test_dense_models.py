@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import ALL_FAMILIES
-from tests.tiny_models import DENSE_FAMILIES
+from tests.tiny_models import DENSE_FAMILIES, draft_for
 from tests.workers.test_oracle import _hf_greedy, _hf_logprobs, _prompts, assert_same_greedy
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 
@@ -57,7 +57,7 @@ def plain_greedy(checkpoint_dir):
 def test_dense_drafts_keep_greedy_speculation_exact_on_every_hybrid(target, draft, checkpoint_dir, plain_greedy):
     prompts = [p * 3 for p in _prompts(3, [4, 2, 7, 1, 5])]  # repeats: some drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    spec = SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(draft)), policy="fixed")
+    spec = SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(draft_for(target, draft))), policy="fixed")
     runner = ModelRunner.from_pretrained(str(checkpoint_dir(target)), max_num_seqs=4, speculative=spec)
     assert [r.token_ids for r in runner.generate(prompts, params)] == plain_greedy(target, prompts, params)
     assert runner.spec_stats()["num_draft_tokens"] > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import ALL_FAMILIES
+from tests.tiny_models import draft_for
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -24,7 +25,7 @@ def _prompts(batch: int, seed: int) -> list[list[int]]:
 def _speculative(method: str, family: str, checkpoint_dir) -> SpeculativeConfig:
     if method == "ngram":
         return SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
-    draft = {"self": family, "attention": "draft_attention", "hybrid": "draft_hybrid"}[method]
+    draft = draft_for(family, {"self": family, "attention": "draft_attention", "hybrid": "draft_hybrid"}[method])
     return SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=str(checkpoint_dir(draft)))
 
 

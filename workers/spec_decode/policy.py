@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "fixed")
+MAX_EXPLORE_EVERY = 256
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -86,35 +87,54 @@ class AdaptivePolicy:
         self.explore_every, self.prior_weight, self.smoothing = explore_every, prior_weight, smoothing
         self.decay = decay
         self.seconds: dict[tuple[int, int], float] = {}  # (batch bucket, k) → smoothed step seconds
-        self.tried: set[tuple[int, int]] = set()  # widths asked for once to measure them
+        self.tried: Counter[tuple[int, int]] = Counter()  # widths asked for to measure them
+        self.samples: Counter[tuple[int, int]] = Counter()  # steps measured per (bucket, width)
         self.batch = _Acceptance()
         self.requests: dict[int, _Acceptance] = {}
         self.steps_without_drafts = 0
+        self.explore_interval = (
+            explore_every  # grows after re-tries that did not pay, back to explore_every after one that did
+        )
+        self.best: dict[int, int] = {}  # batch bucket → the k last chosen there on the estimates
         self.last_useful_k = 1
         self.chosen: Counter[int] = Counter()  # k → steps (the "chosen k distribution" of the spec stats)
 
     # ------------------------------------------------------------------------------------------------ decide
     def num_drafts(self, request_ids: list[int], budgets: list[int]) -> list[int]:
         """Drafts per request for this step: min(k, budget) with one k for the batch."""
-        k = self._choose(request_ids, budgets)
+        k, probe = self._choose(request_ids, budgets)
         self.chosen[k] += 1
-        self.steps_without_drafts = self.steps_without_drafts + 1 if k == 0 else 0
+        if k == 0:
+            self.steps_without_drafts += 1
+        elif self.steps_without_drafts >= self.explore_interval:  # a re-try: if it does not pay, wait longer
+            self.steps_without_drafts, self.explore_interval = 0, min(2 * self.explore_interval, MAX_EXPLORE_EVERY)
+        else:  # speculation was chosen on its merits
+            self.steps_without_drafts, self.explore_interval = 0, self.explore_every
+        if probe:  # drafts for one request only: the verification still runs k + 1 wide for every row (what is
+            # measured), while a draft model catches up on the tokens it skipped for that one request alone
+            row = max(range(len(budgets)), key=lambda i: budgets[i])
+            return [min(k, budget) if i == row else 0 for i, budget in enumerate(budgets)]
         return [min(k, budget) for budget in budgets]
 
-    def _choose(self, request_ids: list[int], budgets: list[int]) -> int:
+    def _choose(self, request_ids: list[int], budgets: list[int]) -> tuple[int, bool]:
+        """(k, whether this step only probes: measures a width or re-checks acceptance)."""
         top = min(self.max_drafts, max(budgets, default=0))
         if top == 0:
-            return 0
+            return 0, False
         bucket = batch_bucket(len(request_ids))
-        # 1. Measure first: both ends of the range, so every other width can be interpolated. (A proposer may
-        #    return fewer drafts than asked: the step is then measured at the width it ran.)
-        for k in (top, 0):
-            if (bucket, k) not in self.seconds and (bucket, k) not in self.tried:
-                self.tried.add((bucket, k))
-                return k
-        # 2. Look again now and then: acceptance may have risen since speculation last paid.
-        if self.steps_without_drafts >= self.explore_every:
-            return min(self.last_useful_k, top)
+        # 1. Measure first: the plain step, then the widest — unless a batch no larger already found speculation
+        #    unprofitable (a verification costs relatively more at larger batches), so that each new batch size
+        #    does not pay for a costly measurement (a draft model catching up on every token it skipped). A
+        #    proposer may return fewer drafts than asked: the step is then measured at the width it ran.
+        for k in (0, top):
+            if self.samples[(bucket, k)] < 2 and self.tried[(bucket, k)] < 2:  # twice: see `observe`
+                if k and self._unprofitable_at_or_below(bucket):
+                    break
+                self.tried[(bucket, k)] += 1
+                return k, k > 0
+        # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen.
+        if self.steps_without_drafts >= self.explore_interval:
+            return min(self.last_useful_k, top), True
         # 3. The best expected throughput.
         rates = [self._rates(rid) for rid in request_ids]
         best_k, best = 0, -1.0
@@ -125,7 +145,17 @@ class AdaptivePolicy:
                 best_k, best = k, throughput
         if best_k:
             self.last_useful_k = best_k
-        return best_k
+        self.best[bucket] = best_k
+        return best_k, False
+
+    def _unprofitable_at_or_below(self, bucket: int) -> bool:
+        """Whether the last choice at some batch bucket no larger than this one was no drafts at all."""
+        return any(b <= bucket and k == 0 for b, k in self.best.items())
+
+    def _nearest_profiled(self, bucket: int) -> int | None:
+        """The measured bucket closest in size (ties: the larger) with the plain step and a verification known."""
+        profiled = {b for (b, j) in self.seconds if j > 0 and (b, 0) in self.seconds}
+        return min(profiled, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)
 
     def _rates(self, request_id: int) -> list[float]:
         mine = self.requests.get(request_id, _Acceptance())
@@ -134,13 +164,19 @@ class AdaptivePolicy:
 
     def _seconds(self, bucket: int, k: int) -> float:
         """Measured, else linear in k through the nearest measured widths of this bucket (beyond them: the line
-        through the two closest; one measured width: the same seconds for every k, which invites a try)."""
+        through the two closest). With only the plain step measured here, the nearest bucket's cost ratios scale
+        it; with nothing else known, every width looks alike (which invites a try)."""
         points = sorted((j, t) for (b, j), t in self.seconds.items() if b == bucket)
         if not points:
             return 1.0  # nothing measured at this size yet: every width looks alike
         measured = dict(points)
-        if k in measured or len(points) == 1:
-            return measured.get(k, points[0][1])
+        if k in measured:
+            return measured[k]
+        if len(points) == 1:
+            other = self._nearest_profiled(bucket)
+            if other is None or 0 not in measured:
+                return points[0][1]
+            return measured[0] * self._seconds(other, k) / self._seconds(other, 0)
         below = [p for p in points if p[0] < k][-1:]
         above = [p for p in points if p[0] > k][:1]
         (k0, t0), (k1, t1) = (below + above) if below and above else (points[:2] if not below else points[-2:])
@@ -151,8 +187,11 @@ class AdaptivePolicy:
                 seconds: float) -> None:  # fmt: skip
         """One step's outcome: drafts verified and accepted per request, and the step's wall time."""
         key = (batch_bucket(len(request_ids)), max(num_drafts, default=0))
+        self.samples[key] += 1
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        # The first step at a width carries one-off costs (a draft model catching up on a whole prompt, buffers
+        # sized for the first time): the second measurement replaces it, later ones are averaged in.
+        self.seconds[key] = seconds if self.samples[key] <= 2 else old + self.smoothing * (seconds - old)
         self.batch.decay(self.decay)
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
             if k:

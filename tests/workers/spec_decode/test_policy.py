@@ -83,7 +83,25 @@ def test_measures_each_batch_size_bucket_on_its_own():
 def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
     policy = AdaptivePolicy(K)
     assert policy.num_drafts([0, 1], [0, 0]) == [0, 0]
-    assert policy.num_drafts([0, 1], [2, 1]) == [2, 1]  # first measurement: the widest allowed
+    # Measured first, twice each (the first step at a width carries one-off costs): the plain step, then the widest
+    # allowed, probed with one request.
+    chosen = []
+    for _ in range(4):
+        chosen.append(policy.num_drafts([0, 1], [2, 1]))
+        policy.observe([0, 1], chosen[-1], [0, 0], 1.0)
+    assert chosen == [[0, 0], [0, 0], [2, 0], [2, 0]]
     assert FixedPolicy().num_drafts([0, 1, 2], [4, 0, 2]) == [4, 0, 2]
     with pytest.raises(ValueError, match="policy 'greedy' is invalid: must be one of adaptive, fixed"):
         make_policy("greedy", K)
+
+
+def test_re_tries_back_off_and_larger_batches_skip_a_measurement_that_cannot_pay():
+    policy = AdaptivePolicy(K)
+    costly = lambda k: 1.0 + 1.0 * k  # noqa: E731
+    chosen = _run(policy, 400, costly, lambda step: [0.5] * K, batch=2)
+    retries = [i for i, k in enumerate(chosen) if k and i > 2]
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # 16, 32, 64, … plain steps between re-tries
+    # A larger batch: verification costs relatively more there, so the widest width is not measured again.
+    assert _run(policy, 10, costly, lambda step: [0.5] * K, batch=16) == [0] * 10
+    assert (16, K) not in policy.seconds

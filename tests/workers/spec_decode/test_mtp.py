@@ -8,11 +8,10 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scipy.stats import chisquare
 
 from tests.workers.spec_decode.test_greedy_exactness import PARAMS as GREEDY
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
-from tests.workers.spec_decode.test_runner_speculative import _next_token_probs
+from tests.workers.spec_decode.test_runner_speculative import assert_second_tokens_follow_the_target
 from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer, _prompts, _requests
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, KVCache, StatePool, load_checkpoint
@@ -146,15 +145,4 @@ def test_sampled_mtp_tokens_follow_the_target_distribution(checkpoint_dir):
     results = runner.generate([prompt] * n, params)
     assert runner.spec_stats()["num_drafts"] >= n
     assert 0 < runner.spec_stats()["acceptance_rate"] < 1
-    first = _next_token_probs(runner, [prompt], params[0])[0]
-    candidates = first.nonzero().flatten().tolist()
-    second = _next_token_probs(runner, [prompt + [t] for t in candidates], params[0])
-    expected = (first[candidates, None] * second).sum(0)
-    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=128).double()
-    assert counts[expected == 0].sum() == 0
-    expected = expected * n
-    rare = expected < 5
-    observed = torch.cat([counts[~rare], counts[rare & (expected > 0)].sum()[None]])
-    expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
-    expected = expected / expected.sum() * observed.sum()
-    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    assert_second_tokens_follow_the_target(runner, prompt, params[0], [r.token_ids[1] for r in results])

@@ -57,12 +57,20 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(method, check
     results = runner.generate([prompt] * n, params)
     assert runner.spec_stats()["num_drafts"] >= n
     assert 0 < runner.spec_stats()["acceptance_rate"] < 1  # both accepted and recovered tokens are exercised
+    assert_second_tokens_follow_the_target(runner, prompt, params[0], [r.token_ids[1] for r in results])
+
+
+def assert_second_tokens_follow_the_target(
+    runner: ModelRunner, prompt: list[int], params: SamplingParams, second_tokens: list[int]
+) -> None:
+    """Chi-square of the second generated tokens against their exact marginal under the target."""
+    n = len(second_tokens)
     # Exact marginal of token 2: Σ_t1 p(t1 | prompt) · p(t2 | prompt, t1).
-    first = _next_token_probs(runner, [prompt], params[0])[0]
+    first = _next_token_probs(runner, [prompt], params)[0]
     candidates = first.nonzero().flatten().tolist()
-    second = _next_token_probs(runner, [prompt + [t] for t in candidates], params[0])
+    second = _next_token_probs(runner, [prompt + [t] for t in candidates], params)
     expected = (first[candidates, None] * second).sum(0)
-    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in results]), minlength=128).double()
+    counts = torch.bincount(torch.tensor(second_tokens), minlength=128).double()
     assert counts[expected == 0].sum() == 0
     expected = expected * n
     # Pool the rare tokens into one bin so that every bin expects at least 5 counts.

@@ -194,11 +194,12 @@ class AdaptivePolicy:
         self.seconds[key] = seconds if self.samples[key] <= 2 else old + self.smoothing * (seconds - old)
         self.batch.decay(self.decay)
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
+            mine = self.requests.get(rid)
+            if mine is not None:  # every step, drafted or not: old evidence fades, so a lull gets re-tried
+                mine.decay(self.decay)
             if k:
                 self.batch.record(k, accepted)
-                mine = self.requests.setdefault(rid, _Acceptance())
-                mine.decay(self.decay)
-                mine.record(k, accepted)
+                self.requests.setdefault(rid, _Acceptance()).record(k, accepted)
 
     def forget(self, request_id: int) -> None:
         """A request finished: drop its own counts (the batch's stay)."""

@@ -14,8 +14,7 @@ import torch
 from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
 from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
-from workers.sampling import sample_from, target_probs
-from workers.spec_decode.proposal import Proposal
+from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 
 
 class DraftModelProposer:
@@ -59,8 +58,7 @@ class DraftModelProposer:
         contexts = [r.prompt + r.output for r in active]
         slots = torch.tensor([r.slot for r in active], device=self.device)
         sampled = any(not r.params.greedy for r in active)
-        vocab_size = self.model.config.vocab_size  # q stays on the device: the rejection sampler subtracts it from p
-        probs = torch.zeros(len(requests), max(budgets), vocab_size, device=self.device) if sampled else None
+        probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
         # Step 0 feeds every unseen token; steps 1 … k-1 feed the previous draft.
         unseen = [ctx[self.covered[r.slot] :] for r, ctx in zip(active, contexts)]
         cache_lens = [self.covered[r.slot] for r in active]
@@ -80,7 +78,9 @@ class DraftModelProposer:
             states_by_step.append(states)
             cache_lens = [c + n for c, n in zip(cache_lens, lengths)]
             for row, request in enumerate(active):
-                chains[row].append(self._choose(logits[row], request, step < budgets[row], probs, rows[row], step))
+                chains[row].append(
+                    choose_draft_token(logits[row], request, step < budgets[row], probs, rows[row], step)
+                )
         for row, i in enumerate(rows):
             drafts[i] = chains[row][: budgets[row]]
         self._pending_shift = (active, states_by_step, [len(c) for c in contexts], budgets)
@@ -116,20 +116,6 @@ class DraftModelProposer:
         num_layers = self.pool.conv.shape[0]
         states = [MambaState(self.pool.conv[i, :b].clone(), self.pool.ssm[i, :b].clone()) for i in range(num_layers)]
         return logits.clone(), states
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
-                row: int, step: int) -> int:  # fmt: skip
-        """The next draft token: argmax for greedy requests, else a sample from q (recorded for verification).
-
-        Steps past a request's own budget only keep the batch running; they draw nothing from its generator, so
-        its random stream does not depend on the other requests.
-        """
-        if request.params.greedy or not is_draft:
-            return int(logits.argmax())
-        q = target_probs(logits, request.params)
-        probs[row, step] = q
-        return sample_from(q, request.generator)
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """Keep each request's draft state after its last accepted draft (the draft-side state shift)."""

@@ -16,8 +16,7 @@ import torch
 
 from workers.model import ForwardBatch, HybridModel, KVCache
 from workers.requests import Request
-from workers.sampling import sample_from, target_probs
-from workers.spec_decode.proposal import Proposal
+from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 
 
 class MtpProposer:
@@ -77,7 +76,7 @@ class MtpProposer:
             return Proposal.from_lists(drafts, None)
         active, budgets = [requests[i] for i in rows], [num_drafts[i] for i in rows]
         sampled = any(not r.params.greedy for r in active)
-        probs = torch.zeros(len(requests), max(budgets), self.model.config.vocab_size) if sampled else None
+        probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
         slots = torch.tensor([r.slot for r in active], device=self.device)
         # 1. Catch up: (h_t, token t+1) for every pending position; the last output drafts d_1.
         starts, hiddens = zip(*(self.pending.pop(r.slot) for r in active))
@@ -98,7 +97,9 @@ class MtpProposer:
         for step in range(max(budgets)):
             logits = self.model.logits(last)
             for row, request in enumerate(active):
-                chains[row].append(_choose(logits[row], request, step < budgets[row], probs, rows[row], step))
+                chains[row].append(
+                    choose_draft_token(logits[row], request, step < budgets[row], probs, rows[row], step)
+                )
             if step + 1 == max(budgets):
                 break
             previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
@@ -112,15 +113,3 @@ class MtpProposer:
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """Nothing to shift: the next catch-up rewrites the KV from the accepted positions on."""
-
-
-def _choose(
-    logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None, row: int, step: int
-) -> int:
-    """Argmax for greedy requests, else a sample from q (recorded for verification); steps past a request's own
-    budget draw nothing from its generator."""
-    if request.params.greedy or not is_draft:
-        return int(logits.argmax())
-    q = target_probs(logits, request.params)
-    probs[row, step] = q.cpu()
-    return sample_from(q, request.generator)

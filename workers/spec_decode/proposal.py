@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from workers.requests import Request
+from workers.sampling import sample_from, target_probs
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 
@@ -31,6 +32,26 @@ class Proposal:
     def num_draft_tokens(self) -> list[int]:
         """k_i per request."""
         return (self.token_ids != PLACEHOLDER_TOKEN_ID).sum(1).tolist()
+
+
+def empty_draft_probs(
+    num_reqs: int, max_k: int, vocab_size: int, sampled: bool, device: torch.device
+) -> torch.Tensor | None:
+    """[num_reqs, max_k, v] zeros for the draft distributions q when any request samples (None when all are greedy),
+    on the target's device: the rejection sampler subtracts q from the target's p there."""
+    return torch.zeros(num_reqs, max_k, vocab_size, device=device) if sampled else None
+
+
+def choose_draft_token(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
+                       row: int, step: int) -> int:  # fmt: skip
+    """The next draft token of a model proposer: argmax for greedy requests, else a sample from q, recorded in
+    probs[row, step] for verification. Steps past a request's own budget only keep the batch running; they draw
+    nothing from its generator, so its random stream does not depend on the other requests."""
+    if request.params.greedy or not is_draft:
+        return int(logits.argmax())
+    q = target_probs(logits, request.params)
+    probs[row, step] = q
+    return sample_from(q, request.generator)
 
 
 class Proposer(Protocol):

@@ -121,14 +121,17 @@ def _self_draft_counts(num_tokens: int, k: int, max_tokens: int) -> tuple[int, i
     return drafts, draft_tokens, accepted
 
 
-def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(checkpoint_dir, monkeypatch):
+@pytest.mark.parametrize("method,family", [("draft", "bamba"), ("mtp", "qwen3_5")])
+def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(method, family, checkpoint_dir,
+                                                                            monkeypatch):  # fmt: skip
     """Every tensor the rejection sampler receives is on the runner's device, and the draft side makes no host
     copies of its distributions (on CUDA those would meet the target's probabilities on another device)."""
     import workers.scheduler
 
-    path = str(checkpoint_dir("bamba"))
+    path = str(checkpoint_dir(family))
+    draft = path if method == "draft" else None
     runner = ModelRunner.from_pretrained(
-        path, speculative=SpeculativeConfig("draft", 3, draft_model=path, policy="fixed")
+        path, speculative=SpeculativeConfig(method, 3, draft_model=draft, policy="fixed")
     )
     seen = []
 

@@ -19,6 +19,8 @@ from typing import Any
 import datasets
 import pyarrow as pa
 
+from pipeline.preflight import weight_files
+
 # Files besides the weights that change what a model generates.
 MODEL_TEXT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -56,13 +58,6 @@ def safetensors_identity(path: Path) -> dict[str, Any]:
             "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size)}  # fmt: skip
 
 
-def _weight_files(directory: Path) -> list[str]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return sorted(p.name for p in directory.glob("*.safetensors"))
-
-
 def _local_model_identity(directory: Path) -> dict[str, Any]:
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"model directory {str(directory)!r} has no config.json")
@@ -72,9 +67,7 @@ def _local_model_identity(directory: Path) -> dict[str, Any]:
         for name in (*MODEL_TEXT_FILES, *TOKENIZER_FILES)
         if (directory / name).is_file()
     }
-    for name in _weight_files(directory):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"model directory {str(directory)!r} lacks the weight file {name!r}")
+    for name in weight_files(directory):  # the files preflight checked (each exists, the index parses)
         files[name] = safetensors_identity(directory / name)
     return {"model_type": config.get("model_type"), "files": files}
 

@@ -50,7 +50,7 @@ def _check_directory(directory: Path, need_tokenizer: bool, need_mtp: bool) -> N
         raise ValueError("is a file, not a model directory")
     config = _parse_config(directory / "config.json")
     shapes: dict[str, tuple[int, ...]] = {}
-    for name in _weight_files(directory):
+    for name in weight_files(directory):
         shapes.update(read_safetensors_header(directory / name))
     _check_tensors(config, shapes)
     if need_mtp:
@@ -84,7 +84,7 @@ def _hybrid_config(raw: Any) -> HybridConfig:
                          f"{type(error).__name__}: {error}") from None  # fmt: skip
 
 
-def _weight_files(directory: Path) -> list[str]:
+def weight_files(directory: Path) -> list[str]:
     """The safetensors files the checkpoint consists of; each must exist."""
     index = directory / "model.safetensors.index.json"
     if index.exists():

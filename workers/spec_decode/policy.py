@@ -136,7 +136,8 @@ class AdaptivePolicy:
         if self.steps_without_drafts >= self.explore_interval:
             return min(self.last_useful_k, top), True
         # 3. The best expected throughput.
-        rates = [self._rates(rid) for rid in request_ids]
+        batch_rates = [self.batch.rate(j, 0.5, 1.0) for j in range(self.max_drafts)]  # once per step, not per request
+        rates = [self._rates(rid, batch_rates) for rid in request_ids]
         best_k, best = 0, -1.0
         for k in range(top + 1):
             tokens = sum(_expected_tokens(r, min(k, b)) for r, b in zip(rates, budgets))
@@ -157,9 +158,8 @@ class AdaptivePolicy:
         profiled = {b for (b, j) in self.seconds if j > 0 and (b, 0) in self.seconds}
         return min(profiled, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)
 
-    def _rates(self, request_id: int) -> list[float]:
+    def _rates(self, request_id: int, batch_rates: list[float]) -> list[float]:
         mine = self.requests.get(request_id, _Acceptance())
-        batch_rates = [self.batch.rate(j, 0.5, 1.0) for j in range(self.max_drafts)]
         return [mine.rate(j, batch_rates[j], self.prior_weight) for j in range(self.max_drafts)]
 
     def _seconds(self, bucket: int, k: int) -> float:

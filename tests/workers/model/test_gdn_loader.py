@@ -5,30 +5,18 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from tests.tiny_models import _QWEN, FAMILIES, make_tokenizer, randomise
+from tests.workers.model.test_loader import _copy, _rewrite_weights
 from workers import ModelRunner
 from workers.model import load_checkpoint
 
 SEQUENCES = [[5, 9, 12, 7, 30, 31, 4, 99, 100, 17, 3], [40, 41] * 12]
-
-
-def _copy(src, tmp_path, name="model"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _rewrite_weights(directory, edit):
-    tensors = load_file(directory / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors")
 
 
 def _scores(path) -> torch.Tensor:

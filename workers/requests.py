@@ -49,6 +49,9 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     text: str | None = None
+    num_computed: int = 0  # prompt tokens already in the state (chunked prefill)
+    num_reserved: int = 0  # KV positions reserved at admission
+    error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -93,6 +96,6 @@ class Request:
             visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
             text = tokenizer.decode(visible, skip_special_tokens=True)
         return GenerationResult(
-            list(self.output), self.finish_reason or "length", None, text, len(self.prompt),
+            list(self.output), self.finish_reason or "length", self.error, text, len(self.prompt),
             self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Continuous batching over state slots: prefill new requests, then decode (or speculate) all live ones together.
+"""Continuous batching over state slots: prefill new requests (in chunks within a token budget), decode (or
+speculate) the generating ones, admit within the KV cache's room.
 
 Invariant for every live request: its slot's Mamba states and KV cache cover all of its tokens but the last one,
 which is the next model input. A speculative step keeps that invariant through state shifting: it runs
@@ -7,19 +8,26 @@ which is the next model input. A speculative step keeps that invariant through s
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from workers.budget import TokenBudget
 from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.model.kv_blocks import BlockTable
+from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
 from workers.spec_decode.proposal import Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
 @dataclass
@@ -31,12 +39,13 @@ class Workspace:
     pool: StatePool
     plan: DecodePlan | None
 
-    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, plan: bool) -> bool:
+    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, plan: bool, num_blocks: int) -> bool:
         """Whether this workspace can serve a run needing these sizes (and a plan, or none)."""
         has_plan = self.plan is not None
         return (
             self.pool.num_slots >= num_slots
             and self.pool.capacity >= capacity
+            and self.pool.blocks.num_blocks >= num_blocks
             and has_plan == plan
             and (not has_plan or self.plan.tokens_per_row >= tokens_per_row)
         )
@@ -56,93 +65,152 @@ class Scheduler:
         decode_plan: bool = False,
         workspace: Workspace | None = None,
         policy: AdaptivePolicy | FixedPolicy | None = None,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        num_kv_blocks: int | None = None,
     ):
         """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits.
-        `policy` decides each step's number of drafts (default: always `num_speculative_tokens`)."""
+        `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
+        `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
+        (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
+        request). Requests wait for room; one that could never fit finishes with an error."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()
+        self.budget = TokenBudget(max_num_batched_tokens)
         self.rejection_sampler = RejectionSampler()
         param = model.embed_tokens.weight
         self.device = param.device
-        capacity = max(len(r.prompt) + r.params.max_tokens for r in requests) if requests else 1
-        capacity = min(capacity, max((r.max_model_len for r in requests), default=1)) + self.num_speculative_tokens
-        num_slots = max(1, min(max_num_seqs, len(requests)))
-        if proposer is not None:
-            proposer.start(num_slots, capacity)
+        capacity = max((self._positions_needed(r) for r in requests), default=1)
+        num_slots = max(1, min(max_num_seqs, len(requests), max_num_batched_tokens))
+        max_blocks = 1 + num_slots * math.ceil(capacity / DEFAULT_BLOCK_SIZE)
+        num_blocks = max_blocks if num_kv_blocks is None else max(2, min(num_kv_blocks, max_blocks))
         # Decode and verification steps as one native call each, where the model allows it (same results as the
         # module path's native kernels, less overhead).
         planned, tokens_per_row = decode_plan and unsupported_reason(model) is None, self.num_speculative_tokens + 1
-        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, planned):
-            pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype)
+        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, planned, num_blocks):
+            blocks = BlockTable(num_slots, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
+            pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype, blocks)
             workspace = Workspace(pool, DecodePlan(model, pool, tokens_per_row) if planned else None)
         self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
+        self.blocks = self.pool.blocks
+        self.blocks.reset()
+        if proposer is not None:
+            proposer.start(self.pool, max_num_batched_tokens)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.waiting: deque[Request] = deque(requests)
-        self.running: list[Request] = []
+        self.prefilling: list[Request] = []  # admitted, prompt not fully in the state yet (in admission order)
+        self.running: list[Request] = []  # generating: every token but the last is in the state
         self.finished: list[Request] = []
 
+    def _positions_needed(self, request: Request) -> int:
+        """KV positions a request may use: prompt + max_tokens (within max_model_len) + drafts."""
+        length = min(len(request.prompt) + request.params.max_tokens, request.max_model_len)
+        return length + self.num_speculative_tokens
+
     def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while any request is waiting, prefilling or running."""
+        return bool(self.waiting or self.prefilling or self.running)
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit and prefill waiting requests into free slots; if none could be admitted, decode the live ones."""
-        admitted = []
-        while self.waiting and self.free_slots:
-            request = self.waiting.popleft()
-            request.slot = self.free_slots.pop()
-            admitted.append(request)
-        if admitted:
-            if self.proposer is not None:
-                self.proposer.admit(admitted)
-            self._prefill(admitted)
-            self.running += admitted
-        elif self.proposer is not None:
-            self._speculate(self.running)
-        else:
-            self._decode(self.running)
+        """decide (admit within slots and KV room; this step's prefill chunks) → execute (one prefill forward, one
+        decode or verification forward of the requests already generating) → apply (retire finished requests)."""
+        self._admit()
+        chunks = self.budget.prefill_chunks(
+            [len(r.prompt) - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
+        )
+        generating = list(self.running)
+        if chunks:
+            self._prefill(self.prefilling[: len(chunks)], chunks)
+        if generating:
+            (self._speculate if self.proposer is not None else self._decode)(generating)
         for request in [r for r in self.running if r.finish_reason is not None]:
             self.running.remove(request)
-            self.policy.forget(request.index)
-            self.free_slots.append(request.slot)
-            self.finished.append(request)
+            self._retire(request)
         self._compact()
+
+    def _admit(self) -> None:
+        """Waiting requests take free slots in order while their KV room can be reserved."""
+        while self.waiting and self.free_slots:
+            request = self.waiting[0]
+            need = self._positions_needed(request)
+            if not self.blocks.can_ever_hold(need):
+                self.waiting.popleft()
+                request.finish_reason = "error"
+                request.error = (
+                    f"needs {need} KV cache positions (prompt + max_tokens + drafts), more than the KV cache holds "
+                    f"({self.blocks.num_usable * self.blocks.block_size} positions): raise max_memory / "
+                    "gpu_memory_utilization, or lower max_tokens"
+                )
+                self.finished.append(request)
+                continue
+            if not self.blocks.try_reserve(need):
+                return  # waits until running requests give their room back
+            self.waiting.popleft()
+            request.slot, request.num_reserved = self.free_slots.pop(), need
+            if self.proposer is not None:
+                self.proposer.admit([request])
+            self.prefilling.append(request)
+
+    def _retire(self, request: Request) -> None:
+        self.policy.forget(request.index)
+        self.blocks.free_slot(request.slot)
+        self.blocks.release(request.num_reserved)
+        self.free_slots.append(request.slot)
+        self.finished.append(request)
 
     def _compact(self) -> None:
         """Keep live requests in slots 0 … n-1 (in order), so decode reads and updates states as views."""
-        self.running.sort(key=lambda r: r.slot)
+        live = sorted(self.running + self.prefilling, key=_slot)
         self.free_slots.sort(reverse=True)  # pop() hands out the lowest free slot
-        while self.free_slots and self.running and self.free_slots[-1] < self.running[-1].slot:
-            target, request = self.free_slots.pop(), self.running.pop()
+        while self.free_slots and live and self.free_slots[-1] < live[-1].slot:
+            target, request = self.free_slots.pop(), live.pop()
             self.pool.move(request.slot, target)
+            self.blocks.move(request.slot, target)
             if self.proposer is not None:
                 self.proposer.move(request.slot, target)
             self.free_slots.append(request.slot)
             self.free_slots.sort(reverse=True)
             request.slot = target
-            self.running.insert(target, request)
+            bisect.insort(live, request, key=_slot)
+        self.running.sort(key=_slot)
 
     def _slots(self, requests: list[Request]) -> torch.Tensor:
         return torch.tensor([r.slot for r in requests], device=self.device)
 
-    def _prefill(self, requests: list[Request]) -> None:
-        """Run the prompts of newly admitted requests from zero state and sample their first tokens."""
-        lengths = [len(r.prompt) for r in requests]
-        input_ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
-        for row, r in enumerate(requests):
-            input_ids[row, : len(r.prompt)] = torch.tensor(r.prompt)
-        slots, num_tokens = self._slots(requests), torch.tensor(lengths, device=self.device)
-        batch = ForwardBatch(slots, torch.zeros_like(num_tokens), num_tokens)
-        out = self.model(input_ids.to(self.device), batch, None, self.pool.kv_caches())
+    def _prefill(self, requests: list[Request], chunks: list[int]) -> None:
+        """The next chunk of each request's prompt, continuing its state; prompts that complete sample their
+        first token and start generating."""
+        starts = [r.num_computed for r in requests]
+        input_ids = torch.zeros(len(requests), max(chunks), dtype=torch.long)
+        for row, (r, start, n) in enumerate(zip(requests, starts, chunks)):
+            input_ids[row, :n] = torch.tensor(r.prompt[start : start + n])
+            self.blocks.ensure(r.slot, start + n)
+        slots, num_tokens = self._slots(requests), torch.tensor(chunks, device=self.device)
+        batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
+        states = None if not any(starts) else self.pool.read(slots)  # a continued chunk runs alone (TokenBudget)
+        out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
         self.pool.write(slots, out.mamba_states)
-        self._observe(requests, out.hidden, [0] * len(requests), lengths)
-        last = out.hidden[torch.arange(len(requests), device=self.device), num_tokens - 1]
-        self._sample_and_append(requests, self.model.logits(last))
+        self._observe(requests, out.hidden, starts, chunks)
+        for r, n in zip(requests, chunks):
+            r.num_computed += n
+        done = [row for row, r in enumerate(requests) if r.num_computed == len(r.prompt)]
+        if done:
+            rows = torch.tensor(done, device=self.device)
+            last = out.hidden[rows, num_tokens[rows] - 1]
+            ready = [requests[row] for row in done]
+            self._sample_and_append(ready, self.model.logits(last))
+            for request in ready:
+                self.prefilling.remove(request)
+                if request.finish_reason is None:
+                    self.running.append(request)
+                else:
+                    self._retire(request)
 
     def _decode(self, requests: list[Request]) -> None:
         """One token for every live request; states are updated in place in their slots."""
+        for r in requests:
+            self.blocks.ensure(r.slot, r.num_tokens)
         prefix = [r.slot for r in requests] == list(range(len(requests)))  # compacted: views, no copies
         if prefix and self.plan is not None:
             logits = self.plan.run([r.last_token for r in requests], [r.num_tokens - 1 for r in requests])
@@ -176,11 +244,13 @@ class Scheduler:
         """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0)."""
         start, request_ids = time.perf_counter(), [r.index for r in requests]
         # 1. Decide and propose: never draft past max_tokens or max_model_len; the policy picks k within that.
+        max_drafts = self.budget.max_drafts(len(requests), self.num_speculative_tokens)
         budget = [
-            max(0, min(self.num_speculative_tokens, r.params.max_tokens - len(r.output) - 1,
-                       r.max_model_len - r.num_tokens - 1))
+            max(0, min(max_drafts, r.params.max_tokens - len(r.output) - 1, r.max_model_len - r.num_tokens - 1))
             for r in requests
         ]  # fmt: skip
+        for r in requests:  # KV room for k + 1 positions (padded rows of a planned verification write them all)
+            self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
         proposal = self.proposer.propose(requests, self.policy.num_drafts(request_ids, budget))
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
@@ -225,3 +295,7 @@ class Scheduler:
                     break
             # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
             request.spec.record(k, min(len(tokens) - 1, num_kept))
+
+
+def _slot(request: Request) -> int:
+    return request.slot

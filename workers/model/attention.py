@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.model import native
 from workers.model.config import AttentionConfig, HybridConfig
+from workers.model.long_attention import LONG_ATTENTION_SCORES, long_attention
 from workers.model.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
 
@@ -87,20 +88,32 @@ class Attention(nn.Module):
             k = rotary(k, positions, a.rope_theta, a.rotary_dim)
         # 1. Write the valid new keys/values at their positions in each row's slot.
         rows, cols = (offsets[None, :] < batch.num_tokens[:, None]).nonzero(as_tuple=True)
-        slots, where = batch.slot_ids[rows], positions[rows, cols]
-        cache.key[slots, :, where] = k[rows, :, cols]
-        cache.value[slots, :, where] = v[rows, :, cols]
+        cache.write(batch.slot_ids[rows], positions[rows, cols], k[rows, :, cols], v[rows, :, cols])
         # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
         span = int((batch.cache_lens + batch.num_tokens).max())
-        if batch.slots_are_prefix:
-            keys, values = cache.key[:b, :, :span], cache.value[:b, :, :span]  # [b, kv_heads, span, hd] views
+        if b == 1 and length * span > LONG_ATTENTION_SCORES:
+            out = self._long(q, cache, batch, span)
         else:
-            keys, values = cache.key[batch.slot_ids, :, :span], cache.value[batch.slot_ids, :, :span]
-        mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
-        )
+            keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
+            mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+            )
         return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)
+
+    @staticmethod
+    def _contiguous(cache: KVCache, batch: ForwardBatch, span: int) -> int | None:
+        """A single row's first token index when its positions lie in consecutive blocks (read as views)."""
+        if batch.slot_ids.shape[0] != 1:
+            return None
+        return cache.blocks.contiguous_start(int(batch.slot_ids[0]), span)
+
+    def _long(self, q: torch.Tensor, cache: KVCache, batch: ForwardBatch, span: int) -> torch.Tensor:
+        """One row's chunk of queries over a long cache without a [l, span] score or mask matrix (see
+        `long_attention`); q [1, heads, l, hd] → [1, heads, l, hd]."""
+        keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
+        num_new = int(batch.num_tokens[0])
+        return long_attention(q[:, :, :num_new], keys, values, self.config.scale, q.shape[2])
 
     def _decode(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """`forward` for one new token in every row: direct cache writes, one mask row per request."""
@@ -116,18 +129,14 @@ class Attention(nn.Module):
                 inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device)
                 native.rope(q, positions, inv_freq, a.rotary_dim)
                 native.rope(k, positions, inv_freq, a.rotary_dim)
-            out = native.attention_decode(q, k, v, cache.key, cache.value, batch.slot_ids, positions, a.scale)
+            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale)
             return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
         if a.rope_theta is not None:
             q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
             k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
-        cache.key[batch.slot_ids, :, positions] = k[:, :, 0]
-        cache.value[batch.slot_ids, :, positions] = v[:, :, 0]
+        cache.write(batch.slot_ids, positions, k[:, :, 0], v[:, :, 0])
         span = int(positions.max()) + 1
-        if batch.slots_are_prefix:
-            keys, values = cache.key[:b, :, :span], cache.value[:b, :, :span]
-        else:
-            keys, values = cache.key[batch.slot_ids, :, :span], cache.value[batch.slot_ids, :, :span]
+        keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
         mask = torch.arange(span, device=hidden.device)[None, :] <= positions[:, None]  # [b, span]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads

@@ -125,7 +125,6 @@ class DecodePlan:
         self.replay_out = torch.empty(m.intermediate_size if kept else 0)
         kv_width = a.num_kv_heads * a.head_dim if ATTENTION in config.block_kinds else 1
         self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
-        self.scores = torch.empty(rows * a.num_heads * pool.capacity if ATTENTION in config.block_kinds else 1)
         self.logits = torch.empty(tokens, config.vocab_size)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
@@ -185,7 +184,7 @@ class DecodePlan:
         if failed:
             raise ValueError(
                 f"decode step refused its input at record {failed - 1}: a token id outside [0, "
-                f"{self.model.config.vocab_size}) or a position outside the KV cache (capacity {self.pool.capacity})"
+                f"{self.model.config.vocab_size}) or a position outside the KV cache or without a KV block"
             )
         logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
         divisor = self.model.config.logits_divisor
@@ -272,9 +271,12 @@ class DecodePlan:
             if inv_freq is not None:
                 rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
                 rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
+            blocks = self.pool.blocks
             rec.emit(Op.ATTENTION, [q[t], keys[t], values[t], self.pool.key[layer], self.pool.value[layer],
-                                      self.slot_ids, positions, self.scores, out[t], b, a.num_heads, a.num_kv_heads,
-                                      a.head_dim, self.pool.capacity], (a.scale,))  # fmt: skip
+                                      self.slot_ids, positions, blocks.tables, out[t], b, a.num_heads,
+                                      a.num_kv_heads, a.head_dim, self.pool.capacity,
+                                      blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2]],
+                     (a.scale,))  # fmt: skip
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
 
     def _record_mlp(self, rec: _Recorder, mlp: DenseMLP) -> None:

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope_rows.restype = None
     lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
     lib.attention_decode.restype = None
-    lib.attention_decode.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
+    lib.attention_decode.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr, f32, ptr] + [i64] * 4 + [ctypes.c_int]
     lib.linear_panel_width.restype = i64
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
@@ -334,28 +335,28 @@ def attention_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: Any,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the caches
-    [slots, KV, capacity, d], then attend q [b, H, d] over positions 0 … position of each row → [b, H, d]."""
+    """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the paged `cache` (a
+    `KVCache`: key/value [KV, tokens, d] over its block table), then attend q [b, H, d] over positions
+    0 … position of each row → [b, H, d]."""
     b, num_heads, head_dim = q.shape
-    num_kv_heads, capacity = key_cache.shape[1], key_cache.shape[2]
+    blocks = cache.blocks
     if not (
         slot_ids.dtype == positions.dtype == torch.int64 and slot_ids.is_contiguous() and positions.is_contiguous()
     ):
         raise ValueError("slot_ids and positions must be contiguous int64 tensors")
-    span = int(positions.max()) + 1
-    if span > capacity:
-        raise ValueError(f"position {span - 1} is past the cache capacity {capacity}")
-    scores = torch.empty(b, num_heads, span)
+    last = int(positions.max())
+    if last >= blocks.max_blocks_per_slot * blocks.block_size:
+        raise ValueError(f"position {last} is past the KV capacity of a slot")
     out = torch.empty_like(q)
     load().attention_decode(
-        _pointer(q), _pointer(k), _pointer(v), _pointer(key_cache), _pointer(value_cache), slot_ids.data_ptr(),
-        positions.data_ptr(), scale, _pointer(scores), _pointer(out), b, num_heads, num_kv_heads, head_dim,
-        capacity, span, torch.get_num_threads(),
+        _pointer(q), _pointer(k), _pointer(v), _pointer(cache.key), _pointer(cache.value),
+        blocks.tables.data_ptr(), blocks.max_blocks_per_slot, blocks.block_size, cache.key.shape[1],
+        slot_ids.data_ptr(), positions.data_ptr(), scale, _pointer(out), b, num_heads, cache.key.shape[0], head_dim,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -27,16 +27,19 @@ class DraftModelProposer:
         self.pool: StatePool | None = None
         self.plan: DecodePlan | None = None
         self._plan_tokens = num_speculative_tokens + 1 if decode_plan and unsupported_reason(model) is None else 0
+        self.max_chunk_tokens = 2048  # set by `start` to the scheduler's token budget
         self.covered: dict[int, int] = {}  # slot → tokens the draft state has consumed
         self._pending_shift: tuple[list[Request], list[list[MambaState]], list[int], list[int]] | None = None
 
-    def start(self, num_slots: int, capacity: int) -> None:
-        """Allocate the draft's state slots (same slot ids as the target's)."""
-        self.pool = StatePool(self.model.config, num_slots, capacity, self.device, self.model.embed_tokens.weight.dtype)
+    def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
+        """Allocate the draft's state slots (same slot ids as the target's; KV paged over the target's blocks)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        self.pool = StatePool(self.model.config, pool.num_slots, pool.capacity, self.device, dtype, pool.blocks)
+        self.max_chunk_tokens = max_chunk_tokens
         self.plan = DecodePlan(self.model, self.pool, self._plan_tokens) if self._plan_tokens else None
 
     def move(self, source: int, target: int) -> None:
-        """Follow a request to its new slot."""
+        """Follow a request to its new slot (its KV blocks move with the target's block table)."""
         self.pool.move(source, target)
         self.covered[target] = self.covered.pop(source)
 
@@ -56,6 +59,7 @@ class DraftModelProposer:
         active = [requests[i] for i in rows]
         budgets = [num_drafts[i] for i in rows]
         contexts = [r.prompt + r.output for r in active]
+        self._catch_up(active, contexts)
         slots = torch.tensor([r.slot for r in active], device=self.device)
         sampled = any(not r.params.greedy for r in active)
         probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
@@ -85,6 +89,21 @@ class DraftModelProposer:
             drafts[i] = chains[row][: budgets[row]]
         self._pending_shift = (active, states_by_step, [len(c) for c in contexts], budgets)
         return Proposal.from_lists(drafts, probs)
+
+    def _catch_up(self, active: list[Request], contexts: list[list[int]]) -> None:
+        """When the first draft step would feed more than `max_chunk_tokens` (padded) tokens — new prompts — feed
+        every row's unseen tokens but the newest first, one row at a time in chunks of at most that many."""
+        unseen = [len(ctx) - self.covered[r.slot] for r, ctx in zip(active, contexts)]
+        if len(active) * max(unseen) <= self.max_chunk_tokens:
+            return
+        for request, context in zip(active, contexts):
+            slots = torch.tensor([request.slot], device=self.device)
+            while self.covered[request.slot] < len(context) - 1:
+                start = self.covered[request.slot]
+                piece = context[start : min(len(context) - 1, start + self.max_chunk_tokens)]
+                _, states = self._module_step([piece], [len(piece)], [start], slots, self.pool.read(slots))
+                self.pool.write(slots, states)
+                self.covered[request.slot] = start + len(piece)
 
     def _module_step(
         self, inputs: list[list[int]], lengths: list[int], cache_lens: list[int], slots: torch.Tensor,

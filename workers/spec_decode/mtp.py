@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.model import ForwardBatch, HybridModel, KVCache
+from workers.model import ForwardBatch, HybridModel, KVCache, StatePool
+from workers.model.state import paged_kv_cache
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 
@@ -30,21 +31,18 @@ class MtpProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.device = model.embed_tokens.weight.device
         self.cache: KVCache | None = None
+        self.max_chunk_tokens = 2048  # set by `start` to the scheduler's token budget
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot → (first position, target hidden [m, d])
 
-    def start(self, num_slots: int, capacity: int) -> None:
-        """Allocate the head's KV cache (one attention layer; same slot ids as the target's)."""
-        a, dtype = self.model.config.attention, self.model.embed_tokens.weight.dtype
-        shape = (num_slots, a.num_kv_heads, capacity, a.head_dim)
-        self.cache = KVCache(
-            torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
-        )
+    def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
+        """Allocate the head's KV cache: one attention layer paged over the target's blocks (same positions)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        self.cache = paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
+        self.max_chunk_tokens = max_chunk_tokens
         self.pending = {}
 
     def move(self, source: int, target: int) -> None:
-        """Follow a request to its new slot."""
-        self.cache.key[target] = self.cache.key[source]
-        self.cache.value[target] = self.cache.value[source]
+        """Follow a request to its new slot (its KV blocks move with the target's block table)."""
         if source in self.pending:
             self.pending[target] = self.pending.pop(source)
 
@@ -81,16 +79,15 @@ class MtpProposer:
         # 1. Catch up: (h_t, token t+1) for every pending position; the last output drafts d_1.
         starts, hiddens = zip(*(self.pending.pop(r.slot) for r in active))
         counts = [h.shape[0] for h in hiddens]
-        token_ids = torch.zeros(len(active), max(counts), dtype=torch.long)
-        hidden = hiddens[0].new_zeros(len(active), max(counts), hiddens[0].shape[-1])
-        for row, (request, start, h) in enumerate(zip(active, starts, hiddens)):
-            context = request.prompt + request.output
-            token_ids[row, : counts[row]] = torch.tensor(context[start + 1 : start + 1 + counts[row]])
-            hidden[row, : counts[row]] = h
-        num_tokens = torch.tensor(counts, device=self.device)
-        batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
-        out = self.head(token_ids.to(self.device), hidden, self.model.embed_tokens, batch, self.cache)
-        last = out[torch.arange(len(active), device=self.device), num_tokens - 1]  # [b, d]
+        if len(active) * max(counts) <= self.max_chunk_tokens:
+            last = self._feed(active, list(starts), list(hiddens))
+        else:  # new prompts: one row at a time, in chunks of at most max_chunk_tokens positions
+            rows_last = []
+            for request, start, h in zip(active, starts, hiddens):
+                for offset in range(0, h.shape[0], self.max_chunk_tokens):
+                    row_last = self._feed([request], [start + offset], [h[offset : offset + self.max_chunk_tokens]])
+                rows_last.append(row_last)
+            last = torch.cat(rows_last)
         positions = [s + c for s, c in zip(starts, counts)]  # where each row's next (chained) entry goes
         # 2. Chain: feed the head its own output and the previous draft.
         chains: list[list[int]] = [[] for _ in active]
@@ -110,6 +107,22 @@ class MtpProposer:
         for row, i in enumerate(rows):
             drafts[i] = chains[row][: budgets[row]]
         return Proposal.from_lists(drafts, probs)
+
+    def _feed(self, requests: list[Request], starts: list[int], hiddens: list[torch.Tensor]) -> torch.Tensor:
+        """One head forward over (h_t, token t+1) for t = starts[i] … starts[i] + len(hiddens[i]) − 1 per row;
+        returns each row's output at its last position [b, d]."""
+        counts = [h.shape[0] for h in hiddens]
+        token_ids = torch.zeros(len(requests), max(counts), dtype=torch.long)
+        hidden = hiddens[0].new_zeros(len(requests), max(counts), hiddens[0].shape[-1])
+        for row, (request, start, h) in enumerate(zip(requests, starts, hiddens)):
+            context = request.prompt + request.output
+            token_ids[row, : counts[row]] = torch.tensor(context[start + 1 : start + 1 + counts[row]])
+            hidden[row, : counts[row]] = h
+        num_tokens = torch.tensor(counts, device=self.device)
+        slots = torch.tensor([r.slot for r in requests], device=self.device)
+        batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
+        out = self.head(token_ids.to(self.device), hidden, self.model.embed_tokens, batch, self.cache)
+        return out[torch.arange(len(requests), device=self.device), num_tokens - 1]  # [b, d]
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """Nothing to shift: the next catch-up rewrites the KV from the accepted positions on."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from workers.model import StatePool
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal
 
@@ -32,7 +33,7 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def start(self, num_slots: int, capacity: int) -> None:
+    def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
         """Nothing to allocate."""
 
     def move(self, source: int, target: int) -> None:

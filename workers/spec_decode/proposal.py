@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from workers.model import StatePool
 from workers.requests import Request
 from workers.sampling import sample_from, target_probs
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
@@ -62,8 +63,10 @@ class Proposer(Protocol):
     states and how many positions of each row were kept.
     """
 
-    def start(self, num_slots: int, capacity: int) -> None:
-        """A new batch of requests: `num_slots` slots of up to `capacity` tokens (drafts included)."""
+    def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
+        """A new batch of requests in the slots of the target's `pool`; a proposer with its own KV pages it over
+        `pool.blocks` (the same positions as the target's). A forward of the proposer's own feeds at most
+        `max_chunk_tokens` tokens (the scheduler's token budget), prompts included."""
 
     def move(self, source: int, target: int) -> None:
         """A live request moved from slot `source` to slot `target` (its state moves with it)."""

@@ -13,6 +13,7 @@ from workers.model import load_checkpoint, native
 from workers.model.attention import Attention, inverse_frequencies, rotary
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
+from workers.model.kv_blocks import BlockTable
 from workers.model.state import ForwardBatch, KVCache, MambaState
 
 
@@ -202,13 +203,19 @@ def test_native_attention_decode_equals_the_torch_path(checkpoint_dir, family):
     assert layers["native"].native and not layers["torch"].native
     a = layers["torch"].config
     g = torch.Generator().manual_seed(6)
-    cache = KVCache(torch.randn(5, a.num_kv_heads, 16, a.head_dim, generator=g),
-                    torch.randn(5, a.num_kv_heads, 16, a.head_dim, generator=g))  # fmt: skip
+    # Paged: 5 slots of 16 positions in blocks of 4, handed out round-robin so no slot's blocks are consecutive.
+    blocks = BlockTable(5, 16, 1 + 5 * 4, 4, torch.device("cpu"))
+    for length in (4, 8, 12, 16):
+        for slot in range(5):
+            blocks.ensure(slot, length)
+    tokens = blocks.num_blocks * blocks.block_size
+    cache = KVCache(torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g),
+                    torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g), blocks)  # fmt: skip
     hidden = torch.randn(3, 1, layers["torch"].q_proj.in_features, generator=g)
     for slot_ids, prefix in (([0, 1, 2], True), ([4, 0, 2], False)):
         batch = ForwardBatch(torch.tensor(slot_ids), torch.tensor([0, 7, 15]), torch.ones(3, dtype=torch.long),
                              slots_are_prefix=prefix, one_token_each=True)  # fmt: skip
-        caches = {k: KVCache(cache.key.clone(), cache.value.clone()) for k in layers}
+        caches = {k: KVCache(cache.key.clone(), cache.value.clone(), blocks) for k in layers}
         with torch.inference_mode():
             outs = {k: layer(hidden, batch, caches[k]) for k, layer in layers.items()}
         torch.testing.assert_close(outs["native"], outs["torch"], atol=1e-5, rtol=1e-4)

@@ -15,6 +15,7 @@ from tests.workers.spec_decode.test_runner_speculative import assert_second_toke
 from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer, _prompts, _requests
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, KVCache, StatePool, load_checkpoint
+from workers.model.state import paged_kv_cache
 from workers.scheduler import Scheduler
 from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.proposal import Proposal
@@ -32,8 +33,8 @@ class ForcedMtp(ScriptedProposer):
         self.mtp = mtp
         self.first_drafts: list[tuple[int, int, int]] = []  # (request index, its token count, MTP's d_1)
 
-    def start(self, num_slots: int, capacity: int) -> None:
-        self.mtp.start(num_slots, capacity)
+    def start(self, pool, max_chunk_tokens: int) -> None:
+        self.mtp.start(pool, max_chunk_tokens)
 
     def admit(self, requests) -> None:
         self.mtp.admit(requests)
@@ -62,12 +63,14 @@ def _fresh_mtp(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     batch = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([n - 1]))
     with torch.no_grad():
         hidden = model(torch.tensor([tokens[:-1]]), batch, None, pool.kv_caches()).hidden
-        a = model.config.attention
-        cache = KVCache(
-            torch.zeros(1, a.num_kv_heads, n + 1, a.head_dim), torch.zeros(1, a.num_kv_heads, n + 1, a.head_dim)
-        )
+        cache = paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
         out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, cache)
-    return cache.key[0, :, : n - 1], model.logits(out[0, -1])
+    return _slot_keys(cache, 0, n - 1), model.logits(out[0, -1])
+
+
+def _slot_keys(cache: KVCache, slot: int, num_tokens: int) -> torch.Tensor:
+    """The keys [kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in a paged cache."""
+    return cache.read(torch.tensor([slot]), num_tokens)[0][0]
 
 
 @pytest.mark.parametrize("family", GDN_FAMILIES)
@@ -89,7 +92,7 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
             assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
             if start >= 1:
                 fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(mtp.cache.key[request.slot, :, :start], fresh_keys, **TOL)
+                torch.testing.assert_close(_slot_keys(mtp.cache, request.slot, start), fresh_keys, **TOL)
                 checked += 1
     assert checked > 20
     for accepted, expected in proposer.seen:

@@ -33,7 +33,7 @@ class ScriptedProposer:
         self.reference, self.vocab_size = reference, vocab_size
         self.step, self.expected, self.seen = 0, [], []
 
-    def start(self, num_slots: int, capacity: int) -> None:
+    def start(self, pool, max_chunk_tokens: int) -> None:
         pass
 
     def admit(self, requests: list[Request]) -> None:
@@ -88,8 +88,8 @@ def _assert_slot_matches(pool, slot: int, model, tokens: list[int], tol: dict = 
         torch.testing.assert_close(ours.conv, ref.conv, **tol)
         torch.testing.assert_close(ours.ssm, ref.ssm, **tol)
     n = len(tokens)
-    torch.testing.assert_close(pool.key[:, slot, :, :n], ref_pool.key[:, 0, :, :n], **TOL)
-    torch.testing.assert_close(pool.value[:, slot, :, :n], ref_pool.value[:, 0, :, :n], **TOL)
+    for got, want in zip(pool.slot_kv(slot, n), ref_pool.slot_kv(0, n)):
+        torch.testing.assert_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

@@ -1,10 +1,12 @@
-/* One decode step of grouped-query attention over a slot-indexed KV cache, float32.
+/* One decode step of grouped-query attention over a paged KV cache, float32.
  *
  * Each request writes its new key/value at its position, then every query head attends over its slot's cache up
  * to and including that position: the work of F.scaled_dot_product_attention plus the cache writes, masks and
- * gathers around it, in one pass over the cached keys and values. The reference is attention.py's PyTorch path.
- * Shapes: q [b, H, d]; k_new, v_new [b, KV, d]; key_cache, value_cache [slots, KV, capacity, d];
- * slot_ids, positions [b] int64; scores: scratch [b, H, max(positions) + 1]; out [b, H, d].
+ * gathers around it, in one pass over the cached keys and values, block by block with an online softmax (no
+ * score buffer the size of the context). The reference is attention.py's PyTorch path.
+ * Shapes: q [b, H, d]; k_new, v_new [b, KV, d]; key_cache, value_cache [KV, cache_tokens, d] where position t of
+ * slot s is token block_tables[s, t / block_size] * block_size + t % block_size (kv_blocks.py);
+ * block_tables [slots, max_blocks] int64; slot_ids, positions [b] int64; out [b, H, d]; block_size <= 256.
  * rope_rows applies rotary position embeddings to q and k before that, in place.
  */
 #include <math.h>
@@ -14,46 +16,55 @@
 #include "kernels.h"
 
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
-                      const int64_t *slot_ids, const int64_t *positions, float scale, float *scores, float *out,
-                      int64_t b, int64_t H, int64_t KV, int64_t d, int64_t capacity, int64_t span,
-                      int num_threads) {
+                      const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
+                      const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
+                      int64_t H, int64_t KV, int64_t d, int num_threads) {
     const int64_t group = H / KV;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t item = 0; item < b * KV; ++item) {
         const int64_t bi = item / KV, kv = item % KV, position = positions[bi];
-        float *keys = key_cache + ((slot_ids[bi] * KV + kv) * capacity) * d;
-        float *values = value_cache + ((slot_ids[bi] * KV + kv) * capacity) * d;
-        /* 1. The new key and value go to the request's position in its slot. */
-        memcpy(keys + position * d, k_new + (bi * KV + kv) * d, d * sizeof(float));
-        memcpy(values + position * d, v_new + (bi * KV + kv) * d, d * sizeof(float));
+        const int64_t *table = block_tables + slot_ids[bi] * max_blocks;
+        float *keys = key_cache + kv * cache_tokens * d;
+        float *values = value_cache + kv * cache_tokens * d;
+        /* 1. The new key and value go to the request's position in its slot's block. */
+        const int64_t at = table[position / block_size] * block_size + position % block_size;
+        memcpy(keys + at * d, k_new + (bi * KV + kv) * d, d * sizeof(float));
+        memcpy(values + at * d, v_new + (bi * KV + kv) * d, d * sizeof(float));
         for (int64_t g = 0; g < group; ++g) {
             const int64_t head = kv * group + g;
             const float *query = q + (bi * H + head) * d;
-            float *score = scores + (bi * H + head) * span;
-            /* 2. Scores over positions 0 … position, softmax. */
-            float max_score = -INFINITY;
-            for (int64_t t = 0; t <= position; ++t) {
-                const float *key = keys + t * d;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
-                score[t] = dot * scale;
-                max_score = score[t] > max_score ? score[t] : max_score;
-            }
-            float total = 0.0f;
-            for (int64_t t = 0; t <= position; ++t) {
-                score[t] = expf(score[t] - max_score);
-                total += score[t];
-            }
-            /* 3. The weighted sum of values. */
             float *o = out + (bi * H + head) * d;
+            float score[256], max_score = -INFINITY, total = 0.0f;
             memset(o, 0, d * sizeof(float));
-            for (int64_t t = 0; t <= position; ++t) {
-                const float weight = score[t] / total;
-                const float *value = values + t * d;
+            for (int64_t start = 0; start <= position; start += block_size) {
+                const int64_t n = position + 1 - start < block_size ? position + 1 - start : block_size;
+                const int64_t base = table[start / block_size] * block_size;
+                /* 2. This block's scores; rescale what was summed so far when the running maximum grows. */
+                float block_max = -INFINITY;
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *key = keys + (base + j) * d;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
+                    score[j] = dot * scale;
+                    block_max = score[j] > block_max ? score[j] : block_max;
+                }
+                if (block_max > max_score) {
+                    const float rescale = max_score == -INFINITY ? 0.0f : expf(max_score - block_max);
+                    total *= rescale;
+                    for (int64_t i = 0; i < d; ++i) o[i] *= rescale;
+                    max_score = block_max;
+                }
+                /* 3. The weighted sum of this block's values. */
+                for (int64_t j = 0; j < n; ++j) {
+                    const float weight = expf(score[j] - max_score);
+                    const float *value = values + (base + j) * d;
+                    total += weight;
 #pragma omp simd
-                for (int64_t i = 0; i < d; ++i) o[i] += weight * value[i];
+                    for (int64_t i = 0; i < d; ++i) o[i] += weight * value[i];
+                }
             }
+            for (int64_t i = 0; i < d; ++i) o[i] /= total;
         }
     }
 }

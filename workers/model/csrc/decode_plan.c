@@ -97,15 +97,17 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
                                op->a[12], op->a[13], op->a[14], op->a[15], op->a[16], op->a[17], num_threads);
             break;
         case OP_ATTENTION: {
-            const int64_t *positions = I64(6);
-            const int64_t rows = op->a[9], capacity = op->a[13];
-            int64_t span = 0;
+            /* a: q, k, v, key cache, value cache, slot ids, positions, block tables, out, b, H, KV, d, capacity,
+             * max blocks, block size, cache tokens */
+            const int64_t *positions = I64(6), *slot_ids = I64(5), *tables = I64(7);
+            const int64_t rows = op->a[9], capacity = op->a[13], max_blocks = op->a[14], block_size = op->a[15];
             for (int64_t r = 0; r < rows; ++r) {
                 if (positions[r] < 0 || positions[r] >= capacity) return i + 1;
-                span = positions[r] + 1 > span ? positions[r] + 1 : span;
+                if (tables[slot_ids[r] * max_blocks + positions[r] / block_size] == 0) return i + 1; /* no block */
             }
-            attention_decode(F32(0), F32(1), F32(2), F32(3), F32(4), I64(5), positions, (float)op->f[0], F32(7),
-                             F32(8), rows, op->a[10], op->a[11], op->a[12], capacity, span, num_threads);
+            attention_decode(F32(0), F32(1), F32(2), F32(3), F32(4), tables, max_blocks, block_size, op->a[16],
+                             slot_ids, positions, (float)op->f[0], F32(8), rows, op->a[10], op->a[11], op->a[12],
+                             num_threads);
             break;
         }
         default:

@@ -1,0 +1,158 @@
+"""Paged KV bookkeeping: which cache blocks hold each slot's positions, and which blocks are free.
+
+An attention layer's cache is `[kv_heads, num_blocks · block_size, head_dim]`; position t of the request in slot s
+lives at token index `tables[s, t // block_size] · block_size + t % block_size`. A request holds only the blocks
+its own tokens need, so one long request no longer sizes every slot (vLLM's PagedAttention, on a small scale).
+
+Block 0 is the null block: unassigned table entries point at it and nothing valid is ever written there, so a
+gather over a padded span reads zeros. Blocks are zeroed when handed out (masked attention multiplies stale
+entries by a zero weight; garbage that happens to be NaN would spread). One `BlockTable` serves every cache that
+follows the same token positions — the target's layers, a draft model's, an MTP head's — each with its own storage.
+
+Admission reserves a request's worst case (prompt + max_tokens + drafts) in blocks and releases it at the end, so a
+running request never waits for memory mid-generation and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+
+import torch
+
+NULL_BLOCK = 0
+
+
+class BlockTable:
+    """Block tables of `num_slots` slots over a shared pool of `num_blocks` blocks (block 0 reserved)."""
+
+    def __init__(
+        self, num_slots: int, max_tokens_per_slot: int, num_blocks: int, block_size: int, device: torch.device
+    ):
+        """`max_tokens_per_slot` bounds one request's positions (its table's width); `num_blocks` counts the null
+        block, so at most num_blocks − 1 hold tokens."""
+        if block_size < 1 or block_size > 256:
+            raise ValueError(f"block_size={block_size} is invalid: must be 1 … 256")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks} is invalid: the KV cache needs at least 2 blocks")
+        self.num_slots, self.num_blocks, self.block_size = num_slots, num_blocks, block_size
+        self.max_blocks_per_slot = max(1, math.ceil(max_tokens_per_slot / block_size))
+        # [num_slots, max_blocks_per_slot] int64 on the model's device; NULL_BLOCK where nothing is assigned.
+        self.tables = torch.zeros(num_slots, self.max_blocks_per_slot, dtype=torch.int64, device=device)
+        self.owned: list[list[int]] = [[] for _ in range(num_slots)]
+        self._free = list(range(1, num_blocks))  # a heap: the lowest free block first (long requests stay in runs)
+        self._is_free = set(self._free)
+        self.num_reserved = 0
+        self.on_allocate: list[Callable[[torch.Tensor], None]] = []  # storages zero the blocks they are handed
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can hold tokens (all but the null block)."""
+        return self.num_blocks - 1
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that `num_tokens` positions occupy."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        """Whether one request of `num_tokens` positions fits at all (in an otherwise empty cache)."""
+        return self.blocks_for(num_tokens) <= min(self.num_usable, self.max_blocks_per_slot)
+
+    def try_reserve(self, num_tokens: int) -> bool:
+        """Reserve room for a request of up to `num_tokens` positions; False (nothing reserved) when it does not fit."""
+        need = self.blocks_for(num_tokens)
+        if self.num_reserved + need > self.num_usable or need > self.max_blocks_per_slot:
+            return False
+        self.num_reserved += need
+        return True
+
+    def release(self, num_tokens: int) -> None:
+        """Give back a reservation made with `try_reserve(num_tokens)`."""
+        self.num_reserved -= self.blocks_for(num_tokens)
+        assert self.num_reserved >= 0, "released more than was reserved"
+
+    def ensure(self, slot: int, num_tokens: int) -> None:
+        """Assign blocks so positions 0 … num_tokens-1 of `slot` have a place (new blocks are zeroed)."""
+        owned = self.owned[slot]
+        need = self.blocks_for(num_tokens) - len(owned)
+        if need <= 0:
+            return
+        if need > len(self._is_free) or len(owned) + need > self.max_blocks_per_slot:
+            raise RuntimeError(f"KV cache exhausted: slot {slot} needs {need} more blocks, {len(self._is_free)} free")
+        new = [self._take(owned[-1] + 1 if owned else None) for _ in range(need)]
+        for block in new:
+            owned.append(block)
+        self.tables[slot, len(owned) - need : len(owned)] = torch.tensor(new, dtype=torch.int64)
+        ids = torch.tensor(new, dtype=torch.int64, device=self.tables.device)
+        for zero in self.on_allocate:
+            zero(ids)
+
+    def reset(self) -> None:
+        """Free every slot's blocks and every reservation (a new run over a reused pool)."""
+        for slot in range(self.num_slots):
+            if self.owned[slot]:
+                self.free_slot(slot)
+        self.num_reserved = 0
+
+    def attach(self, storages: list[torch.Tensor]) -> None:
+        """Page `storages` (KV tensors [..., num_blocks · block_size, head_dim]) over this table: the blocks in use
+        and the null block are zeroed now, every block handed out later when it is handed out."""
+        in_use = [NULL_BLOCK] + [block for owned in self.owned for block in owned]
+
+        def zero(block_ids: torch.Tensor) -> None:
+            where = (block_ids[:, None] * self.block_size + torch.arange(self.block_size, device=block_ids.device))
+            for storage in storages:
+                storage[..., where.view(-1), :] = 0
+
+        zero(torch.tensor(in_use, dtype=torch.int64, device=self.tables.device))
+        self.on_allocate.append(zero)
+
+    def _take(self, preferred: int | None) -> int:
+        """A free block: `preferred` (the one after the slot's last) when free, else the lowest free one."""
+        if preferred is not None and preferred in self._is_free:
+            self._is_free.remove(preferred)
+            return preferred
+        while True:
+            block = heapq.heappop(self._free)
+            if block in self._is_free:
+                self._is_free.remove(block)
+                return block
+
+    def free_slot(self, slot: int) -> None:
+        """Return every block of `slot` to the free pool."""
+        for block in self.owned[slot]:
+            self._is_free.add(block)
+            heapq.heappush(self._free, block)
+        self.owned[slot] = []
+        self.tables[slot] = NULL_BLOCK
+
+    def move(self, source: int, target: int) -> None:
+        """Hand slot `source`'s blocks to the empty slot `target` (slot compaction: no KV is copied)."""
+        assert not self.owned[target], "moving onto a slot that still holds blocks"
+        self.owned[target], self.owned[source] = self.owned[source], []
+        self.tables[target] = self.tables[source]
+        self.tables[source] = NULL_BLOCK
+
+    def contiguous_start(self, slot: int, num_tokens: int) -> int | None:
+        """The first token index when positions 0 … num_tokens-1 of `slot` lie in consecutive blocks (the cache can
+        then be sliced instead of gathered), else None."""
+        blocks = self.owned[slot][: self.blocks_for(num_tokens)]
+        if not blocks or blocks[-1] - blocks[0] != len(blocks) - 1:
+            return None
+        if any(b - a != 1 for a, b in zip(blocks, blocks[1:])):
+            return None
+        return blocks[0] * self.block_size
+
+    @classmethod
+    def fully_assigned(
+        cls, num_slots: int, max_tokens_per_slot: int, block_size: int, device: torch.device
+    ) -> BlockTable:
+        """A table where every slot already owns consecutive blocks for `max_tokens_per_slot` positions (the
+        fixed-capacity layout: for callers that write a slot's positions without asking for blocks first)."""
+        per_slot = max(1, math.ceil(max_tokens_per_slot / block_size))
+        table = cls(num_slots, max_tokens_per_slot, 1 + num_slots * per_slot, block_size, device)
+        for slot in range(num_slots):
+            table.ensure(slot, per_slot * block_size)
+        table.num_reserved = table.num_usable
+        return table

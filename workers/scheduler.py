@@ -18,9 +18,9 @@ import torch
 
 from workers.budget import TokenBudget
 from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE
-from workers.model.decode_plan import DecodePlan, unsupported_reason
 from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy

@@ -101,7 +101,7 @@ class BlockTable:
         in_use = [NULL_BLOCK] + [block for owned in self.owned for block in owned]
 
         def zero(block_ids: torch.Tensor) -> None:
-            where = (block_ids[:, None] * self.block_size + torch.arange(self.block_size, device=block_ids.device))
+            where = block_ids[:, None] * self.block_size + torch.arange(self.block_size, device=block_ids.device)
             for storage in storages:
                 storage[..., where.view(-1), :] = 0
 

@@ -21,7 +21,9 @@ from torch.nn.attention.bias import causal_lower_right
 LONG_ATTENTION_SCORES = 1 << 22  # l · span above which a single row's chunk takes this path
 
 
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+def _flash_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, ...]:
     """(out [1, H, l, hd], log-sum-exp [1, H, l] float32) from PyTorch's CPU flash-attention kernel."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse.float()

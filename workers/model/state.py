@@ -179,6 +179,8 @@ def paged_kv_cache(blocks: BlockTable, config: HybridConfig, device: torch.devic
     """A standalone attention-layer cache paged over `blocks` (an MTP head's, following the target's positions)."""
     a = config.attention
     shape = (a.num_kv_heads, blocks.num_blocks * blocks.block_size, a.head_dim)
-    cache = KVCache(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype), blocks)
+    cache = KVCache(
+        torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype), blocks
+    )
     blocks.attach([cache.key, cache.value])
     return cache

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint, native
 from workers.model.attention import Attention, inverse_frequencies, rotary
+from workers.model.kv_blocks import BlockTable
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
-from workers.model.kv_blocks import BlockTable
 from workers.model.state import ForwardBatch, KVCache, MambaState
 
 

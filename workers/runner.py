@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,10 +10,15 @@ from typing import Any
 
 import torch
 
+from workers import memory
+from workers.budget import TokenBudget
+from workers.memory import activation_bytes, num_kv_blocks, parse_memory_size, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
+from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
-from workers.scheduler import Scheduler, Workspace
+from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler, Workspace
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.mtp import MtpProposer
@@ -20,8 +26,7 @@ from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
 
-# Scoring batches: at most this many (padded) tokens per forward, and logits for this many positions at a time.
-SCORE_BATCH_TOKENS = 4096
+# Scoring: logits for this many positions at a time.
 SCORE_LOGITS_CHUNK = 1024
 
 
@@ -59,6 +64,9 @@ class ModelRunner:
         draft_model: HybridModel | None = None,
         proposer: Proposer | None = None,
         decode_plan: bool = True,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
 
@@ -66,6 +74,11 @@ class ModelRunner:
         replaces the configured proposer (tests force acceptance patterns through it). `decode_plan`: run decode
         steps — plain, speculative verification, draft-model steps — as one native call each where the model allows
         it (see `workers/model/decode_plan.py`; same results as the module-by-module path, which False keeps).
+        `max_num_batched_tokens` (vLLM's name): new tokens one forward may take — long prompts are prefilled, and
+        long sequences scored, in chunks of at most that many. `max_memory` (CPU; bytes or a size like "8GB";
+        default 80 % of the memory available now) and `gpu_memory_utilization` (CUDA; vLLM's fraction of device
+        memory) bound weights + activations + KV cache; requests wait for KV room, and one that can never fit
+        gets an error result. See `workers/memory.py`.
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
@@ -76,6 +89,10 @@ class ModelRunner:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = TokenBudget(max_num_batched_tokens).max_num_batched_tokens  # validates
+        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} is invalid: must be in (0, 1]")
+        max_memory = None if max_memory is None else parse_memory_size(max_memory)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.embed_tokens.weight.dtype
@@ -100,6 +117,31 @@ class ModelRunner:
                     f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
                     f"{self.config.vocab_size}: a draft model must share the target's vocabulary"
                 )
+        self.num_kv_blocks = self._kv_blocks(max_memory, gpu_memory_utilization)
+
+    def _kv_blocks(self, max_memory: int | None, gpu_memory_utilization: float) -> int:
+        """KV cache blocks the memory budget leaves after weights, state slots and one forward's activations."""
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
+        budget = runner_budget(self.device, max_memory, gpu_memory_utilization)
+        used = sum(memory.in_use(m, self.device) for m in models) if self.device.type != "cuda" else memory.in_use(
+            self.model, self.device)  # fmt: skip
+        needed = used + activation_bytes(self.config, self.max_num_batched_tokens, self.max_num_seqs * (k + 1))
+        needed += sum(_state_bytes_per_slot(m.config, self.dtype) for m in models) * self.max_num_seqs
+        per_token = sum(_kv_bytes_per_token(m.config, self.dtype) for m in models)
+        if self.speculative is not None and self.speculative.method == "mtp":
+            per_token += _kv_bytes_per_token(self.config, self.dtype, num_layers=1)  # the MTP head's layer
+        if per_token == 0:
+            return 1 << 40  # no attention layer: nothing grows with the sequence
+        per_block = per_token * DEFAULT_BLOCK_SIZE
+        if budget - needed < per_block:
+            limit = "gpu_memory_utilization" if self.device.type == "cuda" else "max_memory"
+            raise ValueError(
+                f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
+                f"slots + activations of {self.max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
+                f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
+            )
+        return num_kv_blocks(budget - needed, per_block)
 
     @classmethod
     def from_pretrained(
@@ -113,6 +155,9 @@ class ModelRunner:
         linear_backend: str = "auto",
         decode_kernel: str = "auto",
         decode_plan: bool = True,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
@@ -121,7 +166,8 @@ class ModelRunner:
         panel kernel on CPU float32, oneDNN without a C compiler, torch elsewhere), "native", "onednn" or "torch"
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
-        reference path). `decode_plan`: see `__init__`.
+        reference path). `decode_plan`, `max_num_batched_tokens`, `max_memory`, `gpu_memory_utilization`: see
+        `__init__`.
         """
         mtp = speculative is not None and speculative.method == "mtp"
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp)
@@ -137,7 +183,8 @@ class ModelRunner:
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,
-                   decode_plan=decode_plan)  # fmt: skip
+                   decode_plan=decode_plan, max_num_batched_tokens=max_num_batched_tokens, max_memory=max_memory,
+                   gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
 
     def _make_proposer(self) -> Proposer:
         if self._proposer_override is not None:
@@ -213,7 +260,7 @@ class ModelRunner:
         proposer = self._make_proposer() if self.speculative else None
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan,
-                              self._workspace, self._policy)  # fmt: skip
+                              self._workspace, self._policy, self.max_num_batched_tokens, self.num_kv_blocks)  # fmt: skip
         self._workspace = scheduler.workspace
         while scheduler.has_work():
             scheduler.step()
@@ -224,11 +271,17 @@ class ModelRunner:
     # -------------------------------------------------------------------------------------------------- score
     @torch.inference_mode()
     def score(self, token_ids: Sequence[Sequence[int]]) -> list[ScoreResult]:
-        """Per sequence, log p(token t+1 | tokens ≤ t) for every t; batched prefill, no generation."""
+        """Per sequence, log p(token t+1 | tokens ≤ t) for every t. Short sequences share padded forwards of at most
+        `max_num_batched_tokens` tokens; a longer one runs alone in chunks of that many, continuing its recurrent
+        states and KV cache (the same log-probs as one forward over it, in bounded memory)."""
         results: list[ScoreResult | None] = [None] * len(token_ids)
         valid = []
+        max_positions = (self.num_kv_blocks - 1) * DEFAULT_BLOCK_SIZE
         for i, seq in enumerate(token_ids):
             problem = self._check_prompt(seq)
+            if problem is None and len(seq) > max_positions:
+                problem = (f"prompt has {len(seq)} tokens, more than the KV cache holds ({max_positions} positions): "
+                           "raise max_memory / gpu_memory_utilization")  # fmt: skip
             if problem:
                 results[i] = ScoreResult([], problem.replace("prompt", "sequence", 1))
             else:
@@ -237,7 +290,7 @@ class ModelRunner:
         group: list[int] = []
         for i in valid:
             padded_tokens = (len(group) + 1) * len(token_ids[i])  # sorted: the newcomer is the longest
-            if group and (len(group) == self.max_num_seqs or padded_tokens > SCORE_BATCH_TOKENS):
+            if group and (len(group) == self.max_num_seqs or padded_tokens > self.max_num_batched_tokens):
                 self._score_into(results, group, token_ids)
                 group = []
             group.append(i)
@@ -250,21 +303,48 @@ class ModelRunner:
             results[i] = ScoreResult(logprobs)
 
     def _score_group(self, sequences: list[list[int]]) -> list[list[float]]:
+        """One group: a single padded forward, or chunks of `max_num_batched_tokens` for a single long sequence."""
         lengths = [len(s) for s in sequences]
         input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
         for row, seq in enumerate(sequences):
             input_ids[row, : len(seq)] = torch.tensor(seq)
         input_ids = input_ids.to(self.device)
         pool = StatePool(self.config, len(sequences), max(lengths), self.device, self.dtype)
-        num_tokens = torch.tensor(lengths, device=self.device)
-        batch = ForwardBatch(torch.arange(len(sequences), device=self.device), torch.zeros_like(num_tokens), num_tokens)
-        hidden = self.model(input_ids, batch, None, pool.kv_caches()).hidden
-        out = []
-        for row, length in enumerate(lengths):
-            row_logprobs = []
-            for start in range(0, length - 1, SCORE_LOGITS_CHUNK):  # bounded [chunk, vocab] logits at a time
-                stop = min(start + SCORE_LOGITS_CHUNK, length - 1)
-                logprobs = self.model.logits(hidden[row, start:stop]).log_softmax(-1)
-                row_logprobs += logprobs.gather(-1, input_ids[row, start + 1 : stop + 1, None]).squeeze(-1).tolist()
-            out.append(row_logprobs)
+        slots = torch.arange(len(sequences), device=self.device)
+        chunk = max(lengths) if len(sequences) > 1 else self.max_num_batched_tokens
+        states, out = None, [[] for _ in sequences]
+        for start in range(0, max(lengths), chunk):
+            stop = min(start + chunk, max(lengths))
+            num_tokens = (torch.tensor(lengths, device=self.device) - start).clamp(0, stop - start)
+            batch = ForwardBatch(slots, torch.full_like(num_tokens, start), num_tokens)
+            forward = self.model(input_ids[:, start:stop], batch, states, pool.kv_caches())
+            states = forward.mamba_states
+            for row, length in enumerate(lengths):  # position t predicts token t + 1
+                out[row] += self._logprobs(forward.hidden[row], input_ids[row], start, min(stop, length - 1))
         return out
+
+    def _logprobs(self, hidden: torch.Tensor, token_ids: torch.Tensor, start: int, stop: int) -> list[float]:
+        """log p(token t+1 | ≤ t) for positions start … stop-1, from `hidden` [chunk, d] whose row 0 is `start`."""
+        values: list[float] = []
+        for first in range(start, stop, SCORE_LOGITS_CHUNK):  # bounded [chunk, vocab] logits at a time
+            last = min(first + SCORE_LOGITS_CHUNK, stop)
+            logprobs = self.model.logits(hidden[first - start : last - start]).log_softmax(-1)
+            values += logprobs.gather(-1, token_ids[first + 1 : last + 1, None]).squeeze(-1).tolist()
+        return values
+
+
+def _kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """KV cache bytes one position takes in `num_layers` attention layers (default: the model's)."""
+    if num_layers is None:
+        num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
+    a = config.attention
+    return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:
+    """Recurrent state bytes of one slot: conv windows (model dtype) and float32 matrix states."""
+    num_layers = sum(kind in RECURRENT_KINDS for kind in config.block_kinds)
+    if num_layers == 0:
+        return 0
+    conv, state = config.recurrent_state_shapes()
+    return num_layers * (math.prod(conv) * torch.empty(0, dtype=dtype).element_size() + 4 * math.prod(state))

@@ -1,0 +1,83 @@
+"""How much memory a runner may use, and how many KV cache blocks that leaves.
+
+On CUDA the budget is vLLM's `gpu_memory_utilization`: the fraction of the device's memory this runner may use
+(weights, activations and KV cache together). On CPU it is `max_memory` in bytes, by default 80 % of the memory
+available when the runner starts. The KV cache gets what the weights, the recurrent state slots and the
+activations of one forward (bounded by `max_num_batched_tokens`) leave. On CPU the cache is reserved, not touched:
+blocks are paged in as requests use them, so the budget bounds memory rather than claiming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from workers.model.config import HybridConfig
+
+CPU_DEFAULT_FRACTION = 0.8
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3,
+          "ti": 1024**4}  # fmt: skip
+
+
+def parse_memory_size(value: str | int | float) -> int:
+    """Bytes from `12GB`, `12GiB`, `512MiB`, `1.5g` or a plain number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]i?)?[bB]?\s*", str(value))
+        if match is None:
+            raise ValueError(f"max_memory={value!r} is invalid: give bytes or a size like 8GB, 8GiB, 512MiB")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if size <= 0:
+        raise ValueError(f"max_memory={value!r} is invalid: must be more than 0 bytes")
+    return size
+
+
+def available_cpu_memory() -> int:
+    """Bytes of memory available to new allocations now (MemAvailable; total physical memory as a fallback)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def runner_budget(device: torch.device, max_memory: int | None, gpu_memory_utilization: float) -> int:
+    """Bytes the runner may use in all (weights included)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * gpu_memory_utilization)
+    return max_memory if max_memory is not None else int(available_cpu_memory() * CPU_DEFAULT_FRACTION)
+
+
+def in_use(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes the runner holds already: the device's allocations on CUDA, the weights on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logit_rows: int) -> int:
+    """An upper estimate of one forward's activations: a few hidden-size and projection-width tensors per token
+    of the budget, and float32 logits (with their softmax) for the rows that sample."""
+    widths = [config.hidden_size * 6]
+    if config.mamba is not None:
+        m = config.mamba
+        widths.append(3 * (2 * m.intermediate_size + 2 * m.num_groups * m.state_size + m.num_heads))
+    if config.gdn is not None:
+        g = config.gdn
+        widths.append(3 * (g.conv_dim + 2 * g.value_dim + 2 * g.num_value_heads))
+    ff = config.feed_forward
+    widths.append(3 * max(ff.intermediate_size, ff.shared_expert_intermediate_size + ff.expert_intermediate_size))
+    per_token = 4 * sum(widths)
+    return per_token * max_num_batched_tokens + 3 * 4 * config.vocab_size * max_logit_rows
+
+
+def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:
+    """KV blocks (the null block included) that `free_bytes` hold."""
+    return 1 + max(0, free_bytes) // max(1, bytes_per_block)

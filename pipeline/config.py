@@ -53,6 +53,13 @@ class ModelConfig:
     dtype: str = _doc(f"weight dtype: {', '.join(DTYPES)}", default="auto")
     max_num_seqs: int = _doc("requests decoded together per worker", default=64)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
+    max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "
+                                       "and long rows scored in chunks of this many", default=4096)  # fmt: skip
+    max_memory: str | None = _doc("CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
+                                  "8GB or 8GiB (default: 80 percent of the memory available when it starts); rows wait "
+                                  "for KV room, a row that can never fit gets an error", default=None)  # fmt: skip
+    gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
+                                         "name and meaning)", default=0.9)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -65,6 +72,17 @@ class ModelConfig:
             _fail("ModelConfig", "max_num_seqs", self.max_num_seqs, "must be an integer ≥ 1")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             _fail("ModelConfig", "max_model_len", self.max_model_len, "must be an integer ≥ 1")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            _fail("ModelConfig", "max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer ≥ 1")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            _fail("ModelConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.max_memory is not None:
+            from workers.memory import parse_memory_size  # the workers' own rule
+
+            try:
+                parse_memory_size(self.max_memory)
+            except ValueError:
+                _fail("ModelConfig", "max_memory", self.max_memory, "give bytes or a size like 8GB, 8GiB, 512MiB")
 
 
 @dataclass(frozen=True)

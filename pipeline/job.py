@@ -57,7 +57,9 @@ class Job:
 def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec:
     """The `WorkerSpec` of a job's workers: the model section plus task-specific fields."""
     return WorkerSpec(task=task, model=model.model, device=model.device, dtype=model.dtype,
-                      max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len, **task_fields)  # fmt: skip
+                      max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
+                      max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
+                      gpu_memory_utilization=model.gpu_memory_utilization, **task_fields)  # fmt: skip
 
 
 def build_job(
@@ -86,7 +88,13 @@ def build_job(
     fingerprint = config.to_dict()
     fingerprint.pop("output")
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
-    for performance_only in ("device", "max_num_seqs"):
+    for performance_only in (
+        "device",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_memory",
+        "gpu_memory_utilization",
+    ):
         fingerprint["model"].pop(performance_only)
     # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.
     fingerprint["model_identity"] = model_identity(worker.model)

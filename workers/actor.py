@@ -39,6 +39,9 @@ class WorkerSpec:
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    max_num_batched_tokens: int = 4096
+    max_memory: str | None = None
+    gpu_memory_utilization: float = 0.9
     num_threads: int | None = None  # CPU workers: torch threads
     speculative: SpeculativeConfig | None = None
     prompt: PromptSource = field(default_factory=PromptSource)
@@ -100,7 +103,15 @@ class ShardWorker:
             if spec.num_threads:
                 torch.set_num_threads(spec.num_threads)
             self.runner = ModelRunner.from_pretrained(
-                spec.model, spec.device, spec.dtype, spec.max_num_seqs, spec.max_model_len, spec.speculative
+                spec.model,
+                spec.device,
+                spec.dtype,
+                spec.max_num_seqs,
+                spec.max_model_len,
+                spec.speculative,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                max_memory=spec.max_memory,
+                gpu_memory_utilization=spec.gpu_memory_utilization,
             )
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")

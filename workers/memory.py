@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,16 @@ from workers.model.config import HybridConfig
 CPU_DEFAULT_FRACTION = 0.8
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3,
           "ti": 1024**4}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a runner's memory budget holds: bytes in all, bytes spoken for before any KV, and the KV blocks."""
+
+    budget_bytes: int
+    reserved_bytes: int  # weights + state slots + one forward's activations
+    bytes_per_block: int  # one KV block across every cache that pages over it (target, draft, MTP head)
+    num_kv_blocks: int  # the null block included
 
 
 def parse_memory_size(value: str | int | float) -> int:

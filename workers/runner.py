@@ -12,7 +12,7 @@ import torch
 
 from workers import memory
 from workers.budget import TokenBudget
-from workers.memory import activation_bytes, num_kv_blocks, parse_memory_size, runner_budget
+from workers.memory import MemoryPlan, activation_bytes, num_kv_blocks, parse_memory_size, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
 from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.state import DEFAULT_BLOCK_SIZE
@@ -117,9 +117,10 @@ class ModelRunner:
                     f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
                     f"{self.config.vocab_size}: a draft model must share the target's vocabulary"
                 )
-        self.num_kv_blocks = self._kv_blocks(max_memory, gpu_memory_utilization)
+        self.memory_plan = self._plan_memory(max_memory, gpu_memory_utilization)
+        self.num_kv_blocks = self.memory_plan.num_kv_blocks
 
-    def _kv_blocks(self, max_memory: int | None, gpu_memory_utilization: float) -> int:
+    def _plan_memory(self, max_memory: int | None, gpu_memory_utilization: float) -> MemoryPlan:
         """KV cache blocks the memory budget leaves after weights, state slots and one forward's activations."""
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
         k = self.speculative.num_speculative_tokens if self.speculative else 0
@@ -131,9 +132,9 @@ class ModelRunner:
         per_token = sum(_kv_bytes_per_token(m.config, self.dtype) for m in models)
         if self.speculative is not None and self.speculative.method == "mtp":
             per_token += _kv_bytes_per_token(self.config, self.dtype, num_layers=1)  # the MTP head's layer
-        if per_token == 0:
-            return 1 << 40  # no attention layer: nothing grows with the sequence
         per_block = per_token * DEFAULT_BLOCK_SIZE
+        if per_token == 0:  # no attention layer: nothing grows with the sequence
+            return MemoryPlan(budget, needed, per_block, 1 << 40)
         if budget - needed < per_block:
             limit = "gpu_memory_utilization" if self.device.type == "cuda" else "max_memory"
             raise ValueError(
@@ -141,7 +142,7 @@ class ModelRunner:
                 f"slots + activations of {self.max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
                 f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
             )
-        return num_kv_blocks(budget - needed, per_block)
+        return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block))
 
     @classmethod
     def from_pretrained(

@@ -78,7 +78,9 @@ class BlockTable:
         need = self.blocks_for(num_tokens) - len(owned)
         if need <= 0:
             return
-        if need > len(self._is_free) or len(owned) + need > self.max_blocks_per_slot:
+        if len(owned) + need > self.max_blocks_per_slot:
+            raise RuntimeError(f"slot {slot} asked for {num_tokens} positions, more than a slot holds")
+        if need > len(self._is_free):
             raise RuntimeError(f"KV cache exhausted: slot {slot} needs {need} more blocks, {len(self._is_free)} free")
         new = [self._take(owned[-1] + 1 if owned else None) for _ in range(need)]
         for block in new:

@@ -133,3 +133,30 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
         return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
+
+    def forward_static(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` with shapes fixed by the cache's capacity, not by its contents: no host synchronisation and no
+        data-dependent shapes, the form a CUDA graph captures. Every row writes all l new keys/values (positions
+        past a row's valid tokens are scratch the cache overwrites later: they must lie inside the capacity) and
+        attends over the whole capacity, masked causally. The same results as `forward` up to the rounding of a
+        longer masked reduction (exactly equal where the attention kernel skips masked keys' zero weights)."""
+        a = self.config
+        b, length, _ = hidden.shape
+        positions = batch.cache_lens[:, None] + torch.arange(length, device=hidden.device)  # [b, l]
+        q, k, v, gate = self._project(hidden)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, l, hd]
+        if a.rope_theta is not None:
+            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+        # 1. Write every new key/value at its position of its row's slot.
+        slots = batch.slot_ids[:, None].expand(b, length)
+        cache.key[slots, :, positions] = k.transpose(1, 2).to(cache.key.dtype)
+        cache.value[slots, :, positions] = v.transpose(1, 2).to(cache.value.dtype)
+        # 2. Attend over the whole capacity; entries past each token's own position are masked.
+        capacity = cache.key.shape[2]
+        keys, values = cache.key[batch.slot_ids], cache.value[batch.slot_ids]  # [b, kv_heads, capacity, hd]
+        mask = torch.arange(capacity, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, capacity]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)

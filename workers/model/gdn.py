@@ -120,7 +120,9 @@ class GatedDeltaNetMixer(nn.Module):
         )  # fmt: skip
         return self.out_proj(y)[:, None]
 
-    def state_after(self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor) -> RecurrentState:
+    def state_after(
+        self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
 
         Speculative state shifting for a recurrence that is not diagonal: the conv window is a gather, the delta-rule
@@ -131,6 +133,8 @@ class GatedDeltaNetMixer(nn.Module):
         1 MiB; per-position states would hold 5 MiB, the re-run keeps 0.2 MiB of scan inputs for the step. The
         re-run cost 20–23% of the verification forward of a 3-GDN + 1-attention-layer stack (batch 1 and 8);
         merely copying per-position states cost 3% (batch 1) to 27% (batch 8) of it, before any bookkeeping.
+        `static_shapes`: re-run all l steps (those past a row's count are exact no-ops) instead of reading the
+        largest count on the host — the form a CUDA graph captures, with the same states.
         """
         if self.decode_kernel == "triton":
             from workers.model.triton_kernels.gdn import gdn_shift_
@@ -140,5 +144,7 @@ class GatedDeltaNetMixer(nn.Module):
             return new
         return RecurrentState(
             conv_window_after(state.conv, scan.conv_in, num_tokens),
-            delta_state_after(scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens),
+            delta_state_after(
+                scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens, scan.k.shape[1] if static_shapes else None
+            ),
         )

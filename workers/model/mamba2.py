@@ -173,12 +173,15 @@ class Mamba2Mixer(nn.Module):
             new_state = self.state_after(state, scan, num_tokens)
         return self.out_proj(y), new_state, scan
 
-    def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
+    def state_after(
+        self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> MambaState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
 
         Speculative decoding's state shifting: verification runs k+1 tokens, then keeps the state after input
         num_accepted_tokens − 1. Recomputed from the scan inputs (conv window: a gather; SSM state: one weighted
-        sum), so no per-position state is ever stored.
+        sum), so no per-position state is ever stored. Its shapes never depend on `num_tokens`'s values
+        (`static_shapes` changes nothing here).
         """
         if self.decode_kernel == "triton":
             from workers.model.triton_kernels.mamba2 import mamba2_shift_

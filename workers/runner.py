@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
+from workers.model.decode_plan import unsupported_reason
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler, Workspace
@@ -19,6 +21,8 @@ from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
+
+logger = logging.getLogger(__name__)
 
 # Scoring batches: at most this many (padded) tokens per forward, and logits for this many positions at a time.
 SCORE_BATCH_TOKENS = 4096
@@ -43,6 +47,14 @@ def _load_tokenizer(directory: Path) -> Any | None:
 def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str) -> None:
     if (target is None) != (draft is None) or (target is not None and target.get_vocab() != draft.get_vocab()):
         raise ValueError(f"draft model {draft_path!r} has a different tokenizer vocabulary than the target")
+
+
+def execution_summary(model: HybridModel, decode_plan: bool) -> str:
+    """How decode steps run (logged once per runner): the recurrent layers' decode kernel and the decode plan."""
+    kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
+    reason = unsupported_reason(model) if decode_plan else "turned off"
+    plan = "on" if reason is None else f"off ({reason})"
+    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; decode plan {plan}"
 
 
 class ModelRunner:
@@ -88,6 +100,7 @@ class ModelRunner:
         self.decode_plan = decode_plan
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
+        logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan))
         if speculative is not None and speculative.method == "mtp" and model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.

@@ -7,6 +7,7 @@ it first in this process, so the cases get a fresh interpreter of their own.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -48,3 +49,13 @@ def test_auto_stays_native_on_cpu_and_triton_is_refused_there(checkpoint_dir):
             prepare_decode_kernel(model, "triton", torch.device("cpu"), torch.float32)
         mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer | GatedDeltaNetMixer)]
         assert mixers and {m.decode_kernel for m in mixers} <= {"native", "torch"}
+
+
+def test_the_runner_logs_its_decode_path_once(checkpoint_dir, caplog):
+    from workers.runner import ModelRunner
+
+    with caplog.at_level(logging.INFO, logger="workers.runner"):
+        ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), decode_kernel="torch")
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.runner"]
+    assert lines == ["decode steps on cpu: recurrent decode kernel torch; decode plan off (the native kernels are off "
+                     "(not CPU float32, or decode_kernel / linear_backend chose another path))"]  # fmt: skip

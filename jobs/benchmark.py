@@ -242,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _decode_kernel(runner: ModelRunner) -> str:
-    """The decode kernel the runner's Mamba2 layers use ("auto" resolved)."""
+    """The decode kernel the runner's recurrent (Mamba2, Gated DeltaNet) layers use ("auto" resolved)."""
     kernels = {m.decode_kernel for m in runner.model.modules() if hasattr(m, "decode_kernel")}
-    return ",".join(sorted(kernels)) or "none (no Mamba2 layers)"
+    return ",".join(sorted(kernels)) or "none (no recurrent layers)"
 
 
 def _decode_plan(runner: ModelRunner) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from workers.budget import TokenBudget
 from workers.memory import MemoryPlan, activation_bytes, num_kv_blocks, parse_memory_size, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
 from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.decode_plan import unsupported_reason
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
@@ -25,6 +27,8 @@ from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
+
+logger = logging.getLogger(__name__)
 
 # Scoring: logits for this many positions at a time.
 SCORE_LOGITS_CHUNK = 1024
@@ -48,6 +52,14 @@ def _load_tokenizer(directory: Path) -> Any | None:
 def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str) -> None:
     if (target is None) != (draft is None) or (target is not None and target.get_vocab() != draft.get_vocab()):
         raise ValueError(f"draft model {draft_path!r} has a different tokenizer vocabulary than the target")
+
+
+def execution_summary(model: HybridModel, decode_plan: bool) -> str:
+    """How decode steps run (logged once per runner): the recurrent layers' decode kernel and the decode plan."""
+    kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
+    reason = unsupported_reason(model) if decode_plan else "turned off"
+    plan = "on" if reason is None else f"off ({reason})"
+    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; decode plan {plan}"
 
 
 class ModelRunner:
@@ -105,6 +117,7 @@ class ModelRunner:
         self.decode_plan = decode_plan
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
+        logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan))
         if speculative is not None and speculative.method == "mtp" and model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.

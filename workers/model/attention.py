@@ -142,3 +142,35 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
         return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
+
+    def forward_static(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` with shapes fixed by the cache's capacity, not by its contents: no host synchronisation and no
+        data-dependent shapes, the form a CUDA graph captures. Every row writes all l new keys/values (positions
+        past a row's valid tokens are scratch the cache overwrites later: they must lie inside the capacity) and
+        attends over the whole capacity, masked causally. The same results as `forward` up to the rounding of a
+        longer masked reduction (exactly equal where the attention kernel skips masked keys' zero weights)."""
+        a = self.config
+        b, length, _ = hidden.shape
+        positions = batch.cache_lens[:, None] + torch.arange(length, device=hidden.device)  # [b, l]
+        q, k, v, gate = self._project(hidden)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, l, hd]
+        if a.rope_theta is not None:
+            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+        # 1. Write every new key/value at its position of its row's slot (positions without a block of their own
+        # write into the null block: finite scratch that every read masks).
+        slots = batch.slot_ids[:, None].expand(b, length).reshape(-1)
+        k_rows, v_rows = (
+            k.transpose(1, 2).reshape(b * length, a.num_kv_heads, -1),
+            v.transpose(1, 2).reshape(b * length, a.num_kv_heads, -1),
+        )
+        cache.write(slots, positions.reshape(-1), k_rows.to(cache.key.dtype), v_rows.to(cache.value.dtype))
+        # 2. Attend over a slot's whole capacity (a fixed gather through the block table); entries past each
+        # token's own position are masked.
+        capacity = cache.blocks.max_blocks_per_slot * cache.blocks.block_size
+        keys, values = cache.read(batch.slot_ids, capacity)  # [b, kv_heads, capacity, hd]
+        mask = torch.arange(capacity, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, capacity]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)

@@ -53,14 +53,23 @@ def delta_rule_scan(
 
 
 def delta_state_after(
-    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, num_tokens: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    num_tokens: torch.Tensor,
+    num_steps: int | None = None,
 ) -> torch.Tensor:
     """The state after each row's first num_tokens [b] positions (no outputs): the steps past a row's count are
-    made no-ops (g = beta = 0). Speculative state shifting re-runs the accepted prefix with this."""
+    made no-ops (g = beta = 0). Speculative state shifting re-runs the accepted prefix with this. `num_steps`:
+    how many steps to run (default: the largest count, read on the host); any number ≥ it gives the same state."""
     valid = (torch.arange(k.shape[1], device=k.device)[None, :] < num_tokens[:, None])[..., None]  # [b, l, 1]
     g, beta = g * valid, beta * valid
     state = state.contiguous().clone()
-    for t in range(int(num_tokens.max()) if num_tokens.numel() else 0):
+    if num_steps is None:
+        num_steps = int(num_tokens.max()) if num_tokens.numel() else 0
+    for t in range(num_steps):
         delta_rule_step_(k[:, t], v[:, t], g[:, t], beta[:, t], state)
     return state
 

@@ -44,6 +44,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(g.num_value_heads))
         self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
+        self.decode_kernel = "torch"  # "triton": one-token steps and state shifts through the Triton kernels
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, conv_dim] → q, k [b, l, h_v, d_k] (normalised, q scaled), v [b, l, h_v, d_v]; float32."""
@@ -67,11 +68,12 @@ class GatedDeltaNetMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
         """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state): write the new
-        state into `state`'s tensors and return them — the decode loop updates its pool views this way.
+        state into `state`'s tensors and return them — the decode loop updates its pool views this way (the Triton
+        kernels return no scan inputs there: nothing shifts a state it did not start from).
         """
         g = self.config
         b, length, _ = hidden.shape
@@ -80,6 +82,8 @@ class GatedDeltaNetMixer(nn.Module):
             [g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1
         )
         in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
+        if in_place and self.decode_kernel == "triton":
+            return self._triton_decode(hidden, state), state, None
         # 2. Causal conv (+ SiLU) over q, k, v, continuing the stored window.
         weight = self.conv1d.weight.squeeze(1)
         if in_place:  # the decode loop: window and state are updated where they are
@@ -105,7 +109,20 @@ class GatedDeltaNetMixer(nn.Module):
         new_state = state if in_place else RecurrentState(conv_state, delta_state)
         return out, new_state, DeltaScanInputs(conv_in, k, v, decay, beta)
 
-    def state_after(self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor) -> RecurrentState:
+    def _triton_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """The one-token step through the Triton kernels: conv, gates, delta rule (state in place), gated norm."""
+        from workers.model.triton_kernels.gdn import gdn_decode_step
+
+        g = self.config
+        y = gdn_decode_step(
+            self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.A_log,
+            self.dt_bias, self.norm.weight, self.norm.eps, g.num_key_heads,
+        )  # fmt: skip
+        return self.out_proj(y)[:, None]
+
+    def state_after(
+        self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
 
         Speculative state shifting for a recurrence that is not diagonal: the conv window is a gather, the delta-rule
@@ -116,8 +133,18 @@ class GatedDeltaNetMixer(nn.Module):
         1 MiB; per-position states would hold 5 MiB, the re-run keeps 0.2 MiB of scan inputs for the step. The
         re-run cost 20–23% of the verification forward of a 3-GDN + 1-attention-layer stack (batch 1 and 8);
         merely copying per-position states cost 3% (batch 1) to 27% (batch 8) of it, before any bookkeeping.
+        `static_shapes`: re-run all l steps (those past a row's count are exact no-ops) instead of reading the
+        largest count on the host — the form a CUDA graph captures, with the same states.
         """
+        if self.decode_kernel == "triton":
+            from workers.model.triton_kernels.gdn import gdn_shift_
+
+            new = RecurrentState(state.conv.clone(), state.ssm.clone())
+            gdn_shift_(new.conv, new.ssm, scan.conv_in, scan.k, scan.v, scan.g, scan.beta, num_tokens)
+            return new
         return RecurrentState(
             conv_window_after(state.conv, scan.conv_in, num_tokens),
-            delta_state_after(scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens),
+            delta_state_after(
+                scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens, scan.k.shape[1] if static_shapes else None
+            ),
         )

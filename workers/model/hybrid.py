@@ -74,12 +74,15 @@ class HybridModel(nn.Module):
         kv_caches: list[KVCache],
         keep_scan_inputs: bool = False,
         in_place: bool = False,
+        static_shapes: bool = False,
     ) -> ForwardOutput:
         """input_ids [b, l] (right-padded to l) → final hidden states, new recurrent states (and scan inputs).
 
         `mamba_states` (one per recurrent layer, Mamba2 or GDN) None: every row starts its sequence (zero states;
         prompts, scoring). The new states are those after each row's last valid token; `kv_caches` receive the new
         keys. `in_place` (decode, one token per row): the given state tensors are updated and returned.
+        `static_shapes`: attention writes and reads with shapes fixed by the caches' capacity (no host sync, no
+        data-dependent shapes: what a CUDA graph captures; see `Attention.forward_static`).
         """
         if keep_scan_inputs and (in_place or mamba_states is None):
             raise ValueError("keep_scan_inputs needs the old states: not with in_place or without states")
@@ -99,7 +102,8 @@ class HybridModel(nn.Module):
                 if keep_scan_inputs:
                     output.scan_inputs.append(scan)
             elif block.kind == ATTENTION:
-                out = block.mixer(normed, batch, next(kv_iter))
+                attend = block.mixer.forward_static if static_shapes else block.mixer
+                out = attend(normed, batch, next(kv_iter))
             else:
                 out = block.mixer(normed)
             # The residual connection, fused with the next block's pre-norm (or the final norm).
@@ -112,11 +116,15 @@ class HybridModel(nn.Module):
         mamba_states: list[RecurrentState],
         scan_inputs: list[ScanInputs | DeltaScanInputs],
         num_tokens: torch.Tensor,
+        static_shapes: bool = False,
     ) -> list[RecurrentState]:
-        """Every recurrent layer's state after each row's first `num_tokens` inputs of a kept forward."""
+        """Every recurrent layer's state after each row's first `num_tokens` inputs of a kept forward.
+
+        `static_shapes`: never read `num_tokens` on the host (a CUDA graph's form; the same states)."""
         mixers = [block.mixer for block in self.blocks if block.kind in RECURRENT_KINDS]
         return [
-            m.state_after(s, scan, num_tokens) for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)
+            m.state_after(s, scan, num_tokens, static_shapes)
+            for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)
         ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

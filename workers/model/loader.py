@@ -11,17 +11,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.model import native
+from workers.model import native, triton_kernels
 from workers.model.attention import Attention
 from workers.model.config import QWEN_MODEL_TYPES, HybridConfig
 from workers.model.feed_forward import MLP
+from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
 from workers.model.mamba2 import Mamba2Mixer
 from workers.model.norm import RMSNorm
 from workers.model.weights import Source, checkpoint_sources, is_ignored
 
-DECODE_KERNELS = ("auto", "torch", "compile", "native")
+DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
 FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
@@ -155,20 +156,32 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
     Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
-    residual add, the MLP's silu(gate) · up). "auto": native where it applies and builds, else torch.
+    residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of `workers/model/triton_kernels`
+    for the Mamba2 and Gated DeltaNet decode steps and their state shifts after verification (CUDA; CPU only under
+    TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
-    native_fits = torch.device(device).type == "cpu" and dtype == torch.float32
+    device = torch.device(device)
+    native_fits = device.type == "cpu" and dtype == torch.float32
     if kernel == "native":
         if not native_fits:
             raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
         native.load()  # raises NativeKernelError with the compiler's message
+    if kernel == "triton" and not triton_kernels.available(device):
+        raise ValueError(f"decode_kernel='triton' cannot run here: {triton_kernels.unavailable_reason(device)}")
     if kernel == "auto":
-        kernel = "native" if native_fits and native.available() else "torch"
+        if native_fits and native.available():
+            kernel = "native"
+        elif device.type == "cuda" and triton_kernels.available(device):
+            kernel = "triton"
+        else:
+            kernel = "torch"
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
             module.decode_kernel = kernel
+        elif isinstance(module, GatedDeltaNetMixer):
+            module.decode_kernel = "triton" if kernel == "triton" else "torch"
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -45,7 +45,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(m.num_heads))
         self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, config.rms_norm_eps)
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
-        self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile" or "native" (set at load)
+        self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile", "native" or "triton" (set at load)
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
@@ -78,6 +78,8 @@ class Mamba2Mixer(nn.Module):
         in_place = in_place and length == 1 and state is not None
         if in_place and self.decode_kernel == "native":
             return self._native_decode(hidden, state), state, None
+        if in_place and self.decode_kernel == "triton":
+            return self._triton_decode(hidden, state), state, None
         if self.decode_kernel == "native" and state is not None and length <= NATIVE_STEPWISE_MAX_TOKENS:
             return self._native_steps(hidden, state, num_tokens)
         if self.decode_kernel == "native" and state is None:
@@ -124,6 +126,18 @@ class Mamba2Mixer(nn.Module):
         """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
         return self.out_proj(self._kernel_step(self.in_proj(hidden[:, 0]).contiguous(), state))[:, None]
 
+    def _triton_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """The one-token step through the Triton kernels: conv, SSM (state in place), D skip and gated norm."""
+        from workers.model.triton_kernels.mamba2 import mamba2_decode_step
+
+        m = self.config
+        y = mamba2_decode_step(
+            self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
+            self.norm.eps, m.num_groups,
+        )  # fmt: skip
+        return self.out_proj(y)[:, None]
+
     def _native_prefill(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, MambaState, None]:
         """Prompts from the zero state through the C kernel (conv, SSM and gated norm; no scan inputs kept)."""
         m = self.config
@@ -159,13 +173,22 @@ class Mamba2Mixer(nn.Module):
             new_state = self.state_after(state, scan, num_tokens)
         return self.out_proj(y), new_state, scan
 
-    def state_after(self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor) -> MambaState:
+    def state_after(
+        self, state: MambaState, scan: ScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> MambaState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
 
         Speculative decoding's state shifting: verification runs k+1 tokens, then keeps the state after input
         num_accepted_tokens − 1. Recomputed from the scan inputs (conv window: a gather; SSM state: one weighted
-        sum), so no per-position state is ever stored.
+        sum), so no per-position state is ever stored. Its shapes never depend on `num_tokens`'s values
+        (`static_shapes` changes nothing here).
         """
+        if self.decode_kernel == "triton":
+            from workers.model.triton_kernels.mamba2 import mamba2_shift_
+
+            new = MambaState(state.conv.clone(), state.ssm.clone())
+            mamba2_shift_(new.conv, new.ssm, scan.conv_in, scan.x, scan.B, scan.dt, self.A_log, num_tokens)
+            return new
         valid = torch.arange(scan.dt.shape[1], device=scan.dt.device)[None, :] < num_tokens[:, None]
         dt = scan.dt * valid[..., None]
         A = -torch.exp(self.A_log.float())

@@ -82,8 +82,8 @@ class Mamba2Mixer(nn.Module):
             return self._triton_decode(hidden, state), state, None
         if self.decode_kernel == "native" and state is not None and length <= NATIVE_STEPWISE_MAX_TOKENS:
             return self._native_steps(hidden, state, num_tokens)
-        if self.decode_kernel == "native" and state is None:
-            return self._native_prefill(hidden, num_tokens)
+        if self.decode_kernel == "native" and (state is None or length > NATIVE_STEPWISE_MAX_TOKENS):
+            return self._native_prefill(hidden, num_tokens, state)
         # 1. Projections.
         z, conv_in, dt = self.scan_inputs(hidden, num_tokens)
         # 2. Causal conv over xBC, continuing the stored window.
@@ -138,15 +138,26 @@ class Mamba2Mixer(nn.Module):
         )  # fmt: skip
         return self.out_proj(y)[:, None]
 
-    def _native_prefill(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, MambaState, None]:
-        """Prompts from the zero state through the C kernel (conv, SSM and gated norm; no scan inputs kept)."""
+    def _native_prefill(
+        self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: MambaState | None = None
+    ) -> tuple[torch.Tensor, MambaState, ScanInputs | None]:
+        """Prompts (from the zero state: no scan inputs) or the next chunk of one (from `state`, with its scan
+        inputs, as every forward from a kept state returns them) through the C kernel: conv, SSM and gated norm."""
         m = self.config
-        out, conv, ssm = native.mamba2_prefill(
-            self.in_proj(hidden).contiguous(), num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        proj = self.in_proj(hidden).contiguous()
+        out, conv, ssm, xbc = native.mamba2_prefill(
+            proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
             self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
-            self.norm.eps, m.num_heads, m.num_groups,
+            self.norm.eps, m.num_heads, m.num_groups, None if state is None else (state.conv, state.ssm),
         )  # fmt: skip
-        return self.out_proj(out), MambaState(conv, ssm), None
+        if state is None:
+            return self.out_proj(out), MambaState(conv, ssm), None
+        b, length, _ = hidden.shape
+        _, conv_in, dt_raw = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        x = xbc[..., : m.intermediate_size].reshape(b, length, m.num_heads, m.head_dim)
+        B = xbc[..., m.intermediate_size : m.intermediate_size + m.num_groups * m.state_size]
+        scan = ScanInputs(conv_in, x, B.reshape(b, length, m.num_groups, m.state_size), self._dt(dt_raw, num_tokens))
+        return self.out_proj(out), MambaState(conv, ssm), scan
 
     def _native_steps(
         self, hidden: torch.Tensor, state: MambaState, num_tokens: torch.Tensor

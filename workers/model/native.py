@@ -100,7 +100,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.mamba2_prefill.restype = None
-    lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 4 + [i64] * 7 + [ctypes.c_int]
+    lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
     lib.rope_rows.restype = None
     lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
     lib.attention_decode.restype = None
@@ -234,12 +234,14 @@ def mamba2_prefill(
     eps: float,
     num_heads: int,
     num_groups: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts through a Mamba2 mixer's conv, SSM and gated norm from the zero state.
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (or the next chunk of them) through a Mamba2 mixer's conv, SSM and gated norm, from the zero state
+    or from `initial` (conv window [b, conv_dim, W-1], float32 SSM state [b, H, P, N]: a chunked prefill).
 
     proj [b, l, I + conv_dim + H] (right-padded; num_tokens [b] int64 valid tokens per row). Returns (out [b, l, I],
-    conv_state [b, conv_dim, W-1], ssm_state [b, H, P, N]): the out_proj input and the states after each row's last
-    valid token.
+    conv_state [b, conv_dim, W-1], ssm_state [b, H, P, N], xbc [b, l, conv_dim]): the out_proj input, the states
+    after each row's last valid token, and the conv's output after SiLU (x, B, C: the scan's inputs).
     """
     b, length, row_len = proj.shape
     conv_dim, width = conv_weight.shape
@@ -252,13 +254,15 @@ def mamba2_prefill(
     xbc = torch.empty(b, length, conv_dim)
     conv_state, out = torch.empty(b, conv_dim, width - 1), torch.empty(b, length, intermediate)
     ssm_state = torch.empty(b, num_heads, head_dim, state_size)
+    initial_conv, initial_ssm = (None, None) if initial is None else (t.contiguous() for t in initial)
     load().mamba2_prefill(
         _pointer(proj), num_tokens.data_ptr(), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
         _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(norm_weight), norm_groups, eps,
-        _pointer(xbc), _pointer(conv_state), _pointer(ssm_state), _pointer(out), b, length, num_heads, head_dim,
+        _pointer(xbc), _pointer(initial_conv), _pointer(initial_ssm), _pointer(conv_state), _pointer(ssm_state),
+        _pointer(out), b, length, num_heads, head_dim,
         num_groups, state_size, width, torch.get_num_threads(),
     )  # fmt: skip
-    return out, conv_state, ssm_state
+    return out, conv_state, ssm_state, xbc
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

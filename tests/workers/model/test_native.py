@@ -238,3 +238,25 @@ def test_native_prefill_equals_the_chunked_scan(checkpoint_dir, family):
         torch.testing.assert_close(native_out[row, :n], torch_out[row, :n], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(native_state.conv, torch_state.conv, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(native_state.ssm, torch_state.ssm, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["granite_dense", "nemotron_dense"])
+def test_native_prefill_continues_a_state_like_the_chunked_scan(checkpoint_dir, family):
+    """A chunked prefill's next chunk (longer than the stepwise path takes) from a kept state: outputs, states and
+    the scan inputs (for a later state shift) equal the PyTorch path's."""
+    path = str(checkpoint_dir(family))
+    mixers = {kernel: _first_mixer(path, kernel) for kernel in ("torch", "native")}
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, 19, mixers["torch"].in_proj.in_features, generator=g)  # 19 > NATIVE_STEPWISE_MAX_TOKENS
+    num_tokens = torch.tensor([19, 12, 2])
+    state = _random_state(mixers["torch"], 3, seed=10)
+    with torch.inference_mode():
+        outs = {k: m(hidden, MambaState(state.conv.clone(), state.ssm.clone()), num_tokens) for k, m in mixers.items()}
+    (native_out, native_state, native_scan), (torch_out, torch_state, torch_scan) = outs["native"], outs["torch"]
+    for row, n in enumerate(num_tokens.tolist()):
+        torch.testing.assert_close(native_out[row, :n], torch_out[row, :n], atol=2e-5, rtol=1e-5)
+        for field in ("conv_in", "x", "B", "dt"):
+            torch.testing.assert_close(getattr(native_scan, field)[row, :n], getattr(torch_scan, field)[row, :n],
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(native_state.conv, torch_state.conv, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(native_state.ssm, torch_state.ssm, atol=2e-5, rtol=1e-5)

@@ -122,40 +122,42 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
  * (P · N floats, 32 KiB for the bench model) stays in L1 for the whole prompt: no chunked-scan passes. */
 void mamba2_prefill(const float *proj, const int64_t *num_tokens, const float *conv_w, const float *conv_b,
                     const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
-                    const float *norm_w, int64_t norm_groups, float eps, float *xbc, float *conv_state,
-                    float *ssm_state, float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N,
-                    int64_t W, int num_threads) {
+                    const float *norm_w, int64_t norm_groups, float eps, float *xbc, const float *initial_conv,
+                    const float *initial_ssm, float *conv_state, float *ssm_state, float *out, int64_t b, int64_t l,
+                    int64_t H, int64_t P, int64_t G, int64_t N, int64_t W, int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
     const int64_t group_size = I / norm_groups;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
-        /* 1. Causal conv from a zero window, per channel; the window keeps the last W-1 valid inputs. */
+        /* 1. Causal conv continuing the initial window (zeros without one), per channel; the window keeps the
+         * last W-1 inputs. Input src < 0 is entry W-1+src of the initial window. */
 #pragma omp for schedule(static)
         for (int64_t bc = 0; bc < b * Cd; ++bc) {
             const int64_t bi = bc / Cd, c = bc % Cd, n = num_tokens[bi];
             const float *w = conv_w + c * W, *in = proj + bi * l * row_len + I + c;
+            const float *window = initial_conv ? initial_conv + bc * (W - 1) : NULL;
             for (int64_t t = 0; t < l; ++t) {
                 float acc = conv_b ? conv_b[c] : 0.0f;
                 for (int64_t k = 0; k < W; ++k) {
                     const int64_t src = t - (W - 1) + k;
-                    acc += (src >= 0 ? in[src * row_len] : 0.0f) * w[k];
+                    acc += (src >= 0 ? in[src * row_len] : (window ? window[W - 1 + src] : 0.0f)) * w[k];
                 }
                 xbc[(bi * l + t) * Cd + c] = acc;
             }
             for (int64_t k = 0; k < W - 1; ++k) {
                 const int64_t src = n - (W - 1) + k;
-                conv_state[bc * (W - 1) + k] = src >= 0 ? in[src * row_len] : 0.0f;
+                conv_state[bc * (W - 1) + k] = src >= 0 ? in[src * row_len] : (window ? window[W - 1 + src] : 0.0f);
             }
         }
 #pragma omp for schedule(static)
         for (int64_t bt = 0; bt < b * l; ++bt) silu_inplace(xbc + bt * Cd, Cd);
-        /* 2. SSM per (row, head) over the row's valid tokens, from the zero state. */
+        /* 2. SSM per (row, head) over the row's valid tokens, from the initial state (zeros without one). */
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < b * H; ++bh) {
             const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
             float *state = ssm_state + bh * P * N;
-            for (int64_t i = 0; i < P * N; ++i) state[i] = 0.0f;
+            for (int64_t i = 0; i < P * N; ++i) state[i] = initial_ssm ? initial_ssm[bh * P * N + i] : 0.0f;
             const float A = -expf(A_log[h]);
             for (int64_t t = 0; t < l; ++t) {
                 float *y = out + (bi * l + t) * I + h * P;

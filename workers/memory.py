@@ -9,13 +9,15 @@ blocks are paged in as requests use them, so the budget bounds memory rather tha
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-from workers.model.config import HybridConfig
+from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.state import DEFAULT_BLOCK_SIZE
 
 CPU_DEFAULT_FRACTION = 0.8
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3,
@@ -89,6 +91,54 @@ def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logi
     return per_token * max_num_batched_tokens + 3 * 4 * config.vocab_size * max_logit_rows
 
 
+def plan_memory(
+    models: list[torch.nn.Module],
+    device: torch.device,
+    dtype: torch.dtype,
+    budget: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    num_speculative_tokens: int,
+    mtp: bool = False,
+) -> MemoryPlan:
+    """The KV blocks `budget` bytes leave after the weights (target, draft), the state slots and one forward's
+    activations; `mtp` adds the MTP head's KV layer to every block. Raises when not even one block is left."""
+    config = models[0].config
+    used = in_use(models[0], device) if device.type == "cuda" else sum(in_use(m, device) for m in models)
+    needed = used + activation_bytes(config, max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1))
+    needed += sum(state_bytes_per_slot(m.config, dtype) for m in models) * max_num_seqs
+    per_token = sum(kv_bytes_per_token(m.config, dtype) for m in models)
+    per_token += kv_bytes_per_token(config, dtype, num_layers=1) if mtp else 0
+    per_block = per_token * DEFAULT_BLOCK_SIZE
+    if per_token == 0:  # no attention layer: nothing grows with the sequence
+        return MemoryPlan(budget, needed, per_block, 1 << 40)
+    if budget - needed < per_block:
+        limit = "gpu_memory_utilization" if device.type == "cuda" else "max_memory"
+        raise ValueError(
+            f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
+            f"slots + activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
+            f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
+        )
+    return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block))
+
+
 def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:
     """KV blocks (the null block included) that `free_bytes` hold."""
     return 1 + max(0, free_bytes) // max(1, bytes_per_block)
+
+
+def kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """KV cache bytes one position takes in `num_layers` attention layers (default: the model's)."""
+    if num_layers is None:
+        num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
+    a = config.attention
+    return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:
+    """Recurrent state bytes of one slot: conv windows (model dtype) and float32 matrix states."""
+    num_layers = sum(kind in RECURRENT_KINDS for kind in config.block_kinds)
+    if num_layers == 0:
+        return 0
+    conv, state = config.recurrent_state_shapes()
+    return num_layers * (math.prod(conv) * torch.empty(0, dtype=dtype).element_size() + 4 * math.prod(state))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,11 +10,9 @@ from typing import Any
 
 import torch
 
-from workers import memory
 from workers.budget import TokenBudget
-from workers.memory import MemoryPlan, activation_bytes, num_kv_blocks, parse_memory_size, runner_budget
+from workers.memory import parse_memory_size, plan_memory, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
-from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.decode_plan import unsupported_reason
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
@@ -130,32 +127,13 @@ class ModelRunner:
                     f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
                     f"{self.config.vocab_size}: a draft model must share the target's vocabulary"
                 )
-        self.memory_plan = self._plan_memory(max_memory, gpu_memory_utilization)
+        k = speculative.num_speculative_tokens if speculative else 0
+        self.memory_plan = plan_memory(
+            [model] + ([draft_model] if draft_model is not None else []), self.device, self.dtype,
+            runner_budget(self.device, max_memory, gpu_memory_utilization), self.max_num_batched_tokens,
+            max_num_seqs, k, mtp=speculative is not None and speculative.method == "mtp",
+        )  # fmt: skip
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
-
-    def _plan_memory(self, max_memory: int | None, gpu_memory_utilization: float) -> MemoryPlan:
-        """KV cache blocks the memory budget leaves after weights, state slots and one forward's activations."""
-        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        k = self.speculative.num_speculative_tokens if self.speculative else 0
-        budget = runner_budget(self.device, max_memory, gpu_memory_utilization)
-        used = sum(memory.in_use(m, self.device) for m in models) if self.device.type != "cuda" else memory.in_use(
-            self.model, self.device)  # fmt: skip
-        needed = used + activation_bytes(self.config, self.max_num_batched_tokens, self.max_num_seqs * (k + 1))
-        needed += sum(_state_bytes_per_slot(m.config, self.dtype) for m in models) * self.max_num_seqs
-        per_token = sum(_kv_bytes_per_token(m.config, self.dtype) for m in models)
-        if self.speculative is not None and self.speculative.method == "mtp":
-            per_token += _kv_bytes_per_token(self.config, self.dtype, num_layers=1)  # the MTP head's layer
-        per_block = per_token * DEFAULT_BLOCK_SIZE
-        if per_token == 0:  # no attention layer: nothing grows with the sequence
-            return MemoryPlan(budget, needed, per_block, 1 << 40)
-        if budget - needed < per_block:
-            limit = "gpu_memory_utilization" if self.device.type == "cuda" else "max_memory"
-            raise ValueError(
-                f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
-                f"slots + activations of {self.max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
-                f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
-            )
-        return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block))
 
     @classmethod
     def from_pretrained(
@@ -345,20 +323,3 @@ class ModelRunner:
             logprobs = self.model.logits(hidden[first - start : last - start]).log_softmax(-1)
             values += logprobs.gather(-1, token_ids[first + 1 : last + 1, None]).squeeze(-1).tolist()
         return values
-
-
-def _kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """KV cache bytes one position takes in `num_layers` attention layers (default: the model's)."""
-    if num_layers is None:
-        num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
-    a = config.attention
-    return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-def _state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:
-    """Recurrent state bytes of one slot: conv windows (model dtype) and float32 matrix states."""
-    num_layers = sum(kind in RECURRENT_KINDS for kind in config.block_kinds)
-    if num_layers == 0:
-        return 0
-    conv, state = config.recurrent_state_shapes()
-    return num_layers * (math.prod(conv) * torch.empty(0, dtype=dtype).element_size() + 4 * math.prod(state))

@@ -42,7 +42,9 @@ class MtpProposer:
         self.pending = {}
 
     def move(self, source: int, target: int) -> None:
-        """Follow a request to its new slot (its KV blocks move with the target's block table)."""
+        """Follow a request to its new slot (its KV blocks move with the target's block table). What the target slot
+        held belonged to a finished request; the moved one may have nothing pending yet (admitted, no chunk run)."""
+        self.pending.pop(target, None)
         if source in self.pending:
             self.pending[target] = self.pending.pop(source)
 

@@ -65,6 +65,11 @@ class Request:
         """The newest token, the next input of the model."""
         return self.output[-1] if self.output else self.prompt[-1]
 
+    def token_at(self, position: int) -> int:
+        """The token at `position` of prompt + output."""
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.output[position - n]
+
     def append(self, token: int, tokenizer: Any | None) -> bool:
         """Add one generated token; return True when the request has finished (and set its reason)."""
         self.output.append(token)

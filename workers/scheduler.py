@@ -251,13 +251,16 @@ class Scheduler:
         ]  # fmt: skip
         for r in requests:  # KV room for k + 1 positions (padded rows of a planned verification write them all)
             self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
-        proposal = self.proposer.propose(requests, self.policy.num_drafts(request_ids, budget))
+        chosen = self.policy.num_drafts(request_ids, budget)
+        shadow = self._shadow_drafts(requests, chosen, budget)
+        proposal = self.proposer.propose(requests, chosen)
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         if drafts.shape[1] == 0:
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
             self.policy.observe(request_ids, [0] * len(requests), [0] * len(requests), time.perf_counter() - start)
+            self._check_shadow(requests, shadow)
             return
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
         slots = self._slots(requests)
@@ -295,6 +298,25 @@ class Scheduler:
                     break
             # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
             request.spec.record(k, min(len(tokens) - 1, num_kept))
+        self._check_shadow(requests, shadow)
+
+    def _shadow_drafts(self, requests: list[Request], chosen: list[int], budget: list[int]) -> dict[int, tuple]:
+        """For a proposer whose drafts cost nothing (n-gram lookup): the first draft it would have made for rows the
+        policy gave none, so that their acceptance is still observed — speculation resumes as soon as the text
+        turns predictable, instead of after the next scheduled re-try. {row: (position, draft token)}."""
+        if not getattr(self.proposer, "drafts_cost_nothing", False):
+            return {}
+        rows = [i for i, (k, b) in enumerate(zip(chosen, budget)) if k == 0 and b > 0]
+        shadow = self.proposer.propose([requests[i] for i in rows], [1] * len(rows)).token_ids.tolist()
+        return {i: (requests[i].num_tokens, row[0]) for i, row in zip(rows, shadow) if row and row[0] >= 0}
+
+    def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
+        """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""
+        seen = [(i, requests[i].num_tokens > position) for i, (position, _) in shadow.items()]
+        rows = [i for i, produced in seen if produced]
+        if rows:
+            accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
+            self.policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)
 
 
 def _slot(request: Request) -> int:

@@ -30,6 +30,8 @@ def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int)
 class NgramProposer:
     """Stateless prompt-lookup proposer (no draft distribution: the rejection sampler treats q as one-hot)."""
 
+    drafts_cost_nothing = True  # the scheduler may ask for drafts it will not verify (acceptance evidence)
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 

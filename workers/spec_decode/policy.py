@@ -71,6 +71,9 @@ class FixedPolicy:
                 seconds: float) -> None:  # fmt: skip
         """Nothing to learn."""
 
+    def observe_acceptance(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int]) -> None:
+        """Nothing to learn."""
+
     def forget(self, request_id: int) -> None:
         """Nothing kept per request."""
 
@@ -200,6 +203,13 @@ class AdaptivePolicy:
             if k:
                 self.batch.record(k, accepted)
                 self.requests.setdefault(rid, _Acceptance()).record(k, accepted)
+
+    def observe_acceptance(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int]) -> None:
+        """Acceptance seen without a verification (a free proposer's shadow drafts checked against the tokens a
+        plain step produced): counts like verified drafts, no step time."""
+        for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
+            self.batch.record(k, accepted)
+            self.requests.setdefault(rid, _Acceptance()).record(k, accepted)
 
     def forget(self, request_id: int) -> None:
         """A request finished: drop its own counts (the batch's stay)."""

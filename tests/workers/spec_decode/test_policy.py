@@ -105,3 +105,29 @@ def test_re_tries_back_off_and_larger_batches_skip_a_measurement_that_cannot_pay
     # A larger batch: verification costs relatively more there, so the widest width is not measured again.
     assert _run(policy, 10, costly, lambda step: [0.5] * K, batch=16) == [0] * 10
     assert (16, K) not in policy.seconds
+
+
+def test_shadow_acceptance_brings_speculation_back_before_the_next_re_try():
+    """A free proposer's drafts checked against plain steps' tokens (no verification) count as acceptance: when the
+    text turns predictable, the policy speculates again within a few steps instead of at its next re-try."""
+    cost = lambda k: 1.0 + 0.1 * k  # noqa: E731 — batch 1: verification is cheap
+    ids = [0]
+
+    def steps(policy: AdaptivePolicy, n: int, rate: float, shadow: bool) -> list[int]:
+        chosen = []
+        for _ in range(n):
+            k = policy.num_drafts(ids, [K])[0]
+            accepted = k if rate == 1.0 else 0
+            policy.observe(ids, [k], [accepted], cost(k))
+            if k == 0 and shadow:
+                policy.observe_acceptance(ids, [1], [int(rate == 1.0)])
+            chosen.append(k)
+        return chosen
+
+    results = {}
+    for shadow in (False, True):
+        policy = AdaptivePolicy(K, explore_every=16)
+        steps(policy, 200, 0.0, shadow)  # nothing is accepted: the policy settles at k = 0 and backs off re-tries
+        after = steps(policy, 40, 1.0, shadow)  # then everything would be
+        results[shadow] = next((i for i, k in enumerate(after) if k > 0), len(after))
+    assert results[True] <= 3 < results[False], results

@@ -7,8 +7,9 @@ python jobs/long_context.py --baseline-src /path/to/older/checkout   # also run 
 Every measurement runs in a fresh subprocess, so its peak RSS (ru_maxrss) is its own. `--lengths`: one prompt of
 each length, 1 new token — prefill tokens/s and peak memory (transformers: one `forward` with logits for the last
 position only, under an address-space limit of `--transformers-memory-limit` so a run that does not fit fails
-instead of swapping). `--cases NxLxT`: N prompts of L tokens, T new tokens each, through `ModelRunner.generate`
-with default options. Prints a table, writes JSON.
+instead of swapping; every measurement runs under that limit). `--cases NxLxT`: N prompts of L tokens, T new tokens
+each, through `ModelRunner.generate` with default options; `--baseline-src` runs the cases from another tree too.
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -65,8 +66,7 @@ def run_one(spec: dict[str, Any], source: Path, timeout: int, memory_limit_gb: f
     """`measure(spec)` in a subprocess with `source` first on the path; failures become a `result` string."""
     env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{ROOT}"}
     command = [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(spec)]
-    if spec["engine"] == "transformers":
-        command += ["--memory-limit-gb", str(memory_limit_gb)]
+    command += ["--memory-limit-gb", str(memory_limit_gb)]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -74,8 +74,7 @@ def run_one(spec: dict[str, Any], source: Path, timeout: int, memory_limit_gb: f
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        limit = f" (address space limit {memory_limit_gb} GB)" if spec["engine"] == "transformers" else ""
-        return {**spec, "result": f"failed{limit}: {tail[:160]}"}
+        return {**spec, "result": f"failed (address space limit {memory_limit_gb} GB): {tail[:160]}"}
     return {**json.loads(lines[-1]), "result": "ok"}
 
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="*", default=["2x32768x8", "32x8192x256"], help="NxLxT: N prompts of L tokens")
     p.add_argument("--engines", nargs="*", default=["hybridgen", "transformers"], choices=["hybridgen", "transformers"])
     p.add_argument("--baseline-src", type=Path, help="also run hybridgen's measurements from this source tree")
-    p.add_argument("--transformers-memory-limit", type=float, default=16.0, help="GB of address space")
+    p.add_argument("--memory-limit", type=float, default=18.0, help="GB of address space per measurement")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
     p.add_argument("--out", type=Path, default=Path("long_context.json"))
     args = p.parse_args(argv)
@@ -113,18 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     from workers.benchmark import build_preset
 
     path = str(build_preset("bench", Path(tempfile.gettempdir()) / "hybridgen-bench"))
-    specs = [dict(engine=e, n=1, length=n, new=1) for n in args.lengths for e in args.engines]
+    runs = [(dict(engine=e, n=1, length=n, new=1), e, ROOT) for n in args.lengths for e in args.engines]
     for case in args.cases:
         n, length, new = (int(x) for x in case.split("x"))
-        specs.append(dict(engine="hybridgen", n=n, length=length, new=new))
-    sources = [("hybridgen", ROOT)] + ([("hybridgen (baseline)", args.baseline_src)] if args.baseline_src else [])
+        runs.append((dict(engine="hybridgen", n=n, length=length, new=new), "hybridgen", ROOT))
+        if args.baseline_src:
+            runs.append((runs[-1][0], "hybridgen (baseline)", args.baseline_src))
     rows = []
-    for spec in specs:
-        for label, source in sources if spec["engine"] == "hybridgen" else [("transformers", ROOT)]:
-            row = {**run_one({**spec, "path": path}, source, args.timeout, args.transformers_memory_limit),
-                   "label": label}  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+    for spec, label, source in runs:
+        row = {**run_one({**spec, "path": path}, source, args.timeout, args.memory_limit), "label": label}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     print_table(rows)
     args.out.write_text(json.dumps({"model": path, "torch_threads": os.cpu_count(), "rows": rows}, indent=1))
     return 0

@@ -170,3 +170,17 @@ def test_a_failed_capture_is_logged_once_and_steps_run_eagerly(checkpoint_dir, c
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("CUDA graph capture failed, decode steps run eagerly: ")
     assert first == second == _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
+
+
+def test_mtp_speculation_keeps_the_eager_path_and_says_why(checkpoint_dir, caplog):
+    """MTP drafts read the target's hidden states, which graph steps do not hand out: the runner runs eagerly."""
+    path = str(checkpoint_dir("qwen3_5"))
+    with caplog.at_level(logging.INFO, logger="workers.runner"):
+        runner = ModelRunner.from_pretrained(
+            path, max_num_seqs=3, cuda_graphs=True, speculative=SpeculativeConfig("mtp", 2)
+        )
+    assert "CUDA graphs off (MTP drafts read the target's hidden states" in caplog.text
+    assert [r.token_ids for r in runner.generate(PROMPTS, PARAMS)] == _generate(
+        path, PROMPTS, PARAMS, cuda_graphs=False
+    )
+    assert runner._workspace.plan is None and runner.spec_stats()["num_drafts"] > 0

@@ -3,7 +3,7 @@
 python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
 python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
-python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 32 256
+python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ from workers.benchmark import (
     PRESETS,
     build_preset,
     copy_heavy_prompts,
+    decode_step_bytes,
     hf_generate_fn,
     hf_score_fn,
     peak_memory_mb,
     random_prompts,
+    reset_peak_memory,
+    roofline_share,
     timed,
 )
+from workers.model import cuda_graph
 from workers.model.decode_plan import unsupported_reason
 from workers.model.loader import DECODE_KERNELS
 
-H200_BANDWIDTH_GBS = 4800.0
+H200_BANDWIDTH_GBS = 4800.0  # HBM3e peak of an H200 (NVIDIA's datasheet)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run decode steps module by module instead of as one native call (the plan's baseline)",
     )
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="decode and verification steps as CUDA graphs (auto: on for CUDA; on, on CPU: their eager "
+                   "form); when on, the same weights are also measured eagerly in the same run")  # fmt: skip
+    p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
+                   help=f"memory bandwidth for the batch-1 roofline share (default: {H200_BANDWIDTH_GBS:.0f}, an "
+                   "H200's HBM, on CUDA; on CPU only when given)")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -78,24 +88,42 @@ def _hf_model(path: str, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 def bench_generate(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
-    """Prefill, decode and end-to-end tokens/s per batch size, for hybridgen and transformers."""
+    """Prefill, decode and end-to-end tokens/s and peak memory per batch size, for hybridgen (and, when it runs
+    CUDA graphs, the same weights eagerly) and transformers."""
     hf = None if args.no_transformers else _hf_model(path, runner.device, runner.dtype)
+    eager = _eager_twin(runner) if runner.cuda_graphs else None
     rows = []
     for batch in args.batch_sizes:
         prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size)
-        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-        first = timed(lambda: runner.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
-                      args.repeats, runner.device)  # fmt: skip
-        full = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
-        row = _rates("hybridgen", batch, args, first.seconds, full.seconds)
+        row = _measure(runner, "hybridgen (graphs)" if eager else "hybridgen", prompts, args)
+        if eager is not None:
+            row["eager"] = _measure(eager, "hybridgen (eager)", prompts, args)
+            row["graphs_speedup"] = row["output_tokens_per_s"] / row["eager"]["output_tokens_per_s"]
         if hf is not None:
             hf_first = timed(hf_generate_fn(hf, prompts, 1), args.repeats, runner.device)
             hf_full = timed(hf_generate_fn(hf, prompts, args.new_tokens), args.repeats, runner.device)
             row["transformers"] = _rates("transformers", batch, args, hf_first.seconds, hf_full.seconds)
             row["ratio_to_transformers"] = row["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
-        row["peak_memory_mb"] = peak_memory_mb(runner.device)
         rows.append(row)
     return rows
+
+
+def _eager_twin(runner: ModelRunner) -> ModelRunner:
+    """A runner over the same loaded weights that runs every step eagerly (no weights loaded twice)."""
+    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
+                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
+                       cuda_graphs=False)  # fmt: skip
+
+
+def _measure(runner: ModelRunner, engine: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """Rates of one engine on `prompts` (a 1-token run times prefill), and its peak memory meanwhile."""
+    reset_peak_memory(runner.device)
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    first = timed(lambda: runner.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+                  args.repeats, runner.device)  # fmt: skip
+    full = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
+    return {**_rates(engine, len(prompts), args, first.seconds, full.seconds),
+            "peak_memory_mb": peak_memory_mb(runner.device)}  # fmt: skip
 
 
 def _rates(engine: str, batch: int, args: argparse.Namespace, prefill_s: float, total_s: float) -> dict[str, Any]:
@@ -182,11 +210,12 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
 
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    """Rows as an aligned text table (nested transformers numbers flattened with a tf_ prefix)."""
+    """Rows as an aligned text table (nested eager and transformers numbers flattened with eager_ and tf_ prefixes)."""
     flat = []
     for row in rows:
         item = {k: v for k, v in row.items() if not isinstance(v, dict)}
-        item.update({f"tf_{k}": v for k, v in row.get("transformers", {}).items() if k not in ("engine", "batch")})
+        for nested, prefix in (("eager", "eager_"), ("transformers", "tf_")):
+            item.update({prefix + k: v for k, v in row.get(nested, {}).items() if k not in ("engine", "batch")})
         flat.append(item)
     keys = list(dict.fromkeys(k for item in flat for k in item))
     cells = [
@@ -213,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=max(args.batch_sizes),
         decode_kernel=args.decode_kernel,
         decode_plan=not args.no_decode_plan,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
     )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
-                              "decode_plan": _decode_plan(runner), "args": vars(args)}  # fmt: skip
+                              "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
+                              "args": vars(args)}  # fmt: skip
     if args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])
@@ -230,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["generate"] = bench_generate(args, str(path), runner)
         print_table("generation (tokens/s)", result["generate"])
-        if runner.device.type == "cuda":
-            result["roofline_batch1"] = _roofline(runner, result["generate"])
-            print(f"batch 1 reaches {result['roofline_batch1']:.1%} of the {H200_BANDWIDTH_GBS:.0f} GB/s roofline")
+        bandwidth = args.peak_bandwidth_gbs or (H200_BANDWIDTH_GBS if runner.device.type == "cuda" else None)
+        if bandwidth is not None:
+            result["roofline_batch1"] = _roofline(runner, result["generate"], bandwidth, args)
     print(
         f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}  "
-        f"decode kernel: {result['decode_kernel']}  decode plan: {result['decode_plan']}"
+        f"decode kernel: {result['decode_kernel']}  decode plan: {result['decode_plan']}  "
+        f"CUDA graphs: {result['cuda_graphs']}"
     )
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
@@ -255,13 +287,30 @@ def _decode_plan(runner: ModelRunner) -> str:
     return "on" if reason is None else f"off ({reason})"
 
 
-def _roofline(runner: ModelRunner, rows: list[dict[str, Any]]) -> float:
-    """Share of memory bandwidth used at batch 1: every decode step reads all weights once."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+def _cuda_graphs(runner: ModelRunner) -> str:
+    """Whether decode steps run as CUDA graphs (or their eager form, on CPU), and why not when they do not."""
+    if not runner.cuda_graphs:
+        return "off"
+    reason = cuda_graph.unsupported_reason(runner.model)
+    if reason is not None:
+        return f"off ({reason})"
+    return "on" if runner.device.type == "cuda" else "eager form (no CUDA)"
+
+
+def _roofline(runner: ModelRunner, rows: list[dict[str, Any]], bandwidth: float, args: argparse.Namespace) -> dict:
+    """The batch-1 share of the memory roofline, per engine: (bytes a decode step must read — weights, one
+    request's states, its KV cache at the mean context) × (decode steps per second) ÷ peak bandwidth. Printed."""
     batch1 = next((r for r in rows if r["batch"] == 1), None)
     if batch1 is None:
-        return 0.0
-    return weight_bytes * batch1["decode_tokens_per_s"] / (H200_BANDWIDTH_GBS * 1e9)
+        return {}
+    needed = decode_step_bytes(runner.model, args.prompt_len + args.new_tokens // 2)
+    total = sum(needed.values())
+    shares = {r["engine"]: roofline_share(total, r["decode_tokens_per_s"], bandwidth)
+              for r in [batch1, batch1.get("eager", {})] if r}  # fmt: skip
+    print(f"\nbatch-1 roofline: a decode step reads {total / 1e6:.1f} MB (weights {needed['weights'] / 1e6:.1f}, "
+          f"states {needed['states'] / 1e6:.1f}, KV {needed['kv_cache'] / 1e6:.2f}); at {bandwidth:.0f} GB/s "
+          + ", ".join(f"{engine} reaches {share:.1%}" for engine, share in shares.items()))  # fmt: skip
+    return {"bytes_per_step": needed, "peak_gb_per_s": bandwidth, "share": shares}
 
 
 if __name__ == "__main__":

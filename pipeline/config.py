@@ -60,6 +60,8 @@ class ModelConfig:
                                   "for KV room, a row that can never fit gets an error", default=None)  # fmt: skip
     gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
                                          "name and meaning)", default=0.9)  # fmt: skip
+    enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
+                               "by default on CUDA and never used on CPU)", default=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:

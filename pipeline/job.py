@@ -59,7 +59,8 @@ def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec
     return WorkerSpec(task=task, model=model.model, device=model.device, dtype=model.dtype,
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
                       max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
-                      gpu_memory_utilization=model.gpu_memory_utilization, **task_fields)  # fmt: skip
+                      gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,
+                      **task_fields)  # fmt: skip
 
 
 def build_job(
@@ -94,6 +95,7 @@ def build_job(
         "max_num_batched_tokens",
         "max_memory",
         "gpu_memory_utilization",
+        "enforce_eager",
     ):
         fingerprint["model"].pop(performance_only)
     # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.

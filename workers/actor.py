@@ -42,6 +42,7 @@ class WorkerSpec:
     max_num_batched_tokens: int = 4096
     max_memory: str | None = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
     num_threads: int | None = None  # CPU workers: torch threads
     speculative: SpeculativeConfig | None = None
     prompt: PromptSource = field(default_factory=PromptSource)
@@ -112,6 +113,7 @@ class ShardWorker:
                 max_num_batched_tokens=spec.max_num_batched_tokens,
                 max_memory=spec.max_memory,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
+                cuda_graphs=False if spec.enforce_eager else None,
             )
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")

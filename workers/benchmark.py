@@ -88,10 +88,42 @@ def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> Timing:
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
+    """Peak GPU memory allocated since the last `reset_peak_memory`, or the process's peak resident memory on CPU
+    (ru_maxrss: over the whole process, it never goes down)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement (CUDA; the CPU figure cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def decode_step_bytes(model: Any, context_len: int) -> dict[str, int]:
+    """What one batch-1 decode step must read from memory at least: every weight matrix it multiplies with once
+    (the LM head included), one embedding row, one request's recurrent states, and its KV cache over `context_len`
+    positions."""
+    from workers.runner import _kv_bytes_per_token, _state_bytes_per_slot
+
+    config, embed = model.config, model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    for module in model.modules():  # packed CPU linears hold their weights outside the parameters
+        if not isinstance(module, torch.nn.Linear) and hasattr(module, "out_features"):
+            weights += module.in_features * module.out_features * embed.element_size()
+    row = embed.shape[1] * embed.element_size()
+    if getattr(model.lm_head, "weight", None) is embed:  # tied: the table is read as the LM head, plus one row
+        weights += row
+    else:  # the table itself is only looked up
+        weights -= embed.numel() * embed.element_size() - row
+    return {"weights": weights, "states": _state_bytes_per_slot(config, embed.dtype),
+            "kv_cache": _kv_bytes_per_token(config, embed.dtype) * context_len}  # fmt: skip
+
+
+def roofline_share(bytes_per_step: int, tokens_per_s: float, peak_gb_per_s: float) -> float:
+    """Achieved ÷ peak bandwidth at batch 1: bytes one step reads × steps per second ÷ peak bytes per second."""
+    return bytes_per_step * tokens_per_s / (peak_gb_per_s * 1e9)
 
 
 def hf_generate_fn(model: Any, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from workers.budget import TokenBudget
+from workers.executors import executor_summary
 from workers.memory import parse_memory_size, plan_memory, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
-from workers.model.decode_plan import unsupported_reason
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
@@ -51,12 +51,12 @@ def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str
         raise ValueError(f"draft model {draft_path!r} has a different tokenizer vocabulary than the target")
 
 
-def execution_summary(model: HybridModel, decode_plan: bool) -> str:
-    """How decode steps run (logged once per runner): the recurrent layers' decode kernel and the decode plan."""
+def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
+    """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
+    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states)."""
     kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
-    reason = unsupported_reason(model) if decode_plan else "turned off"
-    plan = "on" if reason is None else f"off ({reason})"
-    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; decode plan {plan}"
+    executors = executor_summary(model, decode_plan, cuda_graphs, mtp)
+    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; {executors}"
 
 
 class ModelRunner:
@@ -76,6 +76,7 @@ class ModelRunner:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_memory: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool | None = None,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
 
@@ -87,7 +88,9 @@ class ModelRunner:
         long sequences scored, in chunks of at most that many. `max_memory` (CPU; bytes or a size like "8GB";
         default 80 % of the memory available now) and `gpu_memory_utilization` (CUDA; vLLM's fraction of device
         memory) bound weights + activations + KV cache; requests wait for KV room, and one that can never fit
-        gets an error result. See `workers/memory.py`.
+        gets an error result. See `workers/memory.py`. `cuda_graphs`: run decode and verification steps as CUDA
+        graphs (`workers/model/cuda_graph.py`; None: on for CUDA devices, off elsewhere; True on CPU runs the graph
+        steps' eager form). A capture that fails is logged once and the steps run eagerly.
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
@@ -112,9 +115,11 @@ class ModelRunner:
         self.draft_model = draft_model
         self._proposer_override = proposer
         self.decode_plan = decode_plan
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
         self._spec_stats = SpecStats()
-        logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan))
+        mtp = speculative is not None and speculative.method == "mtp"
+        logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan, self.cuda_graphs, mtp))
         if speculative is not None and speculative.method == "mtp" and model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
@@ -150,6 +155,7 @@ class ModelRunner:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_memory: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool | None = None,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
@@ -158,8 +164,8 @@ class ModelRunner:
         panel kernel on CPU float32, oneDNN without a C compiler, torch elsewhere), "native", "onednn" or "torch"
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
-        reference path). `decode_plan`, `max_num_batched_tokens`, `max_memory`, `gpu_memory_utilization`: see
-        `__init__`.
+        reference path). `decode_plan`, `max_num_batched_tokens`, `max_memory`, `gpu_memory_utilization`,
+        `cuda_graphs`: see `__init__`.
         """
         mtp = speculative is not None and speculative.method == "mtp"
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp)
@@ -176,7 +182,7 @@ class ModelRunner:
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,
                    decode_plan=decode_plan, max_num_batched_tokens=max_num_batched_tokens, max_memory=max_memory,
-                   gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+                   gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs)  # fmt: skip
 
     def _make_proposer(self) -> Proposer:
         if self._proposer_override is not None:
@@ -252,8 +258,14 @@ class ModelRunner:
         proposer = self._make_proposer() if self.speculative else None
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan,
-                              self._workspace, self._policy, self.max_num_batched_tokens, self.num_kv_blocks)  # fmt: skip
+                              self._workspace, self._policy, self.max_num_batched_tokens, self.num_kv_blocks,
+                              self.cuda_graphs)  # fmt: skip
         self._workspace = scheduler.workspace
+        if self.cuda_graphs and scheduler.workspace.capture_failure is not None:
+            logger.warning(
+                "CUDA graph capture failed, decode steps run eagerly: %s", scheduler.workspace.capture_failure
+            )
+            self.cuda_graphs = False  # once per runner: later runs do not try again
         while scheduler.has_work():
             scheduler.step()
         for request in scheduler.finished:

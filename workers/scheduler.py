@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from workers.budget import TokenBudget
+from workers.executors import MODULE, build_plan, choose_executor, extra_slots
 from workers.model import ForwardBatch, HybridModel, StatePool
-from workers.model.decode_plan import DecodePlan, unsupported_reason
+from workers.model.cuda_graph import GraphPlan
+from workers.model.decode_plan import DecodePlan
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import Request
@@ -32,22 +34,24 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 @dataclass
 class Workspace:
-    """State slots and the decode plan over them, kept by the runner so successive `generate` calls reuse them
-    (a plan's records and buffers cost 10–30 ms to set up). Stale slot contents are harmless: a slot's states are
-    written at admission before they are read, and attention never reads past a request's own position."""
+    """State slots and the plan that executes decode steps over them (`workers/executors.py`), kept by the runner
+    so successive `generate` calls reuse them (a plan's records and buffers cost 10–30 ms to set up, CUDA graph
+    captures far more). Stale slot contents are harmless: a slot's states are written at admission before they are
+    read, and attention never reads past a request's own position."""
 
     pool: StatePool
-    plan: DecodePlan | None
+    plan: DecodePlan | GraphPlan | None
+    executor: str  # "module", "native" or "graph" (see workers/executors.py)
+    capture_failure: str | None = None  # why CUDA graph capture failed (the steps then run module by module)
 
-    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, plan: bool, num_blocks: int) -> bool:
-        """Whether this workspace can serve a run needing these sizes (and a plan, or none)."""
-        has_plan = self.plan is not None
+    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, executor: str, num_blocks: int) -> bool:
+        """Whether this workspace can serve a run needing these sizes with this executor."""
         return (
-            self.pool.num_slots >= num_slots
+            self.pool.num_slots - extra_slots(self.executor) >= num_slots
             and self.pool.capacity >= capacity
             and self.pool.blocks.num_blocks >= num_blocks
-            and has_plan == plan
-            and (not has_plan or self.plan.tokens_per_row >= tokens_per_row)
+            and self.executor == executor
+            and (self.plan is None or self.plan.tokens_per_row >= tokens_per_row)
         )
 
 
@@ -67,12 +71,15 @@ class Scheduler:
         policy: AdaptivePolicy | FixedPolicy | None = None,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         num_kv_blocks: int | None = None,
+        cuda_graphs: bool = False,
     ):
         """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits.
         `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
         `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
         (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
-        request). Requests wait for room; one that could never fit finishes with an error."""
+        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` /
+        `cuda_graphs`: execute decode and verification steps through the CPU decode plan / the CUDA graph plan
+        where the model allows (`workers/executors.py`)."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()
@@ -84,13 +91,14 @@ class Scheduler:
         num_slots = max(1, min(max_num_seqs, len(requests), max_num_batched_tokens))
         max_blocks = 1 + num_slots * math.ceil(capacity / DEFAULT_BLOCK_SIZE)
         num_blocks = max_blocks if num_kv_blocks is None else max(2, min(num_kv_blocks, max_blocks))
-        # Decode and verification steps as one native call each, where the model allows it (same results as the
-        # module path's native kernels, less overhead).
-        planned, tokens_per_row = decode_plan and unsupported_reason(model) is None, self.num_speculative_tokens + 1
-        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, planned, num_blocks):
-            blocks = BlockTable(num_slots, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
-            pool = StatePool(model.config, num_slots, capacity, self.device, param.dtype, blocks)
-            workspace = Workspace(pool, DecodePlan(model, pool, tokens_per_row) if planned else None)
+        executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
+        tokens_per_row = self.num_speculative_tokens + 1
+        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, executor, num_blocks):
+            total = num_slots + extra_slots(executor)  # the graph plan's null slot: no request ever holds it
+            blocks = BlockTable(total, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
+            pool = StatePool(model.config, total, capacity, self.device, param.dtype, blocks)
+            plan, failure = build_plan(executor, model, pool, tokens_per_row)
+            workspace = Workspace(pool, plan, MODULE if failure else executor, failure)
         self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
         self.blocks = self.pool.blocks
         self.blocks.reset()
@@ -264,32 +272,34 @@ class Scheduler:
             return
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
         slots = self._slots(requests)
-        last = torch.tensor([[r.last_token] for r in requests], device=self.device)
-        input_ids = torch.cat([last, drafts.clamp_min(0)], dim=1)  # [num_reqs, max_k + 1]
+        last = torch.tensor([[r.last_token] for r in requests])
+        host_ids = torch.cat([last, proposal.token_ids.clamp_min(0)], dim=1)  # [num_reqs, max_k + 1], on the host
         cache_lens = [r.num_tokens - 1 for r in requests]
         planned = self.plan is not None and [r.slot for r in requests] == list(range(len(requests)))
         if planned:
-            logits = self.plan.verify(input_ids.tolist(), cache_lens)
+            logits = self.plan.verify(host_ids.tolist(), cache_lens)
         else:
             old_states = self.pool.read(slots)
             batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_drafts + 1)
-            out = self.model(input_ids, batch, old_states, self.pool.kv_caches(), keep_scan_inputs=True)
+            out = self.model(host_ids.to(self.device), batch, old_states, self.pool.kv_caches(), keep_scan_inputs=True)
             logits = self.model.logits(out.hidden)
-        # 3. Accept: the count of valid tokens drives everything that follows.
+        # 3. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
         output_token_ids = self.rejection_sampler(
             drafts, logits, proposal.probs, [r.params for r in requests], [r.generator for r in requests],
         )  # fmt: skip  # [num_reqs, max_k + 1], on the device
-        accepted = num_accepted_tokens(output_token_ids)
+        rows = output_token_ids.tolist()
+        accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens
         # 4. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         if planned:
-            self.plan.keep(accepted.tolist())
+            self.plan.keep(accepted)
         else:
-            self.pool.write(slots, self.model.states_after(old_states, out.scan_inputs, accepted.to(self.device)))
-            self._observe(requests, out.hidden, cache_lens, accepted.tolist())
-        self.proposer.accepted(requests, accepted.tolist())
-        accepted_drafts = [n - 1 for n in accepted.tolist()]
+            shifted = self.model.states_after(old_states, out.scan_inputs, num_accepted_tokens(output_token_ids))
+            self.pool.write(slots, shifted)
+            self._observe(requests, out.hidden, cache_lens, accepted)
+        self.proposer.accepted(requests, accepted)
+        accepted_drafts = [n - 1 for n in accepted]
         self.policy.observe(request_ids, proposal.num_draft_tokens, accepted_drafts, time.perf_counter() - start)
-        for request, row, k in zip(requests, output_token_ids.tolist(), proposal.num_draft_tokens):
+        for request, row, k in zip(requests, rows, proposal.num_draft_tokens):
             tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
             num_kept = 0
             for token in tokens:  # stop exactly where plain decoding would (eos, stop string, max_tokens)

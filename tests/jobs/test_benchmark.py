@@ -57,3 +57,33 @@ def test_benchmark_speculation_curve_measures_every_k_and_adaptive(tmp_path):
     assert all(r["identical_to_plain"] for r in rows)
     chosen = [{pair.split(":")[0] for pair in r["steps_by_k"].split()} for r in rows[:2]]
     assert "1" in chosen[0] <= {"0", "1"} and "2" in chosen[1] <= {"0", "1", "2"}  # 0 or less: the token budget
+
+
+def test_benchmark_graphs_vs_eager_roofline_and_peak_memory(tmp_path, capsys):
+    """The GPU command's code path on CPU (graphs in their eager form): both engines in one run, the batch-1
+    roofline share from the bytes a step reads (weights counted as transformers counts the checkpoint's), and
+    peak memory."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "graphs.json"
+    args = ["--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1",
+            "--no-transformers", "--cuda-graphs", "on", "--peak-bandwidth-gbs", "20", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["cuda_graphs"] == "eager form (no CUDA)"
+    for row in result["generate"]:
+        assert row["engine"] == "hybridgen (graphs)" and row["eager"]["engine"] == "hybridgen (eager)"
+        assert row["output_tokens_per_s"] > 0 and row["eager"]["output_tokens_per_s"] > 0
+        assert row["peak_memory_mb"] > 0 and row["eager"]["peak_memory_mb"] > 0
+        assert row["graphs_speedup"] == row["output_tokens_per_s"] / row["eager"]["output_tokens_per_s"]
+    roofline = result["roofline_batch1"]
+    hf = AutoModelForCausalLM.from_pretrained(result["model"])
+    embedding_row = hf.config.hidden_size * 4  # the tiny preset ties its LM head to the float32 embedding table
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters()) + embedding_row
+    assert roofline["bytes_per_step"]["weights"] == weights
+    total, batch1 = sum(roofline["bytes_per_step"].values()), result["generate"][0]
+    assert roofline["share"]["hybridgen (graphs)"] == total * batch1["decode_tokens_per_s"] / 20e9
+    assert roofline["share"]["hybridgen (eager)"] == total * batch1["eager"]["decode_tokens_per_s"] / 20e9
+    printed = capsys.readouterr().out
+    assert "batch-1 roofline" in printed and "eager_output_tokens_per_s" in printed
+    assert "CUDA graphs: eager form (no CUDA)" in printed

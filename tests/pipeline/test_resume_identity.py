@@ -72,3 +72,24 @@ def test_unseeded_job_draws_its_seed_once_records_it_and_keeps_it_on_resume(setu
     assert len(json.loads((out / MANIFEST).read_text())["runs"]) == 3  # setup prepared twice, then once more
     assert prepare(overwrite=True, max_tokens=5).seed != seed  # a new job draws afresh
     assert prepare(overwrite=True, seed=7).seed == 7
+
+
+def test_enforce_eager_reaches_the_workers_and_a_job_resumes_across_it(setup, monkeypatch):
+    """--enforce-eager is a performance-only flag: the CLI builds it, the worker spec and the runner get it (both
+    jobs share `worker_spec`), the fingerprint leaves it out."""
+    from pipeline.cli import parse_sections
+    from pipeline.config import ModelConfig
+    from pipeline.job import worker_spec
+    from workers.actor import ShardWorker
+
+    model, _, data, out, prepare = setup
+    assert prepare(enforce_eager=True).done == set()  # resumes: the same job
+    parsed = parse_sections("job", {"model": ModelConfig}, ["--model", str(model), "--enforce-eager"])["model"]
+    assert parsed.enforce_eager and not ModelConfig(model=str(model)).enforce_eager
+    assert worker_spec("score", parsed).enforce_eager
+    arguments = {}
+    monkeypatch.setattr("workers.actor.ModelRunner.from_pretrained", lambda *a, **k: arguments.update(k))
+    ShardWorker(worker_spec("generate", parsed))
+    assert arguments["cuda_graphs"] is False
+    ShardWorker(worker_spec("generate", ModelConfig(model=str(model))))
+    assert arguments["cuda_graphs"] is None  # the runner's default: graphs on CUDA only

@@ -44,6 +44,22 @@ def _sample_row(draft: list[int], p: torch.Tensor, q: torch.Tensor | None, gener
     return draft + [sample_from(p[len(draft)], generator)]
 
 
+def greedy_accept(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """The greedy rule on the device, without a host round trip: accept drafts while they equal the target's
+    argmax, then write the argmax (the correction, or the bonus when all were accepted).
+
+    draft_token_ids [num_reqs, max_k] (PLACEHOLDER_TOKEN_ID after each row's drafts: it never equals an argmax, so
+    a row stops there), target_argmax [num_reqs, max_k + 1] → output_token_ids [num_reqs, max_k + 1]."""
+    num_reqs, max_k = draft_token_ids.shape
+    matches = (draft_token_ids == target_argmax[:, :max_k]).long().cumprod(dim=1)  # 1 while every draft so far matched
+    num_accepted_drafts = matches.sum(dim=1, keepdim=True)  # [num_reqs, 1]
+    columns = torch.arange(max_k + 1, device=draft_token_ids.device)[None, :]
+    placeholder = torch.full((num_reqs, 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=draft_token_ids.device)
+    drafts = torch.cat([draft_token_ids.long(), placeholder], dim=1)
+    corrected = torch.where(columns == num_accepted_drafts, target_argmax, PLACEHOLDER_TOKEN_ID)
+    return torch.where(columns < num_accepted_drafts, drafts, corrected)
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     target_logits: torch.Tensor,
@@ -57,6 +73,7 @@ def rejection_sample(
     target_logits [num_reqs, max_k + 1, v]: row i position j is the target's distribution after draft j.
     draft_probs [num_reqs, max_k, v] (draft-model proposals, already temperature/top-k/top-p adjusted) or None
     (n-gram proposals). Returns output_token_ids [num_reqs, max_k + 1] with PLACEHOLDER_TOKEN_ID padding.
+    When every request is greedy nothing leaves the device (`greedy_accept`).
     """
     num_reqs, width, _ = target_logits.shape
     device = target_logits.device
@@ -64,6 +81,8 @@ def rejection_sample(
         f"drafts on {draft_token_ids.device}, draft probs on {getattr(draft_probs, 'device', None)}, "
         f"target logits on {device}: every input must be on the target's device"
     )
+    if all(p.greedy for p in params):
+        return greedy_accept(draft_token_ids, target_logits.argmax(-1))
     output = torch.full((num_reqs, width), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     argmax = target_logits.argmax(-1).tolist()  # [num_reqs, max_k + 1]
     for row, p_row in enumerate(params):

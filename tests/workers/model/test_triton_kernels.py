@@ -58,4 +58,5 @@ def test_the_runner_logs_its_decode_path_once(checkpoint_dir, caplog):
         ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), decode_kernel="torch")
     lines = [r.getMessage() for r in caplog.records if r.name == "workers.runner"]
     assert lines == ["decode steps on cpu: recurrent decode kernel torch; decode plan off (the native kernels are off "
-                     "(not CPU float32, or decode_kernel / linear_backend chose another path))"]  # fmt: skip
+                     "(not CPU float32, or decode_kernel / linear_backend chose another path)); "
+                     "CUDA graphs off (turned off)"]  # fmt: skip

@@ -52,6 +52,22 @@ def test_valid_tokens_are_contiguous_and_counted(rows):
     assert counts.tolist() == [a + 1 for _, a in rows]
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=4), min_size=1, max_size=6), st.integers(0, 1000))
+def test_greedy_rows_on_the_device_equal_the_row_by_row_rule(drafts, seed):
+    """All-greedy batches take `greedy_accept` (no host round trip); a batch with one sampled request takes the
+    row-by-row loop: its greedy rows must come out the same."""
+    proposal = Proposal.from_lists(drafts, None)
+    logits = torch.randn(len(drafts), proposal.token_ids.shape[1] + 1, 4, generator=torch.Generator().manual_seed(seed))
+    generators = [torch.Generator().manual_seed(i) for i in range(len(drafts) + 1)]
+    on_device = rejection_sample(proposal.token_ids, logits, None, [GREEDY] * len(drafts), generators[:-1])
+    mixed_drafts = torch.cat([proposal.token_ids, torch.full((1, proposal.token_ids.shape[1]), PLACEHOLDER_TOKEN_ID)])
+    sampled = SamplingParams(temperature=1.0)
+    row_by_row = rejection_sample(mixed_drafts, torch.cat([logits, logits[:1]]), None,
+                                  [GREEDY] * len(drafts) + [sampled], generators)  # fmt: skip
+    assert on_device.tolist() == row_by_row[:-1].tolist()
+
+
 def _first_token_distribution(q: torch.Tensor | None, draft_token: int, p_logits: torch.Tensor, n: int, params):
     """Empirical distribution of the first output token over n independent verifications of one draft."""
     generators = [torch.Generator().manual_seed(1000 + i) for i in range(n)]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from workers.model.config import MOE
+from workers.model.decode_plan import check_step
 from workers.model.hybrid import HybridModel
 from workers.model.state import DeltaScanInputs, ForwardBatch, ScanInputs, StatePool
 
@@ -171,14 +172,7 @@ class GraphPlan:
     # ------------------------------------------------------------------------------------------------ machinery
     def _load(self, token_ids: list[list[int]], positions: list[int]) -> tuple[int, int]:
         """Check a step's inputs and copy them into the static buffers; (b, its bucket)."""
-        b, length = len(token_ids), len(token_ids[0]) if token_ids else 0
-        if not 1 <= b <= self.max_rows or len(positions) != b or not 1 <= length <= self.tokens_per_row:
-            raise ValueError(
-                f"a step needs 1 … {self.max_rows} rows of 1 … {self.tokens_per_row} tokens and one position per "
-                f"row, got {b} rows of {length} tokens and {len(positions)} positions"
-            )
-        if any(len(row) != length for row in token_ids):
-            raise ValueError("every row of a step needs the same number of tokens (pad the short ones)")
+        b, length = check_step(token_ids, positions, self.max_rows, self.tokens_per_row)
         blocks, vocab = self.pool.blocks, self.model.config.vocab_size
         last = blocks.max_blocks_per_slot * blocks.block_size - (1 if length == 1 else self.tokens_per_row)
         if any(not 0 <= t < vocab for row in token_ids for t in row) or not all(0 <= p <= last for p in positions):

@@ -47,6 +47,19 @@ class Op(enum.IntEnum):
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
 
 
+def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
+    """(b, l) of a step's [b, l] token ids with one position per row, or ValueError saying what is wrong."""
+    b, length = len(token_ids), len(token_ids[0]) if token_ids else 0
+    if not 1 <= b <= max_rows or len(positions) != b or not 1 <= length <= tokens_per_row:
+        raise ValueError(
+            f"a step needs 1 … {max_rows} rows of 1 … {tokens_per_row} tokens and one position per row, got {b} "
+            f"rows of {length} tokens and {len(positions)} positions"
+        )
+    if any(len(row) != length for row in token_ids):
+        raise ValueError("every row of a step needs the same number of tokens (pad the short ones)")
+    return b, length
+
+
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
     norms = [block.norm for block in model.blocks] + [model.final_norm]
@@ -167,14 +180,7 @@ class DecodePlan:
 
     def _execute(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         """Run the records for [b, l] tokens; logits [b, l, v] (a view of the plan's buffer)."""
-        b, length = len(token_ids), len(token_ids[0]) if token_ids else 0
-        if not 1 <= b <= self.max_rows or len(positions) != b or not 1 <= length <= self.tokens_per_row:
-            raise ValueError(
-                f"a step needs 1 … {self.max_rows} rows of 1 … {self.tokens_per_row} tokens and one position per "
-                f"row, got {b} rows of {length} tokens and {len(positions)} positions"
-            )
-        if any(len(row) != length for row in token_ids):
-            raise ValueError("every row of a step needs the same number of tokens (pad the short ones)")
+        b, length = check_step(token_ids, positions, self.max_rows, self.tokens_per_row)
         self.token_ids.numpy()[: b * length] = [row[t] for t in range(length) for row in token_ids]
         self.positions.numpy()[:length, :b] = [[p + t for p in positions] for t in range(length)]
         records = self._records.get((b, length))

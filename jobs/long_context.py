@@ -47,7 +47,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from workers import ModelRunner, SamplingParams
 
-        runner = ModelRunner.from_pretrained(spec["path"], max_num_seqs=64, max_model_len=spec["length"] + spec["new"])
+        options = {"max_num_batched_tokens": spec["budget"]} if spec.get("budget") else {}
+        runner = ModelRunner.from_pretrained(spec["path"], max_num_seqs=64, max_model_len=spec["length"] + spec["new"],
+                                             **options)  # fmt: skip
         params = SamplingParams(max_tokens=spec["new"], temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         results = runner.generate(prompts, params)
@@ -85,7 +87,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['label']:<22} {r['n']:>7} {r['length']:>8} {r['new']:>4} {r.get('wall_s', ''):>8} "
+        label = r["label"] + (f" budget {r['budget']}" if r.get("budget") else "")
+        print(f"{label:<22} {r['n']:>7} {r['length']:>8} {r['new']:>4} {r.get('wall_s', ''):>8} "
               f"{r.get('prompt_tok_s', ''):>12} {r.get('new_tok_s') or '':>9} {r.get('peak_rss_gb', ''):>11}  "
               f"{r['result']}")  # fmt: skip
 
@@ -98,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 65536, 131072])
     p.add_argument("--cases", nargs="*", default=["2x32768x8", "32x8192x256"], help="NxLxT: N prompts of L tokens")
     p.add_argument("--engines", nargs="*", default=["hybridgen", "transformers"], choices=["hybridgen", "transformers"])
+    p.add_argument(
+        "--budgets",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also prefill the first --lengths prompt with each of these max_num_batched_tokens",
+    )
     p.add_argument("--baseline-src", type=Path, help="also run hybridgen's measurements from this source tree")
     p.add_argument("--memory-limit", type=float, default=18.0, help="GB of address space per measurement")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per measurement")
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     path = str(build_preset("bench", Path(tempfile.gettempdir()) / "hybridgen-bench"))
     runs = [(dict(engine=e, n=1, length=n, new=1), e, ROOT) for n in args.lengths for e in args.engines]
+    for budget in args.budgets:
+        runs.append((dict(engine="hybridgen", n=1, length=args.lengths[0], new=1, budget=budget), "hybridgen", ROOT))
     for case in args.cases:
         n, length, new = (int(x) for x in case.split("x"))
         runs.append((dict(engine="hybridgen", n=n, length=length, new=new), "hybridgen", ROOT))

@@ -57,3 +57,17 @@ def test_benchmark_speculation_curve_measures_every_k_and_adaptive(tmp_path):
     assert all(r["identical_to_plain"] for r in rows)
     chosen = [{pair.split(":")[0] for pair in r["steps_by_k"].split()} for r in rows[:2]]
     assert "1" in chosen[0] <= {"0", "1"} and "2" in chosen[1] <= {"0", "1", "2"}  # 0 or less: the token budget
+
+
+def test_benchmark_gdn_preset_runs_both_engines(tmp_path, monkeypatch):
+    """The GDN presets build a text-only Qwen3.5 checkpoint that both engines run in one go."""
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))  # a fresh preset, not a cached one
+    out = tmp_path / "gdn.json"
+    args = ["--preset", "gdn-tiny", "--batch-sizes", "1", "2", "--new-tokens", "4", "--prompt-len", "8",
+            "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert json.loads((tmp_path / "hybridgen-gdn-tiny" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    assert [row["batch"] for row in result["generate"]] == [1, 2]
+    assert all(row["ratio_to_transformers"] > 0 for row in result["generate"])
+    assert result["decode_plan"].startswith("off (")  # GDN blocks run the module path

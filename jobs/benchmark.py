@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "against the same plain runs")  # fmt: skip
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
-                   help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
-                   "(the reference path), compile (torch.compile) or native")  # fmt: skip
+                   help="how Mamba2 and Gated DeltaNet decode steps run: auto (native C kernel on CPU float32, else "
+                   "torch), torch (the reference path), compile (torch.compile; Mamba2 only) or native")  # fmt: skip
     p.add_argument(
         "--no-decode-plan",
         action="store_true",
@@ -242,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _decode_kernel(runner: ModelRunner) -> str:
-    """The decode kernel the runner's Mamba2 layers use ("auto" resolved)."""
+    """The decode kernel the runner's Mamba2 and Gated DeltaNet layers use ("auto" resolved)."""
     kernels = {m.decode_kernel for m in runner.model.modules() if hasattr(m, "decode_kernel")}
-    return ",".join(sorted(kernels)) or "none (no Mamba2 layers)"
+    return ",".join(sorted(kernels)) or "none (no recurrent layers)"
 
 
 def _decode_plan(runner: ModelRunner) -> str:

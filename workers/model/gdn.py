@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native
 from workers.model.config import HybridConfig
 from workers.model.gated_delta import (
     chunked_delta_rule,
@@ -30,6 +31,10 @@ from workers.model.state import DeltaScanInputs, RecurrentState
 RECURRENT_MAX_TOKENS = 8
 
 
+def _contiguous(state: RecurrentState) -> bool:
+    return state.conv.is_contiguous() and state.ssm.is_contiguous()
+
+
 class GatedDeltaNetMixer(nn.Module):
     """Gated DeltaNet over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
 
@@ -44,6 +49,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(g.num_value_heads))
         self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
+        self.decode_kernel = "torch"  # how in-place one-token steps run: "torch" or "native" (set at load)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, conv_dim] → q, k [b, l, h_v, d_k] (normalised, q scaled), v [b, l, h_v, d_v]; float32."""
@@ -67,14 +73,17 @@ class GatedDeltaNetMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
         """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state): write the new
-        state into `state`'s tensors and return them — the decode loop updates its pool views this way.
+        state into `state`'s tensors and return them — the decode loop updates its pool views this way; the native
+        kernel returns no scan inputs there (an in-place step never needs the old state again).
         """
         g = self.config
         b, length, _ = hidden.shape
+        if self.decode_kernel == "native" and in_place and length == 1 and state is not None and _contiguous(state):
+            return self._native_decode(hidden, state), state, None
         # 1. Projections.
         conv_in, z, b_raw, a_raw = self.in_proj(hidden).split(
             [g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1
@@ -104,6 +113,15 @@ class GatedDeltaNetMixer(nn.Module):
         out = self.out_proj(y.reshape(b, length, g.value_dim))
         new_state = state if in_place else RecurrentState(conv_state, delta_state)
         return out, new_state, DeltaScanInputs(conv_in, k, v, decay, beta)
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/gdn_decode.c`, updating `state` in place; hidden [b, 1, d]."""
+        g = self.config
+        out = native.gdn_decode_step(
+            self.in_proj(hidden[:, 0]).contiguous(), state.conv, self.conv1d.weight.squeeze(1), self.dt_bias,
+            self.A_log, state.ssm, self.norm.weight, self.norm.eps, g.num_key_heads,
+        )  # fmt: skip
+        return self.out_proj(out)[:, None]
 
     def state_after(self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`.

@@ -15,6 +15,7 @@ from workers.model import native
 from workers.model.attention import Attention
 from workers.model.config import QWEN_MODEL_TYPES, HybridConfig
 from workers.model.feed_forward import MLP
+from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
 from workers.model.mamba2 import Mamba2Mixer
@@ -150,12 +151,14 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
 
 
 def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how `model` runs its decode steps (Mamba2 mixers, attention, norms, MLPs); returns the choice made.
+    """Choose how `model` runs its decode steps (Mamba2 and Gated DeltaNet mixers, attention, norms, MLPs); returns
+    the choice made.
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
-    at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
-    Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
-    residual add, the MLP's silu(gate) · up). "auto": native where it applies and builds, else torch.
+    at first use; Gated DeltaNet layers then run torch). "native": the C kernels of `workers/model/csrc` (CPU,
+    float32; built at first use) for the Mamba2 and Gated DeltaNet steps, the attention decode step and the
+    per-token elementwise work around them (RMSNorm fused with the residual add, the MLP's silu(gate) · up).
+    "auto": native where it applies and builds, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -169,6 +172,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
             module.decode_kernel = kernel
+        elif isinstance(module, GatedDeltaNetMixer):
+            module.decode_kernel = "native" if kernel == "native" else "torch"  # no compiled GDN step
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -5,6 +5,8 @@
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
+- `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
+  per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
   rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
@@ -112,6 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
     lib.decode_plan_shift.restype = i64
     lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
+    lib.gdn_decode_step.restype = None
+    lib.gdn_decode_step.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
@@ -215,6 +219,44 @@ def mamba2_decode_step(
         _pointer(proj), _pointer(conv_state), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
         _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(ssm_state), _pointer(norm_weight),
         norm_groups, eps, _pointer(xbc), _pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def gdn_decode_step(
+    proj: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    delta_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_key_heads: int,
+) -> torch.Tensor:
+    """One token per row through a Gated DeltaNet mixer's conv, delta rule and gated norm; states in place.
+
+    proj [b, conv_dim + h_v·d_v + 2·h_v] (in_proj output, rows q | k | v | z | b | a); conv_state [b, conv_dim, W-1];
+    conv_weight [conv_dim, W]; delta_state [b, h_v, d_k, d_v]. Returns the out_proj input [b, h_v·d_v]. All float32,
+    contiguous, on CPU.
+    """
+    lib = load()
+    b, num_value_heads, key_head_dim, value_head_dim = delta_state.shape
+    conv_dim, width = conv_weight.shape
+    value_dim = num_value_heads * value_head_dim
+    expected = (b, conv_dim + value_dim + 2 * num_value_heads)
+    if (
+        conv_dim != 2 * num_key_heads * key_head_dim + value_dim
+        or tuple(proj.shape) != expected
+        or tuple(conv_state.shape) != (b, conv_dim, width - 1)
+    ):
+        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
+                         f"delta_state {tuple(delta_state.shape)}")  # fmt: skip
+    qkv, out = torch.empty(b, conv_dim), torch.empty(b, value_dim)
+    lib.gdn_decode_step(
+        _pointer(proj), _pointer(conv_state), _pointer(conv_weight), _pointer(dt_bias), _pointer(A_log),
+        _pointer(delta_state), _pointer(norm_weight), eps, _pointer(qkv), _pointer(out), b, num_key_heads,
+        num_value_heads, key_head_dim, value_head_dim, width, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--speculative", choices=["ngram", "draft"], help="add spec-decode runs on copy-heavy prompts")
+    p.add_argument(
+        "--speculative", choices=["ngram", "draft", "mtp"], help="add spec-decode runs on copy-heavy prompts"
+    )
     p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
                    "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")

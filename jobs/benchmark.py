@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--speculative", choices=["ngram", "draft"], help="add spec-decode runs on copy-heavy prompts")
+    p.add_argument(
+        "--speculative", choices=["ngram", "draft", "mtp"], help="add spec-decode runs on copy-heavy prompts"
+    )
     p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
                    "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
@@ -64,8 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "against the same plain runs")  # fmt: skip
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
-                   help="how Mamba2 decode steps run: auto (native C kernel on CPU float32, else torch), torch "
-                   "(the reference path), compile (torch.compile) or native")  # fmt: skip
+                   help="how Mamba2 and Gated DeltaNet decode steps run: auto (native C kernel on CPU float32, else "
+                   "torch), torch (the reference path), compile (torch.compile; Mamba2 only) or native")  # fmt: skip
     p.add_argument(
         "--no-decode-plan",
         action="store_true",

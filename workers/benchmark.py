@@ -18,6 +18,7 @@ import torch
 
 # Shapes of the runs compared. "bench" is NOTES.md's anchor config; "granite-4.0-h-1b" follows the published
 # Granite 4.0-H-1B config (hidden 1536, 40 layers, 4 of them attention); "tiny" is for smoke tests.
+# GraniteMoeHybrid checkpoints; GDN_PRESETS below are Qwen3.5 ones.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  attention_layers=[2], shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32,
@@ -29,12 +30,30 @@ PRESETS: dict[str, dict[str, Any]] = {
                              num_key_value_heads=4, attention_layers=[5, 15, 25, 35], shared_intermediate_size=4096,
                              mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, dtype="bfloat16"),
 }  # fmt: skip
+# Gated DeltaNet hybrids (text-only Qwen3.5, `qwen3_5_text`). "gdn-bench" is Qwen3.5-0.8B's layout at the "bench"
+# size: hidden 512, 8 layers with full attention at 3 and 7 (every 4th, as Qwen3.5), gated attention with 256-dim
+# heads and partial RoPE 0.25, MLP 1536, vocab 32000, tied; linear attention with 4 key heads and 8 value heads of
+# 128 (value heads = 2 × key heads as in Qwen3-Next; its state, 8 × 128 × 128 per layer, holds as many numbers as
+# the "bench" Mamba2 layer's 16 × 64 × 128).
+GDN_PRESETS: dict[str, dict[str, Any]] = {
+    "gdn-tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, attention_layers=[3], intermediate_size=128, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, dtype="float32"),
+    "gdn-bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=256, attention_layers=[3, 7], intermediate_size=1536,
+                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                      linear_value_head_dim=128, dtype="float32"),
+}  # fmt: skip
+PRESETS.update(GDN_PRESETS)
 
 
 def build_preset(name: str, directory: Path) -> Path:
-    """Save a random-weight GraniteMoeHybrid checkpoint with the preset's shapes (reused when already there)."""
+    """Save a random-weight checkpoint with the preset's shapes (reused when already there): GraniteMoeHybrid, or
+    text-only Qwen3.5 for the GDN presets."""
     if (directory / "config.json").exists():
         return directory
+    if name in GDN_PRESETS:
+        return _build_gdn_preset(name, directory)
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     shape = dict(PRESETS[name])
@@ -44,6 +63,21 @@ def build_preset(name: str, directory: Path) -> Path:
                                     mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
     model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _build_gdn_preset(name: str, directory: Path) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    shape = dict(GDN_PRESETS[name])
+    attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
+    layer_types = [
+        "full_attention" if i in attention else "linear_attention" for i in range(shape["num_hidden_layers"])
+    ]
+    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
 
@@ -105,7 +139,7 @@ def decode_step_bytes(model: Any, context_len: int) -> dict[str, int]:
     """What one batch-1 decode step must read from memory at least: every weight matrix it multiplies with once
     (the LM head included), one embedding row, one request's recurrent states, and its KV cache over `context_len`
     positions."""
-    from workers.runner import _kv_bytes_per_token, _state_bytes_per_slot
+    from workers.memory import kv_bytes_per_token, state_bytes_per_slot
 
     config, embed = model.config, model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
@@ -117,8 +151,8 @@ def decode_step_bytes(model: Any, context_len: int) -> dict[str, int]:
         weights += row
     else:  # the table itself is only looked up
         weights -= embed.numel() * embed.element_size() - row
-    return {"weights": weights, "states": _state_bytes_per_slot(config, embed.dtype),
-            "kv_cache": _kv_bytes_per_token(config, embed.dtype) * context_len}  # fmt: skip
+    return {"weights": weights, "states": state_bytes_per_slot(config, embed.dtype),
+            "kv_cache": kv_bytes_per_token(config, embed.dtype) * context_len}  # fmt: skip
 
 
 def roofline_share(bytes_per_step: int, tokens_per_s: float, peak_gb_per_s: float) -> float:

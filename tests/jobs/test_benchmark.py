@@ -87,3 +87,17 @@ def test_benchmark_graphs_vs_eager_roofline_and_peak_memory(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "batch-1 roofline" in printed and "eager_output_tokens_per_s" in printed
     assert "CUDA graphs: eager form (no CUDA)" in printed
+
+
+def test_benchmark_gdn_preset_runs_both_engines(tmp_path, monkeypatch):
+    """The GDN presets build a text-only Qwen3.5 checkpoint that both engines run in one go."""
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))  # a fresh preset, not a cached one
+    out = tmp_path / "gdn.json"
+    args = ["--preset", "gdn-tiny", "--batch-sizes", "1", "2", "--new-tokens", "4", "--prompt-len", "8",
+            "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert json.loads((tmp_path / "hybridgen-gdn-tiny" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    assert [row["batch"] for row in result["generate"]] == [1, 2]
+    assert all(row["ratio_to_transformers"] > 0 for row in result["generate"])
+    assert result["decode_plan"].startswith("off (")  # GDN blocks run the module path

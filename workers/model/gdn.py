@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import native_recurrent
 from workers.model.config import HybridConfig
 from workers.model.gated_delta import (
     chunked_delta_rule,
@@ -30,6 +31,10 @@ from workers.model.state import DeltaScanInputs, RecurrentState
 RECURRENT_MAX_TOKENS = 8
 
 
+def _contiguous(state: RecurrentState) -> bool:
+    return state.conv.is_contiguous() and state.ssm.is_contiguous()
+
+
 class GatedDeltaNetMixer(nn.Module):
     """Gated DeltaNet over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
 
@@ -44,7 +49,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(g.num_value_heads))
         self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
-        self.decode_kernel = "torch"  # "triton": one-token steps and state shifts through the Triton kernels
+        self.decode_kernel = "torch"  # one-token steps: "torch", "native" (C, CPU) or "triton" (set at load)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, conv_dim] → q, k [b, l, h_v, d_k] (normalised, q scaled), v [b, l, h_v, d_v]; float32."""
@@ -72,11 +77,13 @@ class GatedDeltaNetMixer(nn.Module):
         """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state): write the new
-        state into `state`'s tensors and return them — the decode loop updates its pool views this way (the Triton
-        kernels return no scan inputs there: nothing shifts a state it did not start from).
+        state into `state`'s tensors and return them — the decode loop updates its pool views this way (the native
+        and Triton kernels return no scan inputs there: nothing shifts a state it did not start from).
         """
         g = self.config
         b, length, _ = hidden.shape
+        if self.decode_kernel == "native" and in_place and length == 1 and state is not None and _contiguous(state):
+            return self._native_decode(hidden, state), state, None
         # 1. Projections.
         conv_in, z, b_raw, a_raw = self.in_proj(hidden).split(
             [g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1
@@ -108,6 +115,15 @@ class GatedDeltaNetMixer(nn.Module):
         out = self.out_proj(y.reshape(b, length, g.value_dim))
         new_state = state if in_place else RecurrentState(conv_state, delta_state)
         return out, new_state, DeltaScanInputs(conv_in, k, v, decay, beta)
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/gdn_decode.c`, updating `state` in place; hidden [b, 1, d]."""
+        g = self.config
+        out = native_recurrent.gdn_decode_step(
+            self.in_proj(hidden[:, 0]).contiguous(), state.conv, self.conv1d.weight.squeeze(1), self.dt_bias,
+            self.A_log, state.ssm, self.norm.weight, self.norm.eps, g.num_key_heads,
+        )  # fmt: skip
+        return self.out_proj(out)[:, None]
 
     def _triton_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """The one-token step through the Triton kernels: conv, gates, delta rule (state in place), gated norm."""

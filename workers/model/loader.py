@@ -151,14 +151,16 @@ def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
 
 
 def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how `model` runs its decode steps (Mamba2 mixers, attention, norms, MLPs); returns the choice made.
+    """Choose how `model` runs its decode steps (Mamba2 and Gated DeltaNet mixers, attention, norms, MLPs); returns
+    the choice made.
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/csrc` (CPU, float32; built at first use) for the
-    Mamba2 step, the attention decode step and the per-token elementwise work around them (RMSNorm fused with the
-    residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of `workers/model/triton_kernels`
-    for the Mamba2 and Gated DeltaNet decode steps and their state shifts after verification (CUDA; CPU only under
-    TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on CUDA where triton imports, else torch.
+    Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
+    (RMSNorm fused with the residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of
+    `workers/model/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their state shifts after
+    verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on
+    CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -181,7 +183,7 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
         if isinstance(module, Mamba2Mixer):
             module.decode_kernel = kernel
         elif isinstance(module, GatedDeltaNetMixer):
-            module.decode_kernel = "triton" if kernel == "triton" else "torch"
+            module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

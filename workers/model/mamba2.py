@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import native
+from workers.model import native_recurrent
 from workers.model.config import HybridConfig
 from workers.model.norm import GatedRMSNorm
 from workers.model.ssd import (
@@ -116,7 +116,7 @@ class Mamba2Mixer(nn.Module):
         """One token per row (proj [b, I + conv_dim + H], contiguous) through the C kernel, updating `state` in
         place; returns the out_proj input [b, I] (and the conv output into `conv_out` when given)."""
         m = self.config
-        return native.mamba2_decode_step(
+        return native_recurrent.mamba2_decode_step(
             proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
             (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
             conv_out=conv_out,
@@ -145,7 +145,7 @@ class Mamba2Mixer(nn.Module):
         inputs, as every forward from a kept state returns them) through the C kernel: conv, SSM and gated norm."""
         m = self.config
         proj = self.in_proj(hidden).contiguous()
-        out, conv, ssm, xbc = native.mamba2_prefill(
+        out, conv, ssm, xbc = native_recurrent.mamba2_prefill(
             proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
             self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
             self.norm.eps, m.num_heads, m.num_groups, None if state is None else (state.conv, state.ssm),

@@ -5,6 +5,8 @@
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
+- `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
+  per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
   rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
@@ -113,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
     lib.decode_plan_shift.restype = i64
     lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
+    lib.gdn_decode_step.restype = None
+    lib.gdn_decode_step.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
@@ -174,95 +178,12 @@ def flush_denormals() -> bool:
     return True
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
+def pointer(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"native kernels need contiguous float32 CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
-
-
-def mamba2_decode_step(
-    proj: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A_log: torch.Tensor,
-    D: torch.Tensor,
-    dt_limits: tuple[float, float],
-    ssm_state: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_groups: int,
-    eps: float,
-    num_groups: int,
-    conv_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One token per row through a Mamba2 mixer's conv, SSM and gated norm; states are updated in place.
-
-    proj [b, I + conv_dim + H] (in_proj output); conv_state [b, conv_dim, W-1]; conv_weight [conv_dim, W];
-    ssm_state [b, H, P, N]. Returns the out_proj input [b, I]. `conv_out` [b, conv_dim], if given, receives the
-    conv output (x | B | C after silu). All float32, contiguous, on CPU.
-    """
-    lib = load()
-    b, H, P, N = ssm_state.shape
-    width = conv_weight.shape[1]
-    if conv_state.shape != (b, conv_weight.shape[0], width - 1) or proj.shape != (b, H * P + conv_weight.shape[0] + H):
-        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
-                         f"ssm_state {tuple(ssm_state.shape)}")  # fmt: skip
-    xbc = torch.empty(b, conv_weight.shape[0]) if conv_out is None else conv_out
-    out = torch.empty(b, H * P)
-    lib.mamba2_decode_step(
-        _pointer(proj), _pointer(conv_state), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
-        _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(ssm_state), _pointer(norm_weight),
-        norm_groups, eps, _pointer(xbc), _pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
-    )  # fmt: skip
-    return out
-
-
-def mamba2_prefill(
-    proj: torch.Tensor,
-    num_tokens: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A_log: torch.Tensor,
-    D: torch.Tensor,
-    dt_limits: tuple[float, float],
-    norm_weight: torch.Tensor,
-    norm_groups: int,
-    eps: float,
-    num_heads: int,
-    num_groups: int,
-    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts (or the next chunk of them) through a Mamba2 mixer's conv, SSM and gated norm, from the zero state
-    or from `initial` (conv window [b, conv_dim, W-1], float32 SSM state [b, H, P, N]: a chunked prefill).
-
-    proj [b, l, I + conv_dim + H] (right-padded; num_tokens [b] int64 valid tokens per row). Returns (out [b, l, I],
-    conv_state [b, conv_dim, W-1], ssm_state [b, H, P, N], xbc [b, l, conv_dim]): the out_proj input, the states
-    after each row's last valid token, and the conv's output after SiLU (x, B, C: the scan's inputs).
-    """
-    b, length, row_len = proj.shape
-    conv_dim, width = conv_weight.shape
-    intermediate = row_len - conv_dim - num_heads
-    head_dim, state_size = intermediate // num_heads, (conv_dim - intermediate) // (2 * num_groups)
-    if not (num_tokens.dtype == torch.int64 and num_tokens.is_contiguous() and num_tokens.shape == (b,)):
-        raise ValueError("num_tokens must be a contiguous int64 tensor with one entry per row")
-    if int(num_tokens.max()) > length or int(num_tokens.min()) < 0:
-        raise ValueError(f"num_tokens must be within 0 … {length}")
-    xbc = torch.empty(b, length, conv_dim)
-    conv_state, out = torch.empty(b, conv_dim, width - 1), torch.empty(b, length, intermediate)
-    ssm_state = torch.empty(b, num_heads, head_dim, state_size)
-    initial_conv, initial_ssm = (None, None) if initial is None else (t.contiguous() for t in initial)
-    load().mamba2_prefill(
-        _pointer(proj), num_tokens.data_ptr(), _pointer(conv_weight), _pointer(conv_bias), _pointer(dt_bias),
-        _pointer(A_log), _pointer(D), dt_limits[0], dt_limits[1], _pointer(norm_weight), norm_groups, eps,
-        _pointer(xbc), _pointer(initial_conv), _pointer(initial_ssm), _pointer(conv_state), _pointer(ssm_state),
-        _pointer(out), b, length, num_heads, head_dim,
-        num_groups, state_size, width, torch.get_num_threads(),
-    )  # fmt: skip
-    return out, conv_state, ssm_state, xbc
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -283,7 +204,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
         raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for {out_features} outputs")
     out = torch.empty(rows, out_features)
     if rows:
-        lib.linear_panels(_pointer(x), _pointer(panels), _pointer(bias), _pointer(out), rows, out_features,
+        lib.linear_panels(pointer(x), pointer(panels), pointer(bias), pointer(out), rows, out_features,
                           in_features, torch.get_num_threads())  # fmt: skip
     return out
 
@@ -297,7 +218,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x [..., d] with weight [d]."""
     out = torch.empty_like(x)
     d = x.shape[-1]
-    load().rms_norm(_pointer(x), _pointer(weight), eps, _pointer(out), x.numel() // d, d, torch.get_num_threads())
+    load().rms_norm(pointer(x), pointer(weight), eps, pointer(out), x.numel() // d, d, torch.get_num_threads())
     return out
 
 
@@ -307,7 +228,7 @@ def add_rms_norm(
     """hidden += alpha · delta in place; returns rmsnorm(hidden) · weight (a residual add and the next norm)."""
     out = torch.empty_like(hidden)
     d = hidden.shape[-1]
-    load().add_rms_norm(_pointer(hidden), _pointer(delta), alpha, _pointer(weight), eps, _pointer(out),
+    load().add_rms_norm(pointer(hidden), pointer(delta), alpha, pointer(weight), eps, pointer(out),
                         hidden.numel() // d, d, torch.get_num_threads())  # fmt: skip
     return out
 
@@ -316,14 +237,14 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for h [..., 2n] = [gate | up] → [..., n]."""
     n = h.shape[-1] // 2
     out = h.new_empty(*h.shape[:-1], n)
-    load().silu_mul(_pointer(h), _pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    load().silu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
     return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) for x [rows, n] (first index on ties; NaN counts as the largest)."""
     out = torch.empty(x.shape[0], dtype=torch.long)
-    load().argmax_rows(_pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    load().argmax_rows(pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
 
 
@@ -332,7 +253,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotar
     if not (positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == x.shape[:1]):
         raise ValueError("positions must be a contiguous int64 tensor with one entry per row")
     b, heads, head_dim = x.shape
-    load().rope_rows(_pointer(x), positions.data_ptr(), _pointer(inv_freq), b, heads, head_dim, rotary_dim)
+    load().rope_rows(pointer(x), positions.data_ptr(), pointer(inv_freq), b, heads, head_dim, rotary_dim)
 
 
 def attention_decode(
@@ -358,9 +279,9 @@ def attention_decode(
         raise ValueError(f"position {last} is past the KV capacity of a slot")
     out = torch.empty_like(q)
     load().attention_decode(
-        _pointer(q), _pointer(k), _pointer(v), _pointer(cache.key), _pointer(cache.value),
+        pointer(q), pointer(k), pointer(v), pointer(cache.key), pointer(cache.value),
         blocks.tables.data_ptr(), blocks.max_blocks_per_slot, blocks.block_size, cache.key.shape[1],
-        slot_ids.data_ptr(), positions.data_ptr(), scale, _pointer(out), b, num_heads, cache.key.shape[0], head_dim,
+        slot_ids.data_ptr(), positions.data_ptr(), scale, pointer(out), b, num_heads, cache.key.shape[0], head_dim,
         torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
-from workers.model import load_checkpoint, native
+from workers.model import load_checkpoint, native, native_recurrent
 from workers.model.attention import Attention, inverse_frequencies, rotary
 from workers.model.kv_blocks import BlockTable
 from workers.model.linear import NativeLinear
@@ -78,11 +78,11 @@ def test_kernel_inputs_are_checked(checkpoint_dir):
     m = mixer.config
     proj = torch.randn(2, mixer.in_proj.out_features, dtype=torch.float64)
     with pytest.raises(ValueError, match="contiguous float32 CPU tensors, got torch.float64"):
-        native.mamba2_decode_step(proj, state.conv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
+        native_recurrent.mamba2_decode_step(proj, state.conv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
                                   mixer.A_log, mixer.D, (m.dt_min, m.dt_max), state.ssm, mixer.norm.weight,
                                   mixer.norm.num_groups, mixer.norm.eps, m.num_groups)  # fmt: skip
     with pytest.raises(ValueError, match="shape mismatch"):
-        native.mamba2_decode_step(proj.float()[:, :-1].contiguous(), state.conv, mixer.conv1d.weight.squeeze(1),
+        native_recurrent.mamba2_decode_step(proj.float()[:, :-1].contiguous(), state.conv, mixer.conv1d.weight.squeeze(1),
                                   mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D, (m.dt_min, m.dt_max),
                                   state.ssm, mixer.norm.weight, mixer.norm.num_groups, mixer.norm.eps,
                                   m.num_groups)  # fmt: skip

@@ -18,8 +18,10 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from workers.rows import PromptSource, generate_shard
 from workers.runner import ModelRunner
+from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from workers.scoring import score_shard
 from workers.spec_decode import SpeculativeConfig
 
@@ -39,9 +41,9 @@ class WorkerSpec:
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_memory: str | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
     num_threads: int | None = None  # CPU workers: torch threads
     speculative: SpeculativeConfig | None = None

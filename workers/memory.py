@@ -20,6 +20,7 @@ from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.state import DEFAULT_BLOCK_SIZE
 
 CPU_DEFAULT_FRACTION = 0.8
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3,
           "ti": 1024**4}  # fmt: skip
 

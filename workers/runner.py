@@ -12,7 +12,7 @@ import torch
 
 from workers.budget import TokenBudget
 from workers.executors import executor_summary
-from workers.memory import parse_memory_size, plan_memory, runner_budget
+from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
 from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
@@ -75,7 +75,7 @@ class ModelRunner:
         decode_plan: bool = True,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool | None = None,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
@@ -154,7 +154,7 @@ class ModelRunner:
         decode_plan: bool = True,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool | None = None,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').

@@ -322,8 +322,7 @@ class Scheduler:
 
     def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
         """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""
-        seen = [(i, requests[i].num_tokens > position) for i, (position, _) in shadow.items()]
-        rows = [i for i, produced in seen if produced]
+        rows = [i for i, (position, _) in shadow.items() if requests[i].num_tokens > position]
         if rows:
             accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
             self.policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)

@@ -140,9 +140,7 @@ class BlockTable:
         """The first token index when positions 0 … num_tokens-1 of `slot` lie in consecutive blocks (the cache can
         then be sliced instead of gathered), else None."""
         blocks = self.owned[slot][: self.blocks_for(num_tokens)]
-        if not blocks or blocks[-1] - blocks[0] != len(blocks) - 1:
-            return None
-        if any(b - a != 1 for a, b in zip(blocks, blocks[1:])):
+        if not blocks or any(b - a != 1 for a, b in zip(blocks, blocks[1:])):
             return None
         return blocks[0] * self.block_size
 

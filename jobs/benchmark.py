@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="auto", help="weight dtype (auto: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", help="weight dtype (auto: float32 on CPU, the checkpoint's on GPU)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per run")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (score: tokens per row)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")

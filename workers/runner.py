@@ -123,7 +123,14 @@ class ModelRunner:
         if speculative is not None and speculative.method == "mtp" and model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
-        self._policy = make_policy(speculative.policy, speculative.num_speculative_tokens) if speculative else None
+        free = (
+            getattr(proposer, "drafts_cost_nothing", False)
+            if proposer is not None
+            else bool(speculative is not None and speculative.method == "ngram")
+        )
+        self._policy = (
+            make_policy(speculative.policy, speculative.num_speculative_tokens, free) if speculative else None
+        )
         if speculative is not None and speculative.method == "draft":
             if draft_model is None:
                 raise ValueError("speculative method 'draft' needs a draft model")

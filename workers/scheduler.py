@@ -109,6 +109,7 @@ class Scheduler:
         self.prefilling: list[Request] = []  # admitted, prompt not fully in the state yet (in admission order)
         self.running: list[Request] = []  # generating: every token but the last is in the state
         self.finished: list[Request] = []
+        self._retired: set[int] = set()  # request ids retired during this step
 
     def _positions_needed(self, request: Request) -> int:
         """KV positions a request may use: prompt + max_tokens (within max_model_len) + drafts."""
@@ -123,6 +124,7 @@ class Scheduler:
     def step(self) -> None:
         """decide (admit within slots and KV room; this step's prefill chunks) → execute (one prefill forward, one
         decode or verification forward of the requests already generating) → apply (retire finished requests)."""
+        started = time.perf_counter()
         self._admit()
         chunks = self.budget.prefill_chunks(
             [len(r.prompt) - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
@@ -130,12 +132,23 @@ class Scheduler:
         generating = list(self.running)
         if chunks:
             self._prefill(self.prefilling[: len(chunks)], chunks)
+        outcome = None
         if generating:
-            (self._speculate if self.proposer is not None else self._decode)(generating)
+            if self.proposer is None:
+                self._decode(generating)
+            else:
+                outcome = self._speculate(generating)
         for request in [r for r in self.running if r.finish_reason is not None]:
             self.running.remove(request)
             self._retire(request)
         self._compact()
+        if outcome is not None:  # the policy times whole steps (plain steps pay the bookkeeping too); a step that
+            # also prefilled says nothing about the cost of its drafts
+            request_ids, asked, accepted, width = outcome
+            self.policy.observe(request_ids, asked, accepted, None if chunks else time.perf_counter() - started, width)
+        for request_id in self._retired:  # after the policy learnt from their last step
+            self.policy.forget(request_id)
+        self._retired.clear()
 
     def _admit(self) -> None:
         """Waiting requests take free slots in order while their KV room can be reserved."""
@@ -161,7 +174,7 @@ class Scheduler:
             self.prefilling.append(request)
 
     def _retire(self, request: Request) -> None:
-        self.policy.forget(request.index)
+        self._retired.add(request.index)  # the policy forgets it once it has learnt from this step
         self.blocks.free_slot(request.slot)
         self.blocks.release(request.num_reserved)
         self.free_slots.append(request.slot)
@@ -248,9 +261,12 @@ class Scheduler:
         for request, token in zip(requests, tokens):
             request.append(token, self.tokenizer)
 
-    def _speculate(self, requests: list[Request]) -> None:
-        """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0)."""
-        start, request_ids = time.perf_counter(), [r.index for r in requests]
+    def _speculate(self, requests: list[Request]) -> tuple[list[int], list[int], list[int], int]:
+        """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0).
+        Returns what the policy learns from: request ids, drafts asked for and drafts accepted per request (a draft
+        the proposer could not make counts as rejected: the policy's acceptance is the proposer's coverage times
+        the target's agreement), and the drafts the verification ran per row (the width its time is filed under)."""
+        request_ids = [r.index for r in requests]
         # 1. Decide and propose: never draft past max_tokens or max_model_len; the policy picks k within that.
         max_drafts = self.budget.max_drafts(len(requests), self.num_speculative_tokens)
         budget = [
@@ -261,15 +277,14 @@ class Scheduler:
             self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
         chosen = self.policy.num_drafts(request_ids, budget)
         shadow = self._shadow_drafts(requests, chosen, budget)
-        proposal = self.proposer.propose(requests, chosen)
-        drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
-        num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
-        if drafts.shape[1] == 0:
+        proposal = self.proposer.propose(requests, chosen) if any(chosen) else None  # none asked: not called
+        if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
-            self.policy.observe(request_ids, [0] * len(requests), [0] * len(requests), time.perf_counter() - start)
             self._check_shadow(requests, shadow)
-            return
+            return request_ids, chosen, [0] * len(requests), 0
+        drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
+        num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
         slots = self._slots(requests)
         last = torch.tensor([[r.last_token] for r in requests])
@@ -297,8 +312,6 @@ class Scheduler:
             self.pool.write(slots, shifted)
             self._observe(requests, out.hidden, cache_lens, accepted)
         self.proposer.accepted(requests, accepted)
-        accepted_drafts = [n - 1 for n in accepted]
-        self.policy.observe(request_ids, proposal.num_draft_tokens, accepted_drafts, time.perf_counter() - start)
         for request, row, k in zip(requests, rows, proposal.num_draft_tokens):
             tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
             num_kept = 0
@@ -309,6 +322,7 @@ class Scheduler:
             # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
             request.spec.record(k, min(len(tokens) - 1, num_kept))
         self._check_shadow(requests, shadow)
+        return request_ids, chosen, [n - 1 for n in accepted], drafts.shape[1]
 
     def _shadow_drafts(self, requests: list[Request], chosen: list[int], budget: list[int]) -> dict[int, tuple]:
         """For a proposer whose drafts cost nothing (n-gram lookup): the first draft it would have made for rows the
@@ -317,8 +331,9 @@ class Scheduler:
         if not getattr(self.proposer, "drafts_cost_nothing", False):
             return {}
         rows = [i for i, (k, b) in enumerate(zip(chosen, budget)) if k == 0 and b > 0]
-        shadow = self.proposer.propose([requests[i] for i in rows], [1] * len(rows)).token_ids.tolist()
-        return {i: (requests[i].num_tokens, row[0]) for i, row in zip(rows, shadow) if row and row[0] >= 0}
+        shadow = self.proposer.lookup([requests[i] for i in rows], [1] * len(rows))
+        # No draft to make (no n-gram match) is a miss too: -1 never equals the token produced.
+        return {i: (requests[i].num_tokens, row[0] if row else -1) for i, row in zip(rows, shadow)}
 
     def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
         """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""

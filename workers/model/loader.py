@@ -51,10 +51,16 @@ def resolve_model_dir(path_or_repo: str, revision: str | None = None) -> Path:
     return Path(snapshot_download(path_or_repo, revision=revision, allow_patterns=HUB_PATTERNS))
 
 
-def resolve_dtype(name: str, config: HybridConfig) -> torch.dtype:
-    """'auto' follows the checkpoint's declared dtype (float32 when it declares none)."""
+def resolve_dtype(name: str, config: HybridConfig, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto': float32 on a CPU, else the checkpoint's declared dtype (float32 when it declares none).
+
+    CPUs compute in float32 whatever the checkpoint stores: bfloat16 matmuls ran ~6× slower than float32 on this
+    project's 2-core CPU (no bfloat16 units), the native kernels are float32, and float32 keeps every row's result
+    independent of how many rows a forward has — which greedy speculative decoding needs to equal plain decoding
+    token for token (bfloat16 matmuls round a [b, k+1] verification differently from [b, 1] decode steps)."""
     if name == "auto":
-        name = config.torch_dtype if config.torch_dtype in DTYPES else "float32"
+        on_cpu = torch.device(device).type == "cpu"
+        name = "float32" if on_cpu or config.torch_dtype not in DTYPES else config.torch_dtype
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -224,7 +230,7 @@ def load_checkpoint(
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {directory}")
     config = HybridConfig.from_hf_dict(json.loads(config_path.read_text()))
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_dtype(dtype, config, device)
     handles = _open_shards(directory)
     if mtp:
         check_mtp_head(config, handles, directory)

@@ -3,25 +3,32 @@
 Speculation pays when the tokens a verification step produces outweigh what it costs over a plain step. Both
 sides move with the batch: a plain step at batch 64 is already busy, so a k + 1 wide verification costs nearly
 k + 1 times as much, while at batch 1 it costs about one step. The adaptive policy measures, in this run:
-- the seconds of a whole step (propose + verify + accept, or a plain step for k = 0) per batch-size bucket and k;
+- the seconds of a whole scheduler step (propose + verify + accept + bookkeeping, or a plain step for k = 0) per
+  batch-size bucket and k, steps that also prefilled left out; per bucket a least-squares line a + s·k through the
+  measured widths stands for every width (the plain step and k = 1 are measured first, wider widths when chosen);
 - per draft position j, the chance that draft j is accepted once drafts 1 … j-1 were (per request, pulled towards
   the batch's rate while the request has few observations).
 Each step it picks the k that maximises expected tokens per second,
 
     Σ_r E_r(k) / seconds(bucket(b), k),   E_r(k) = 1 + Σ_{j ≤ min(k, budget_r)} Π_{i ≤ j} α_{r,i},
 
-verifying unmeasured widths once and re-trying speculation now and then after choosing 0, so that it notices
-when acceptance rises. The choice never changes what greedy decoding produces, and rejection sampling keeps the
+speculating only when that beats the plain step by a margin, and re-trying speculation now and then after
+choosing 0, so that it notices when acceptance rises (a free proposer — n-gram — reports acceptance on plain steps
+through shadow drafts instead). This is the goodput rule of SmartSpec (Liu et al., 2024, "Optimizing Speculative
+Decoding for Serving Large Language Models Using Goodput") with the cost model measured in the run instead of
+profiled beforehand. The choice never changes what greedy decoding produces, and rejection sampling keeps the
 sampled distribution exact for any k chosen before the drafts are drawn.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "fixed")
 MAX_EXPLORE_EVERY = 256
+TIMING_WINDOW = 9  # step times kept per (bucket, width); their median is the estimate
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -68,7 +75,7 @@ class FixedPolicy:
         return list(budgets)
 
     def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
-                seconds: float) -> None:  # fmt: skip
+                seconds: float | None, width: int | None = None) -> None:  # fmt: skip
         """Nothing to learn."""
 
     def observe_acceptance(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int]) -> None:
@@ -81,15 +88,19 @@ class FixedPolicy:
 class AdaptivePolicy:
     """Chooses k per step from measured step times and observed acceptance (see the module docstring)."""
 
-    def __init__(self, max_drafts: int, explore_every: int = 16, prior_weight: float = 4.0, smoothing: float = 0.3,
-                 decay: float = 0.95):  # fmt: skip
-        """`explore_every`: after this many steps at k = 0, verify once at the best k seen so far (or 1).
-        `prior_weight`: observations a request needs before its own rate outweighs the batch's. `smoothing`: weight
-        of a new step time. `decay`: per step, the weight left to older acceptance counts (batch and request)."""
+    def __init__(self, max_drafts: int, explore_every: int = 16, prior_weight: float = 4.0, decay: float = 0.95,
+                 free_drafts: bool = False, margin: float = 1.03):  # fmt: skip
+        """`explore_every`: after this many steps at k = 0, verify one draft (then twice as many steps, and so on).
+        `prior_weight`: observations a request needs before its own rate outweighs the batch's. `decay`: per step,
+        the weight left to older acceptance counts (batch and request). `free_drafts`: the proposer costs nothing and
+        reports acceptance on steps without drafts (n-gram shadow drafts), so a probe drafts for every request.
+        `margin`: how much more throughput speculation must promise than a plain step before it is chosen (the
+        estimates are noisy; a wrong choice for speculation costs more than a wrong one against it)."""
         self.max_drafts = max_drafts
-        self.explore_every, self.prior_weight, self.smoothing = explore_every, prior_weight, smoothing
-        self.decay = decay
-        self.seconds: dict[tuple[int, int], float] = {}  # (batch bucket, k) → smoothed step seconds
+        self.explore_every, self.prior_weight = explore_every, prior_weight
+        self.decay, self.free_drafts, self.margin = decay, free_drafts, margin
+        self.seconds: dict[tuple[int, int], float] = {}  # (batch bucket, k) → median of the recent step seconds
+        self.times: dict[tuple[int, int], deque[float]] = {}  # (batch bucket, k) → recent step seconds
         self.tried: Counter[tuple[int, int]] = Counter()  # widths asked for to measure them
         self.samples: Counter[tuple[int, int]] = Counter()  # steps measured per (bucket, width)
         self.batch = _Acceptance()
@@ -99,7 +110,6 @@ class AdaptivePolicy:
             explore_every  # grows after re-tries that did not pay, back to explore_every after one that did
         )
         self.best: dict[int, int] = {}  # batch bucket → the k last chosen there on the estimates
-        self.last_useful_k = 1
         self.chosen: Counter[int] = Counter()  # k → steps (the "chosen k distribution" of the spec stats)
 
     # ------------------------------------------------------------------------------------------------ decide
@@ -113,8 +123,9 @@ class AdaptivePolicy:
             self.steps_without_drafts, self.explore_interval = 0, min(2 * self.explore_interval, MAX_EXPLORE_EVERY)
         else:  # speculation was chosen on its merits
             self.steps_without_drafts, self.explore_interval = 0, self.explore_every
-        if probe:  # drafts for one request only: the verification still runs k + 1 wide for every row (what is
-            # measured), while a draft model catches up on the tokens it skipped for that one request alone
+        if probe and not self.free_drafts:  # drafts for one request only: the verification still runs k + 1 wide
+            # for every row (what is measured), while a draft model catches up on the tokens it skipped for that
+            # one request alone
             row = max(range(len(budgets)), key=lambda i: budgets[i])
             return [min(k, budget) if i == row else 0 for i, budget in enumerate(budgets)]
         return [min(k, budget) for budget in budgets]
@@ -125,30 +136,31 @@ class AdaptivePolicy:
         if top == 0:
             return 0, False
         bucket = batch_bucket(len(request_ids))
-        # 1. Measure first: the plain step, then the widest — unless a batch no larger already found speculation
-        #    unprofitable (a verification costs relatively more at larger batches), so that each new batch size
-        #    does not pay for a costly measurement (a draft model catching up on every token it skipped). A
-        #    proposer may return fewer drafts than asked: the step is then measured at the width it ran.
-        for k in (0, top):
-            if self.samples[(bucket, k)] < 2 and self.tried[(bucket, k)] < 2:  # twice: see `observe`
+        # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the narrowest verification — the
+        #    cheapest one, and with the plain step it gives the line that wider widths are extrapolated on (they are
+        #    measured when chosen). Skipped when a batch no larger already found speculation unprofitable (a
+        #    verification costs relatively more at larger batches): the line then comes from the nearest bucket.
+        for k in (0, 1):
+            if self.samples[(bucket, k)] < 3 and self.tried[(bucket, k)] < 3:
                 if k and self._unprofitable_at_or_below(bucket):
                     break
                 self.tried[(bucket, k)] += 1
                 return k, k > 0
-        # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen.
+        # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen, or
+        #    the verification's time was measured while something else held the CPU.
+        #    One draft: the cheapest verification, and the first position's acceptance is what rises first.
         if self.steps_without_drafts >= self.explore_interval:
-            return min(self.last_useful_k, top), True
+            return 1, True
         # 3. The best expected throughput.
         batch_rates = [self.batch.rate(j, 0.5, 1.0) for j in range(self.max_drafts)]  # once per step, not per request
         rates = [self._rates(rid, batch_rates) for rid in request_ids]
-        best_k, best = 0, -1.0
-        for k in range(top + 1):
+        plain = len(request_ids) / self._seconds(bucket, 0)
+        best_k, best = 0, plain * self.margin
+        for k in range(1, top + 1):
             tokens = sum(_expected_tokens(r, min(k, b)) for r, b in zip(rates, budgets))
             throughput = tokens / self._seconds(bucket, k)
             if throughput > best * 1.0001:  # ties go to fewer drafts
                 best_k, best = k, throughput
-        if best_k:
-            self.last_useful_k = best_k
         self.best[bucket] = best_k
         return best_k, False
 
@@ -156,45 +168,58 @@ class AdaptivePolicy:
         """Whether the last choice at some batch bucket no larger than this one was no drafts at all."""
         return any(b <= bucket and k == 0 for b, k in self.best.items())
 
-    def _nearest_profiled(self, bucket: int) -> int | None:
-        """The measured bucket closest in size (ties: the larger) with the plain step and a verification known."""
-        profiled = {b for (b, j) in self.seconds if j > 0 and (b, 0) in self.seconds}
-        return min(profiled, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)
-
     def _rates(self, request_id: int, batch_rates: list[float]) -> list[float]:
         mine = self.requests.get(request_id, _Acceptance())
         return [mine.rate(j, batch_rates[j], self.prior_weight) for j in range(self.max_drafts)]
 
+    def _line(self, bucket: int) -> tuple[float, float] | None:
+        """(a, s) of seconds ≈ a + s·k through this bucket's measured widths (least squares, each width weighted by
+        its kept samples; the slope at least 0), or None with fewer than two widths measured. A line, not the
+        points: a width measured a little fast by chance must not look cheaper than a narrower one."""
+        points = [(k, t, len(self.times[(b, k)])) for (b, k), t in self.seconds.items() if b == bucket]
+        weight = sum(w for _, _, w in points)
+        if len(points) < 2 or weight == 0:
+            return None
+        mean_k = sum(w * k for k, _, w in points) / weight
+        mean_t = sum(w * t for _, t, w in points) / weight
+        spread = sum(w * (k - mean_k) ** 2 for k, _, w in points)
+        slope = max(0.0, sum(w * (k - mean_k) * (t - mean_t) for k, t, w in points) / spread)
+        return mean_t - slope * mean_k, slope
+
     def _seconds(self, bucket: int, k: int) -> float:
-        """Measured, else linear in k through the nearest measured widths of this bucket (beyond them: the line
-        through the two closest). With only the plain step measured here, the nearest bucket's cost ratios scale
-        it; with nothing else known, every width looks alike (which invites a try)."""
-        points = sorted((j, t) for (b, j), t in self.seconds.items() if b == bucket)
-        if not points:
-            return 1.0  # nothing measured at this size yet: every width looks alike
-        measured = dict(points)
-        if k in measured:
-            return measured[k]
-        if len(points) == 1:
-            other = self._nearest_profiled(bucket)
-            if other is None or 0 not in measured:
-                return points[0][1]
-            return measured[0] * self._seconds(other, k) / self._seconds(other, 0)
-        below = [p for p in points if p[0] < k][-1:]
-        above = [p for p in points if p[0] > k][:1]
-        (k0, t0), (k1, t1) = (below + above) if below and above else (points[:2] if not below else points[-2:])
-        return max(t0 + (t1 - t0) * (k - k0) / (k1 - k0), min(t for _, t in points) * 0.5)
+        """Estimated seconds of a step with k drafts at this bucket: on its line when two widths are measured here;
+        with only the plain step measured, that step scaled by the nearest measured bucket's line; with nothing
+        measured, every width looks alike (which invites a try)."""
+        line = self._line(bucket)
+        if line is not None:
+            return max(line[0] + line[1] * k, 1e-9)
+        plain = self.seconds.get((bucket, 0))
+        lines = {b: self._line(b) for b, _ in self.seconds}
+        other = min((b for b, found in lines.items() if found is not None and found[0] > 0),
+                    key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)  # fmt: skip
+        if plain is None:
+            return 1.0
+        if other is None:
+            return plain
+        a, slope = lines[other]
+        return plain * (1 + slope / a * k)
 
     # ------------------------------------------------------------------------------------------------- learn
     def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
-                seconds: float) -> None:  # fmt: skip
-        """One step's outcome: drafts verified and accepted per request, and the step's wall time."""
-        key = (batch_bucket(len(request_ids)), max(num_drafts, default=0))
-        self.samples[key] += 1
-        old = self.seconds.get(key)
-        # The first step at a width carries one-off costs (a draft model catching up on a whole prompt, buffers
-        # sized for the first time): the second measurement replaces it, later ones are averaged in.
-        self.seconds[key] = seconds if self.samples[key] <= 2 else old + self.smoothing * (seconds - old)
+                seconds: float | None, width: int | None = None) -> None:  # fmt: skip
+        """One step's outcome: drafts asked for and accepted per request (a draft the proposer could not make counts
+        as rejected), the step's wall time (None when the step also did other work, a prefill chunk: its acceptance
+        counts, its time does not) and the drafts per row it verified (default: the most asked for)."""
+        if seconds is not None:
+            key = (batch_bucket(len(request_ids)), max(num_drafts, default=0) if width is None else width)
+            self.samples[key] += 1
+            # The first step at a width carries one-off costs (a draft model catching up on a whole prompt, buffers
+            # sized for the first time): it is not kept. The median of the rest shrugs off a step that waited for
+            # the CPU.
+            if self.samples[key] > 1:
+                times = self.times.setdefault(key, deque(maxlen=TIMING_WINDOW))
+                times.append(seconds)
+                self.seconds[key] = statistics.median(times)
         self.batch.decay(self.decay)
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
             mine = self.requests.get(rid)
@@ -225,10 +250,10 @@ def _expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
-def make_policy(name: str, max_drafts: int) -> FixedPolicy | AdaptivePolicy:
-    """The policy named by `SpeculativeConfig.policy`."""
+def make_policy(name: str, max_drafts: int, free_drafts: bool = False) -> FixedPolicy | AdaptivePolicy:
+    """The policy named by `SpeculativeConfig.policy` (`free_drafts`: see `AdaptivePolicy`)."""
     if name == "fixed":
         return FixedPolicy()
     if name == "adaptive":
-        return AdaptivePolicy(max_drafts)
+        return AdaptivePolicy(max_drafts, free_drafts=free_drafts)
     raise ValueError(f"speculative policy {name!r} is invalid: must be one of {', '.join(POLICIES)}")

@@ -60,7 +60,9 @@ class Proposer(Protocol):
 
     A proposer that drafts from the target's hidden states (MTP) also has `observe_target(requests, hidden,
     cache_lens, num_tokens)`, which the scheduler calls after every target forward with the final-norm hidden
-    states and how many positions of each row were kept.
+    states and how many positions of each row were kept. A proposer whose drafts cost nothing (n-gram lookup) sets
+    `drafts_cost_nothing = True` and has `lookup(requests, num_drafts) -> list[list[int]]` (the drafts as lists):
+    the scheduler then asks it for drafts it will not verify, to observe acceptance on plain steps.
     """
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:

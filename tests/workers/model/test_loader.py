@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from workers import ModelRunner
 from workers.model import load_checkpoint
 from workers.model.config import HybridConfig
+from workers.model.loader import resolve_dtype
 
 
 def _copy(src, tmp_path, name="model"):
@@ -115,14 +116,17 @@ def test_tied_embeddings_share_one_tensor(checkpoint_dir):
     assert loaded.model.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
 
 
-def test_dtype_auto_follows_checkpoint_and_bfloat16_stays_close(tmp_path, checkpoint_dir):
+def test_dtype_auto_is_float32_on_cpu_and_bfloat16_stays_close(tmp_path, checkpoint_dir):
     from tests.tiny_models import build_checkpoint
 
     path = build_checkpoint("granite_moe", tmp_path / "bf16", dtype=torch.bfloat16)
-    loaded = load_checkpoint(str(path), dtype="auto")
+    assert load_checkpoint(str(path), dtype="auto").model.embed_tokens.weight.dtype == torch.float32
+    config = HybridConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    assert resolve_dtype("auto", config, "cuda") == torch.bfloat16  # a GPU keeps the checkpoint's dtype
+    loaded = load_checkpoint(str(path), dtype="bfloat16")
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.model.blocks[0].mixer.A_log.dtype == torch.float32  # SSM parameters stay float32
-    bf16 = _logits(path, dtype="auto")
+    bf16 = _logits(path, dtype="bfloat16")
     fp32 = _logits(path, dtype="float32")
     assert (bf16 - fp32).abs().max() < 0.15
     assert (bf16 - fp32).abs().max() > 0  # really ran in bfloat16

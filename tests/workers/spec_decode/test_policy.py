@@ -83,13 +83,14 @@ def test_measures_each_batch_size_bucket_on_its_own():
 def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
     policy = AdaptivePolicy(K)
     assert policy.num_drafts([0, 1], [0, 0]) == [0, 0]
-    # Measured first, twice each (the first step at a width carries one-off costs): the plain step, then the widest
-    # allowed, probed with one request.
-    chosen = []
-    for _ in range(4):
-        chosen.append(policy.num_drafts([0, 1], [2, 1]))
-        policy.observe([0, 1], chosen[-1], [0, 0], 1.0)
-    assert chosen == [[0, 0], [0, 0], [2, 0], [2, 0]]
+    # Measured first, three times each (the first step at a width carries one-off costs and is not kept): the
+    # plain step, then the narrowest verification, probed with one request (all of them when drafts cost nothing).
+    for free, probe in ((False, [1, 0]), (True, [1, 1])):
+        policy, chosen = AdaptivePolicy(K, free_drafts=free), []
+        for _ in range(6):
+            chosen.append(policy.num_drafts([0, 1], [2, 1]))
+            policy.observe([0, 1], chosen[-1], [0, 0], 1.0)
+        assert chosen == [[0, 0]] * 3 + [probe] * 3
     assert FixedPolicy().num_drafts([0, 1, 2], [4, 0, 2]) == [4, 0, 2]
     with pytest.raises(ValueError, match="policy 'greedy' is invalid: must be one of adaptive, fixed"):
         make_policy("greedy", K)

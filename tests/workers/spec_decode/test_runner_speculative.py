@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -9,7 +11,7 @@ from scipy.stats import chisquare
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool
 from workers.sampling import target_probs
-from workers.spec_decode.ngram import propose_ngram
+from workers.spec_decode.ngram import NgramIndex, propose_ngram
 from workers.spec_decode.rejection_sampler import rejection_sample
 
 
@@ -202,7 +204,24 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, checkpoint_dir):
 def test_ngram_lookup():
     context = [1, 2, 3, 4, 9, 1, 2, 3]
     assert propose_ngram(context, 3, 1, 3) == [4, 9, 1]  # longest suffix [1, 2, 3] matched
-    assert propose_ngram(context, 10, 1, 3) == [4, 9, 1, 2, 3]  # as far as the context goes
+    assert propose_ngram(context, 7, 1, 3) == [4, 9, 1, 2, 3, 4, 9]  # on through the copy's own output
+    assert propose_ngram([7, 5, 8, 5, 8], 4, 1, 2) == [5, 8, 5, 8]  # a loop of period 2 repeats its period
+    assert propose_ngram([3, 3, 3], 3, 1, 1) == [3, 3, 3]
     assert propose_ngram([5, 6, 7, 8], 3, 1, 3) == []  # nothing repeats: no drafts
     assert propose_ngram([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]  # most recent match wins
     assert propose_ngram([4, 4], 2, 2, 3) == []  # too short for a 2-gram plus a continuation
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (2, 5), (1, 3)])
+def test_ngram_index_proposes_what_the_scan_does(min_n, max_n):
+    """The incremental index the proposer keeps per request against the plain scan, token by token as a request
+    grows (a small vocabulary makes matches, loops and near-misses common)."""
+    rng = random.Random(min_n * 10 + max_n)
+    for _ in range(20):
+        new, tokens, index = [rng.randrange(4) for _ in range(rng.randrange(1, 6))], [], NgramIndex(min_n, max_n)
+        for _ in range(60):
+            index.extend(new)
+            tokens += new
+            k = rng.randrange(0, 6)
+            assert index.propose(k) == propose_ngram(tokens, k, min_n, max_n), tokens
+            new = [rng.randrange(4) for _ in range(rng.choice([1, 1, 1, 3]))]

@@ -50,7 +50,9 @@ class ModelConfig:
     model: str = _doc("local HF model directory or hub repo id (safetensors only)", default="")
     device: str = _doc(f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)",
                        default="auto")  # fmt: skip
-    dtype: str = _doc(f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU)", default="auto")
+    dtype: str = _doc(
+        f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU)", default="auto"
+    )
     max_num_seqs: int = _doc("requests decoded together per worker", default=64)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "

@@ -124,6 +124,25 @@ def test_greedy_generation_through_plans_equals_the_module_path(checkpoint_dir, 
     assert spec.spec_stats()["num_draft_tokens"] > 0  # random weights rarely repeat: mostly rejected drafts
 
 
+def test_a_gdn_draft_model_steps_through_its_own_plan(checkpoint_dir, monkeypatch):
+    """Draft-model speculation with Gated DeltaNet models on both sides: target and draft steps both planned."""
+    path, draft = str(checkpoint_dir("qwen3_5_text")), str(checkpoint_dir("qwen3_5"))
+    expected, _ = _generate(path, decode_plan=False)
+    plans: list[DecodePlan] = []
+    monkeypatch.setattr(DecodePlan, "__init__", _recording(DecodePlan.__init__, plans))
+    got, runner = _generate(path, speculative=SpeculativeConfig("draft", 3, draft_model=draft, policy="fixed"))
+    assert got == expected and runner.spec_stats()["num_draft_tokens"] > 0
+    assert {plan.model.config.model_type for plan in plans} == {"qwen3_5_text", "qwen3_5"}
+
+
+def _recording(init, plans: list[DecodePlan]):
+    def record(plan: DecodePlan, *args, **kwargs) -> None:
+        init(plan, *args, **kwargs)
+        plans.append(plan)
+
+    return record
+
+
 @pytest.mark.parametrize("family", GDN_PLANNED)
 def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(checkpoint_dir, family):
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by

@@ -30,9 +30,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3_5Config,
+    Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3NextConfig,
@@ -90,12 +92,18 @@ FAMILIES = {
     "qwen3_5_moe": lambda: Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
         text_config=dict(**_QWEN, **_QWEN_MOE), vision_config=_VISION)),
 }  # fmt: skip
+# More dense Gated DeltaNet layouts, outside FAMILIES (which every family-wide test runs): the text-only Qwen3.5
+# checkpoint (`qwen3_5_text`, `model.*` keys, untied) and Qwen3-Next without experts (grouped `in_proj_qkvz`).
+GDN_VARIANT_FAMILIES = {
+    "qwen3_5_text": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_QWEN, intermediate_size=96)),
+    "qwen3_next_dense": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(**_QWEN, intermediate_size=96, num_experts=0)),
+}
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
 # Zero-centred norms and an MTP head; the Qwen3.5 ones also a byte-level tokenizer (transformers loads qwen3_5
 # tokenizers as its own byte-level class, which would mangle the word-level one).
 QWEN_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-BYTE_LEVEL_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+BYTE_LEVEL_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text")
 
 
 def draft_for(target: str, draft: str) -> str:
@@ -221,8 +229,8 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     """
     torch.manual_seed(seed)
     name, _, flavour = family.partition("+")
-    model = {**FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[name]()
-    gdn_family = name in QWEN_GDN_FAMILIES
+    model = {**FAMILIES, **GDN_VARIANT_FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[name]()
+    gdn_family = name in QWEN_GDN_FAMILIES or name in GDN_VARIANT_FAMILIES
     randomise(model, seed, zero_centred_norms=gdn_family)
     model.to(dtype).save_pretrained(directory)
     if name in FUSED_EXPERT_FAMILIES:

@@ -5,7 +5,8 @@
 - "graph": the CUDA graph plan (`workers/model/cuda_graph.py`), captured on CUDA, its eager form elsewhere.
 
 Plans share one interface — `run`, `verify`, `keep`, `tokens_per_row` — so the scheduler holds one and never
-branches on which it is.
+branches on which it is. A proposer that drafts from the target's hidden states (MTP) reads them from the decode
+plan's `last_hidden`; the graph plan does not hand them out, so it is never chosen for such a proposer.
 """
 
 from __future__ import annotations

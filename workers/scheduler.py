@@ -234,7 +234,9 @@ class Scheduler:
             self.blocks.ensure(r.slot, r.num_tokens)
         prefix = [r.slot for r in requests] == list(range(len(requests)))  # compacted: views, no copies
         if prefix and self.plan is not None:
-            logits = self.plan.run([r.last_token for r in requests], [r.num_tokens - 1 for r in requests])
+            positions = [r.num_tokens - 1 for r in requests]
+            logits = self.plan.run([r.last_token for r in requests], positions)
+            self._observe_plan(requests, positions, [1] * len(requests))
             self._sample_and_append(requests, logits)
             return
         slots = self._slots(requests)
@@ -255,6 +257,12 @@ class Scheduler:
         observe = getattr(self.proposer, "observe_target", None)
         if observe is not None:
             observe(requests, hidden, cache_lens, kept)
+
+    def _observe_plan(self, requests: list[Request], cache_lens: list[int], kept: list[int]) -> None:
+        """`_observe` after a planned step: the CPU decode plan hands out its final hidden states (`choose_executor`
+        never picks the graph plan, which does not, for a proposer that drafts from them)."""
+        if hasattr(self.proposer, "observe_target"):
+            self._observe(requests, self.plan.last_hidden(), cache_lens, kept)
 
     def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:
         tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
@@ -307,6 +315,7 @@ class Scheduler:
         # 4. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         if planned:
             self.plan.keep(accepted)
+            self._observe_plan(requests, cache_lens, accepted)
         else:
             shifted = self.model.states_after(old_states, out.scan_inputs, num_accepted_tokens(output_token_ids))
             self.pool.write(slots, shifted)

@@ -70,8 +70,13 @@ class Attention(nn.Module):
         return q, k, v, gate
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """Attention output [b, l, heads · hd] → o_proj (after the output gate when the model has one)."""
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        """Attention output [b, l, heads · hd] → o_proj (after the output gate when the model has one; through the
+        native kernel when the decode steps are native, so that a decode plan's gate computes the same bits)."""
+        if gate is None:
+            return self.o_proj(out)
+        if self.native and native.fits(out, gate):
+            return self.o_proj(native.sigmoid_mul(out, gate))
+        return self.o_proj(out * torch.sigmoid(gate))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""

@@ -6,45 +6,27 @@ records those same calls once per batch size — weights, state slots 0 … b-1 
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
 
-It covers models whose every block runs native on the module path: Mamba2 with the native decode kernel,
-attention (NoPE or RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Anything else
-(MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
+It covers models whose every block runs native on the module path: Mamba2 and Gated DeltaNet mixers with their
+native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
+norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
+RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
+Anything else (MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
 from __future__ import annotations
-
-import enum
-import struct
 
 import torch
 
 from workers.model import native
 from workers.model.attention import Attention, inverse_frequencies
-from workers.model.config import ATTENTION, MAMBA, MLP
+from workers.model.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS
 from workers.model.feed_forward import MLP as DenseMLP
+from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.hybrid import HybridModel
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
+from workers.model.plan_records import RECORD_WORDS, Op, Recorder, scratch_rows
 from workers.model.state import StatePool
-
-
-class Op(enum.IntEnum):
-    """Op codes of csrc/decode_plan.c (same values)."""
-
-    EMBED = 1
-    RMS_NORM = 2
-    ADD_RMS_NORM = 3
-    LINEAR = 4
-    SILU_MUL = 5
-    MAMBA2 = 6
-    ATTENTION = 7
-    RELU_SQUARE = 8
-    ROPE = 9
-    COPY = 10
-    MAMBA2_SHIFT = 11
-
-
-NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
 
 
 def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
@@ -67,32 +49,21 @@ def unsupported_reason(model: HybridModel) -> str | None:
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
     for block in model.blocks:
         mixer = block.mixer
+        if block.kind not in (MAMBA, GDN, ATTENTION, MLP):
+            return f"{block.kind} blocks are not covered (expert routing runs module by module)"
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
         if not all(isinstance(m, NativeLinear) for m in linears):
             return f"a {block.kind} block has linears outside the native kernel"
-        if block.kind == MAMBA and mixer.decode_kernel != "native":
-            return "Mamba2 decode steps do not run through the native kernel"
-        if block.kind == ATTENTION and not mixer.native:
-            return "attention decode steps do not run through the native kernel"
-        if block.kind == ATTENTION and mixer.config.output_gate:
-            return "gated attention outputs (Qwen3.5 / Qwen3-Next) are not covered"
+        if block.kind in RECURRENT_KINDS and mixer.decode_kernel != "native":
+            name = "Mamba2" if block.kind == MAMBA else "Gated DeltaNet"
+            return f"{name} decode steps do not run through the native kernel"
+        if block.kind == ATTENTION:
+            head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]
+            if not (mixer.native and all(norm.native for norm in head_norms)):
+                return "attention decode steps do not run through the native kernel"
         if block.kind == MLP and not mixer.native:
             return "MLP activations do not run through the native kernels"
-        if block.kind not in (MAMBA, ATTENTION, MLP):
-            return f"{block.kind} blocks are not covered"
     return None
-
-
-def _pointer(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if not native.fits(t) and not (t.dtype == torch.int64 and t.is_contiguous()):
-        raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
-    return t.data_ptr()
-
-
-def _double_bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 class DecodePlan:
@@ -100,10 +71,12 @@ class DecodePlan:
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
     per row — speculative verification — as the module path does on CPU: every linear once over all the tokens
-    (the weights are read once), the Mamba2 and attention steps token by token. `keep(num_accepted_tokens)` then
-    shifts each row's Mamba states to the state after input num_accepted_tokens − 1: rows that accepted fewer than
-    all get their saved state back and re-run the accepted tokens, so states (and logits) are bit for bit those of
-    plain steps — greedy speculative output equals greedy plain output by construction.
+    (the weights are read once), the Mamba2 / Gated DeltaNet and attention steps token by token.
+    `keep(num_accepted_tokens)` then shifts each row's recurrent states to the state after input
+    num_accepted_tokens − 1: rows that accepted fewer than all get their saved state back and re-run the accepted
+    tokens, so states (and logits) are bit for bit those of plain steps — greedy speculative output equals greedy
+    plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
+    proposer drafts from them).
     """
 
     def __init__(self, model: HybridModel, pool: StatePool, tokens_per_row: int = 1):
@@ -112,7 +85,7 @@ class DecodePlan:
         if reason is not None:
             raise ValueError(f"this model cannot run as a decode plan: {reason}")
         self.lib = native.load()
-        if self.lib.decode_plan_record_words() != 1 + NUM_INTS + NUM_FLOATS:
+        if self.lib.decode_plan_record_words() != RECORD_WORDS:
             raise native.NativeKernelError("decode_plan.c and decode_plan.py disagree on the record size")
         self.model, self.pool, self.tokens_per_row = model, pool, tokens_per_row
         config = model.config
@@ -127,42 +100,47 @@ class DecodePlan:
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
-        m, a = config.mamba, config.attention
-        num_mamba = pool.conv.shape[0]
-        self.xbc = torch.empty(rows, m.conv_dim if num_mamba else 1)
-        # Verification saves the states it starts from and keeps each Mamba layer's in_proj outputs (for the shift).
-        kept = num_mamba if tokens_per_row > 1 else 0
-        self.kept_proj = torch.empty(kept, tokens * (m.intermediate_size + m.conv_dim + m.num_heads) if kept else 0)
+        recurrent = next((b.mixer for b in model.blocks if b.kind in RECURRENT_KINDS), None)
+        self.xbc = torch.empty(rows, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
+        # Verification saves the states it starts from and keeps each recurrent layer's in_proj outputs (the shift
+        # re-runs the accepted tokens from them).
+        kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
+        self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
         self.saved_conv = torch.empty_like(pool.conv[:kept])
         self.saved_ssm = torch.empty_like(pool.ssm[:kept])
-        self.replay_out = torch.empty(m.intermediate_size if kept else 0)
-        kv_width = a.num_kv_heads * a.head_dim if ATTENTION in config.block_kinds else 1
+        self.replay_out = torch.empty(recurrent.out_proj.in_features if kept else 0)
+        a = config.attention
+        attention = ATTENTION in config.block_kinds
+        kv_width = a.num_kv_heads * a.head_dim if attention else 1
         self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
+        gated = attention and a.output_gate  # q_proj rows [q_h | gate_h] are split into these two
+        self.query, self.gate = (torch.empty(tokens, a.num_heads * a.head_dim if gated else 0) for _ in range(2))
         self.logits = torch.empty(tokens, config.vocab_size)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
+        self._last: tuple[int, int] | None = None  # (b, l) of the last step, for `last_hidden`
         self._referenced: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
 
     def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One step for rows 0 … b-1: input `token_ids` at `positions` (= tokens already cached) → logits [b, v].
 
-        Updates the pool's Mamba states and KV caches as the module path's in-place decode does. The logits are a
-        view of a buffer the next step overwrites.
+        Updates the pool's recurrent states and KV caches as the module path's in-place decode does. The logits are
+        a view of a buffer the next step overwrites.
         """
         return self._execute([[t] for t in token_ids], positions)[:, 0]
 
     def verify(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         """Rows 0 … b-1 each run l tokens (padded rows included) from `positions` on → logits [b, l, v].
 
-        KV entries and Mamba states are left after all l tokens until `keep` shifts the states.
+        KV entries and recurrent states are left after all l tokens until `keep` shifts the states.
         """
         logits = self._execute(token_ids, positions)
         self._verified = (logits.shape[0], logits.shape[1]) if logits.shape[1] > 1 else None
         return logits
 
     def keep(self, num_accepted_tokens: list[int]) -> None:
-        """After `verify`: each row keeps its Mamba states after input num_accepted_tokens − 1 (1 ≤ n ≤ l)."""
+        """After `verify`: each row keeps its recurrent states after input num_accepted_tokens − 1 (1 ≤ n ≤ l)."""
         if self._verified is None:
             raise RuntimeError("keep() needs a verification of more than one token per row before it")
         b, length = self._verified
@@ -178,6 +156,14 @@ class DecodePlan:
         )
         assert not failed, "decode_plan_shift refused counts checked above"
 
+    def last_hidden(self) -> torch.Tensor:
+        """The final-norm hidden states [b, l, d] of the last `run` or `verify` — what the module path returns as
+        `ForwardOutput.hidden`, bit for bit — as a view of a buffer the next step overwrites (`keep` leaves it)."""
+        if self._last is None:
+            raise RuntimeError("last_hidden() needs a step before it")
+        b, length = self._last
+        return self.normed[: b * length].view(length, b, -1).transpose(0, 1)
+
     def _execute(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         """Run the records for [b, l] tokens; logits [b, l, v] (a view of the plan's buffer)."""
         b, length = check_step(token_ids, positions, self.max_rows, self.tokens_per_row)
@@ -186,12 +172,14 @@ class DecodePlan:
         records = self._records.get((b, length))
         if records is None:
             records = self._records[(b, length)] = self._record(b, length)
+        self._last = None
         failed = self.lib.decode_plan_run(records.data_ptr(), records.shape[0], torch.get_num_threads())
         if failed:
             raise ValueError(
                 f"decode step refused its input at record {failed - 1}: a token id outside [0, "
                 f"{self.model.config.vocab_size}) or a position outside the KV cache or without a KV block"
             )
+        self._last = (b, length)
         logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
         divisor = self.model.config.logits_divisor
         return logits if divisor == 1.0 else logits / divisor  # exactly as HybridModel.logits
@@ -201,40 +189,46 @@ class DecodePlan:
         """The records of one step of `length` tokens for b rows."""
         model, config = self.model, self.model.config
         n, d = b * length, config.hidden_size
-        rec = _Recorder(b, length)
+        rec = Recorder(b, length)
         hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
         rec.emit(Op.EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
                  (config.embedding_multiplier,))  # fmt: skip
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
         rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
-        if length > 1:  # save the Mamba states verification starts from
+        if length > 1:  # save the recurrent states verification starts from
             for layer in range(self.saved_conv.shape[0]):
                 for saved, state in ((self.saved_conv, self.pool.conv), (self.saved_ssm, self.pool.ssm)):
                     rec.emit(Op.COPY, [saved[layer, :b], state[layer, :b], state[layer, :b].numel()])
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
-        mamba_layer = attention_layer = 0
+        recurrent_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
             if block.kind == MAMBA:
-                self._record_mamba(rec, block.mixer, mamba_layer)
-                mamba_layer += 1
+                self._record_mamba(rec, block.mixer, recurrent_layer)
+            elif block.kind == GDN:
+                self._record_gdn(rec, block.mixer, recurrent_layer)
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
             else:
                 self._record_mlp(rec, block.mixer)
+            recurrent_layer += block.kind in RECURRENT_KINDS
             rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
                      (config.residual_multiplier, next_norm.eps))  # fmt: skip
         rec.linear(model.lm_head, normed, self.logits[:n])
-        return torch.tensor(rec.records, dtype=torch.int64)
+        return rec.tensor()
 
-    def _record_mamba(self, rec: _Recorder, mixer: Mamba2Mixer, layer: int) -> None:
+    def _projections(self, width: int, layer: int, n: int, length: int) -> torch.Tensor:
+        """Where a recurrent layer's in_proj writes [l, b, width]: kept per layer through a verification (the shift
+        re-runs tokens from it), else scratch."""
+        if length > 1:
+            return self.kept_proj[layer, : n * width].view(length, n // length, width)
+        return scratch_rows(self.wide, n, width).view(1, n, width)
+
+    def _record_mamba(self, rec: Recorder, mixer: Mamba2Mixer, layer: int) -> None:
         m, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
         width = mixer.in_proj.out_features
-        if length > 1:
-            proj = self.kept_proj[layer, : n * width].view(length, b, width)
-        else:
-            proj = _rows(self.wide, n, width).view(1, b, width)
-        y = _rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
         for t in range(length):  # token by token, the states updated in place
             rec.emit(Op.MAMBA2, [proj[t], self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
@@ -243,31 +237,66 @@ class DecodePlan:
                      (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
         rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
 
-    def _record_shift(self, b: int, length: int) -> torch.Tensor:
-        """One shift record per Mamba layer: the replay of `_record_mamba`'s steps from the saved state."""
-        rec = _Recorder(b, length)
-        for layer, mixer in enumerate(block.mixer for block in self.model.blocks if block.kind == MAMBA):
-            m, width = mixer.config, mixer.in_proj.out_features
-            rec.emit(Op.MAMBA2_SHIFT, [self.kept_proj[layer, : b * length * width], self.pool.conv[layer],
-                                    mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D,
-                                    self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc,
-                                    self.replay_out, b, m.num_heads, m.head_dim, m.num_groups, m.state_size,
-                                    m.conv_kernel, self.saved_conv[layer], self.saved_ssm[layer], length],
-                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
-        return torch.tensor(rec.records, dtype=torch.int64).view(-1, 1 + NUM_INTS + NUM_FLOATS)
+    def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int, b: int) -> list[torch.Tensor]:
+        """OP_GDN's arguments from the conv window to the conv output scratch (for b rows): what
+        `GatedDeltaNetMixer._native_decode` hands `gdn_decode_step` (the conv weight [conv_dim, 1, W] is the
+        [conv_dim, W] it squeezes)."""
+        return [self.pool.conv[layer], mixer.conv1d.weight, mixer.dt_bias, mixer.A_log, self.pool.ssm[layer],
+                mixer.norm.weight, self.xbc[:b]]  # fmt: skip
 
-    def _record_attention(self, rec: _Recorder, attention: Attention, layer: int) -> None:
+    def _record_gdn(self, rec: Recorder, mixer: GatedDeltaNetMixer, layer: int) -> None:
+        g, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features  # rows [q | k | v | z | b | a]: the loader joined the projections
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, g.value_dim).view(length, b, g.value_dim)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+        for t in range(length):  # token by token, conv windows and delta-rule states updated in place
+            rec.emit(Op.GDN, [proj[t], *self._gdn_arguments(mixer, layer, b), y[t], b, *sizes], (mixer.norm.eps,))
+        rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
+
+    def _record_shift(self, b: int, length: int) -> torch.Tensor:
+        """One shift record per recurrent layer: the replay of `_record_mamba`'s / `_record_gdn`'s steps from the
+        saved state, for rows that accepted fewer than l tokens."""
+        rec = Recorder(b, length)
+        mixers = [block.mixer for block in self.model.blocks if block.kind in RECURRENT_KINDS]
+        for layer, mixer in enumerate(mixers):
+            kept, saved = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.saved_conv[layer]
+            if isinstance(mixer, GatedDeltaNetMixer):
+                g = mixer.config
+                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer, 1), self.replay_out, b,
+                                        g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim,
+                                        g.conv_kernel, saved, self.saved_ssm[layer], length],
+                         (mixer.norm.eps,))  # fmt: skip
+                continue
+            m = mixer.config
+            rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,
+                                    mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight,
+                                    mixer.norm.num_groups, self.xbc, self.replay_out, b, m.num_heads, m.head_dim,
+                                    m.num_groups, m.state_size, m.conv_kernel, saved, self.saved_ssm[layer], length],
+                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        return rec.tensor()
+
+    def _record_attention(self, rec: Recorder, attention: Attention, layer: int) -> None:
         a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
         width = a.num_heads * a.head_dim
-        q, out = _rows(self.wide, n, width).view(length, b, width), _rows(self.narrow, n, width).view(length, b, width)
+        projected = scratch_rows(self.wide, n, attention.q_proj.out_features)
+        out = scratch_rows(self.narrow, n, width).view(length, b, width)
         keys, values = self.keys[:n].view(length, b, -1), self.values[:n].view(length, b, -1)
-        rec.linear(attention.q_proj, self.normed[:n], q.view(n, width))
+        rec.linear(attention.q_proj, self.normed[:n], projected)
         rec.linear(attention.k_proj, self.normed[:n], keys.view(n, -1))
         rec.linear(attention.v_proj, self.normed[:n], values.view(n, -1))
-        if attention.q_norm is not None:  # per-head RMSNorm of q and k (Qwen3), in place, before RoPE
+        if a.output_gate:  # q_proj rows per head are [q_h | gate_h]: split them as `Attention._project` does
+            q = self.query[:n].view(length, b, width)
+            for part, offset in ((q, 0), (self.gate[:n], a.head_dim)):
+                rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
+                                        2 * a.head_dim])  # fmt: skip
+        else:
+            q = projected.view(length, b, width)
+        if attention.q_norm is not None:  # per-head RMSNorm of q and k (Qwen3, Qwen3.5), in place, before RoPE
             for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
-                rows = x.reshape(n * heads, a.head_dim)
-                rec.emit(Op.RMS_NORM, [rows, norm.weight, rows, n * heads, a.head_dim], (norm.eps,))
+                head_rows = x.reshape(n * heads, a.head_dim)
+                rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))
         inv_freq = None
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
@@ -283,40 +312,17 @@ class DecodePlan:
                                       a.num_kv_heads, a.head_dim, self.pool.capacity,
                                       blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2]],
                      (a.scale,))  # fmt: skip
+        if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
+            rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
 
-    def _record_mlp(self, rec: _Recorder, mlp: DenseMLP) -> None:
+    def _record_mlp(self, rec: Recorder, mlp: DenseMLP) -> None:
         n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features
-        h = _rows(self.wide, n, mlp.up_proj.out_features)
-        act = _rows(self.narrow, n, intermediate)
+        h = scratch_rows(self.wide, n, mlp.up_proj.out_features)
+        act = scratch_rows(self.narrow, n, intermediate)
         rec.linear(mlp.up_proj, self.normed[:n], h)
         if mlp.gated:
             rec.emit(Op.SILU_MUL, [h, act, n, intermediate])
         else:
             rec.emit(Op.RELU_SQUARE, [h, act, n * intermediate])
         rec.linear(mlp.down_proj, act, self.mixed[:n])
-
-
-def _rows(buffer: torch.Tensor, b: int, width: int) -> torch.Tensor:
-    """The first b rows of `width` values of a scratch buffer, as a contiguous [b, width] tensor."""
-    return buffer.view(-1)[: b * width].view(b, width)
-
-
-class _Recorder:
-    """Collects the records of one step of `length` tokens for `rows` rows."""
-
-    def __init__(self, rows: int, length: int):
-        self.rows, self.length = rows, length
-        self.records: list[list[int]] = []
-
-    def emit(self, code: Op, ints: list[int | torch.Tensor | None], floats: tuple[float, ...] = ()) -> None:
-        """Append a record: tensors become their data pointers (None: a null pointer), floats their double bits."""
-        words = [_pointer(v) if v is None or isinstance(v, torch.Tensor) else int(v) for v in ints]
-        assert len(words) <= NUM_INTS and len(floats) <= NUM_FLOATS
-        doubles = [_double_bits(f) for f in floats]
-        self.records.append([code, *words, *[0] * (NUM_INTS - len(words)), *doubles, *[0] * (NUM_FLOATS - len(floats))])
-
-    def linear(self, layer: NativeLinear, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y = layer(x) for the native linear `layer`, over all rows · length tokens."""
-        self.emit(Op.LINEAR, [x, layer.panels, layer.bias, y, self.rows * self.length, layer.out_features,
-                           layer.in_features])  # fmt: skip

@@ -9,7 +9,8 @@
   per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
   rotary embeddings.
-- `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, argmax (`vexp.h`: vectorised exp).
+- `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
+  vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
 works without a compiler (slower).
@@ -100,6 +101,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.argtypes = [ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.sigmoid_mul.restype = None
+    lib.sigmoid_mul.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
     lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
     lib.mamba2_prefill.restype = None
     lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
@@ -238,6 +241,16 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     n = h.shape[-1] // 2
     out = h.new_empty(*h.shape[:-1], n)
     load().silu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x · sigmoid(gate) for x, gate [..., n] of the same shape (gated attention's output gate)."""
+    if x.shape != gate.shape:
+        raise ValueError(f"x {tuple(x.shape)} and gate {tuple(gate.shape)} must have the same shape")
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    load().sigmoid_mul(pointer(x), pointer(gate), pointer(out), x.numel() // n, n, torch.get_num_threads())
     return out
 
 

@@ -15,6 +15,7 @@ from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.capture_safety import find_capture_hazards
 from workers.model.cuda_graph import GraphPlan, batch_buckets, unsupported_reason
+from workers.model.decode_plan import DecodePlan
 from workers.model.kv_blocks import BlockTable
 
 MAMBA2, GDN = ["granite_dense", "bamba", "nemotron_dense"], ["qwen3_5"]  # the other families route MoE
@@ -173,14 +174,15 @@ def test_a_failed_capture_is_logged_once_and_steps_run_eagerly(checkpoint_dir, c
 
 
 def test_mtp_speculation_keeps_the_eager_path_and_says_why(checkpoint_dir, caplog):
-    """MTP drafts read the target's hidden states, which graph steps do not hand out: the runner runs eagerly."""
+    """MTP drafts read the target's hidden states, which graph steps do not hand out: the runner runs without
+    graphs — on CPU through the decode plan, which hands them out."""
     path = str(checkpoint_dir("qwen3_5"))
     with caplog.at_level(logging.INFO, logger="workers.runner"):
         runner = ModelRunner.from_pretrained(
             path, max_num_seqs=3, cuda_graphs=True, speculative=SpeculativeConfig("mtp", 2)
         )
-    assert "CUDA graphs off (MTP drafts read the target's hidden states" in caplog.text
+    assert "decode plan on; CUDA graphs off (MTP drafts read the target's hidden states" in caplog.text
     assert [r.token_ids for r in runner.generate(PROMPTS, PARAMS)] == _generate(
         path, PROMPTS, PARAMS, cuda_graphs=False
     )
-    assert runner._workspace.plan is None and runner.spec_stats()["num_drafts"] > 0
+    assert isinstance(runner._workspace.plan, DecodePlan) and runner.spec_stats()["num_drafts"] > 0

@@ -145,6 +145,11 @@ def test_elementwise_kernels_equal_their_torch_references():
         fused = torch.randn(rows, 2 * d, generator=g) * 20  # far into both tails of silu
         gate, up = fused.chunk(2, dim=-1)
         torch.testing.assert_close(native.silu_mul(fused), F.silu(gate) * up)
+        # Gated attention's output gate, far into both tails of the sigmoid (the kernel clamps exp's argument).
+        gate = gate.contiguous()
+        torch.testing.assert_close(native.sigmoid_mul(x, gate), x * torch.sigmoid(gate), atol=1e-7, rtol=1e-6)
+    with pytest.raises(ValueError, match="same shape"):
+        native.sigmoid_mul(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
 def test_argmax_matches_torch_on_ties_and_nan():
@@ -193,7 +198,8 @@ def test_native_rope_equals_the_torch_rotary(rotary_dim):
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["granite_dense", "granite_moe", "bamba"])  # NoPE, RoPE, partial RoPE
+# NoPE, RoPE, partial RoPE; Qwen3.5's output gate with per-head q/k norms and partial RoPE 0.25
+@pytest.mark.parametrize("family", ["granite_dense", "granite_moe", "bamba", "qwen3_5"])
 def test_native_attention_decode_equals_the_torch_path(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     layers = {}

@@ -7,10 +7,11 @@
  * bit-for-bit those of the module-by-module path (tests check that). The CPU counterpart of a CUDA graph.
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
  *
- * Speculative verification runs l tokens per row the same way (linears over all of them at once, the Mamba2 and
- * attention steps token by token, states updated in place after saving them); decode_plan_shift then gives each row
- * the state after its accepted tokens: rows that accepted fewer than l get the saved state back and re-run their
- * accepted tokens through the same kernel, so the kept state is bit for bit what plain decode steps would leave.
+ * Speculative verification runs l tokens per row the same way (linears over all of them at once, the Mamba2,
+ * Gated DeltaNet and attention steps token by token, states updated in place after saving them); decode_plan_shift
+ * then gives each row the state after its accepted tokens: rows that accepted fewer than l get the saved state back
+ * and re-run their accepted tokens through the same kernel, so the kept state is bit for bit what plain decode
+ * steps would leave.
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +31,10 @@ enum {
     OP_ROPE,
     OP_COPY,
     OP_MAMBA2_SHIFT,
+    OP_GDN,
+    OP_GDN_SHIFT,
+    OP_COPY_ROWS,
+    OP_SIGMOID_MUL,
 };
 
 typedef struct {
@@ -91,6 +96,18 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_ROPE:
             rope_rows(F32(0), I64(1), F32(2), op->a[3], op->a[4], op->a[5], op->a[6]);
             break;
+        case OP_COPY_ROWS: /* a: dst, src, rows, width, dst stride, src stride (gated attention's [q_h | gate_h]) */
+            for (int64_t r = 0; r < op->a[2]; ++r)
+                memcpy(F32(0) + r * op->a[4], F32(1) + r * op->a[5], op->a[3] * sizeof(float));
+            break;
+        case OP_SIGMOID_MUL:
+            sigmoid_mul(F32(0), F32(1), F32(2), op->a[3], op->a[4], num_threads);
+            break;
+        case OP_GDN: /* a: in_proj output, conv windows, conv weight, dt_bias, A_log, delta-rule states, norm weight,
+                      * conv output scratch, out, b, HK, HV, DK, DV, W; f: eps (gdn_decode.c's arguments) */
+            gdn_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], F32(7), F32(8),
+                            op->a[9], op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
+            break;
         case OP_MAMBA2:
             mamba2_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0],
                                (float)op->f[1], F32(7), F32(8), op->a[9], (float)op->f[2], F32(10), F32(11),
@@ -117,27 +134,55 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
     return 0;
 }
 
-/* Shift records (one OP_MAMBA2_SHIFT per Mamba layer, arguments as OP_MAMBA2 plus a18 saved conv windows,
- * a19 saved SSM states, a20 tokens per row l, the in_proj outputs a0 token-major [l, b, ·]): every row keeps the
- * state after its first accepted[r] tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
+/* Rows that accepted fewer than all l tokens restart from the saved state and re-run their accepted tokens, one
+ * row at a time (the kernels compute every row alike, so one row alone gives the bits the batch gave). */
+static void mamba2_shift(const plan_op *op, const int64_t *accepted, int num_threads) {
+    const int64_t b = op->a[12], H = op->a[13], P = op->a[14], G = op->a[15], N = op->a[16], W = op->a[17];
+    const int64_t length = op->a[20], Cd = H * P + 2 * G * N, row_len = H * P + Cd + H;
+    const int64_t conv_row = Cd * (W - 1), ssm_row = H * P * N;
+    for (int64_t r = 0; r < b; ++r) {
+        if (accepted[r] == length) continue; /* the state after all l tokens is already in place */
+        float *conv = F32(1) + r * conv_row, *ssm = F32(7) + r * ssm_row;
+        memcpy(conv, F32(18) + r * conv_row, conv_row * sizeof(float));
+        memcpy(ssm, F32(19) + r * ssm_row, ssm_row * sizeof(float));
+        for (int64_t t = 0; t < accepted[r]; ++t)
+            mamba2_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), F32(5), F32(6),
+                               (float)op->f[0], (float)op->f[1], ssm, F32(8), op->a[9], (float)op->f[2], F32(10),
+                               F32(11), 1, H, P, G, N, W, num_threads);
+    }
+}
+
+static void gdn_shift(const plan_op *op, const int64_t *accepted, int num_threads) {
+    const int64_t b = op->a[9], HK = op->a[10], HV = op->a[11], DK = op->a[12], DV = op->a[13], W = op->a[14];
+    const int64_t length = op->a[17], Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV;
+    const int64_t conv_row = Cd * (W - 1), state_row = HV * DK * DV;
+    for (int64_t r = 0; r < b; ++r) {
+        if (accepted[r] == length) continue;
+        float *conv = F32(1) + r * conv_row, *state = F32(5) + r * state_row;
+        memcpy(conv, F32(15) + r * conv_row, conv_row * sizeof(float));
+        memcpy(state, F32(16) + r * state_row, state_row * sizeof(float));
+        for (int64_t t = 0; t < accepted[r]; ++t)
+            gdn_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), state, F32(6),
+                            (float)op->f[0], F32(7), F32(8), 1, HK, HV, DK, DV, W, num_threads);
+    }
+}
+
+/* Shift records, one per recurrent layer: OP_MAMBA2_SHIFT (arguments as OP_MAMBA2, plus a18 saved conv windows,
+ * a19 saved SSM states, a20 tokens per row l) or OP_GDN_SHIFT (as OP_GDN, plus a15 saved conv windows, a16 saved
+ * delta-rule states, a17 l); a0 holds the layer's in_proj outputs token-major [l, b, ·]. Every row keeps the state
+ * after its first accepted[r] tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
-        const int64_t b = op->a[12], H = op->a[13], P = op->a[14], G = op->a[15], N = op->a[16], W = op->a[17];
-        const int64_t length = op->a[20], Cd = H * P + 2 * G * N, row_len = H * P + Cd + H;
-        const int64_t conv_row = Cd * (W - 1), ssm_row = H * P * N;
-        if (op->code != OP_MAMBA2_SHIFT) return i + 1;
-        for (int64_t r = 0; r < b; ++r) {
+        const int mamba = op->code == OP_MAMBA2_SHIFT;
+        if (!mamba && op->code != OP_GDN_SHIFT) return i + 1;
+        const int64_t b = mamba ? op->a[12] : op->a[9], length = mamba ? op->a[20] : op->a[17];
+        for (int64_t r = 0; r < b; ++r)
             if (accepted[r] < 1 || accepted[r] > length) return i + 1;
-            if (accepted[r] == length) continue; /* the state after all l tokens is already in place */
-            float *conv = F32(1) + r * conv_row, *ssm = F32(7) + r * ssm_row;
-            memcpy(conv, F32(18) + r * conv_row, conv_row * sizeof(float));
-            memcpy(ssm, F32(19) + r * ssm_row, ssm_row * sizeof(float));
-            for (int64_t t = 0; t < accepted[r]; ++t)
-                mamba2_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), F32(5), F32(6),
-                                   (float)op->f[0], (float)op->f[1], ssm, F32(8), op->a[9], (float)op->f[2], F32(10),
-                                   F32(11), 1, H, P, G, N, W, num_threads);
-        }
+        if (mamba)
+            mamba2_shift(op, accepted, num_threads);
+        else
+            gdn_shift(op, accepted, num_threads);
     }
     return 0;
 }

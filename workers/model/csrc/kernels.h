@@ -12,6 +12,7 @@ void add_rms_norm(float *hidden, const float *delta, float alpha, const float *w
                   int64_t rows, int64_t d, int num_threads);
 void silu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads);
 void relu_square(const float *h, float *out, int64_t n, int num_threads);
+void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, int64_t n, int num_threads);
 void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *conv_b,
                         const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
                         float *ssm_state, const float *norm_w, int64_t norm_groups, float eps, float *xbc,

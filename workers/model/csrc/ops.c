@@ -2,7 +2,8 @@
  *
  * A decode step runs them on a few KiB per layer, where PyTorch's per-op cost (dispatch, temporaries, a pass per
  * elementwise op) outweighs the arithmetic. References: RMSNorm (F.rms_norm), the residual add, silu(gate) · up,
- * relu(h)² (torch.relu(h).square()), argmax; tests compare each with it. All tensors contiguous, row-major.
+ * relu(h)² (torch.relu(h).square()), x · sigmoid(gate), argmax; tests compare each with it. All tensors
+ * contiguous, row-major.
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,6 +51,25 @@ void relu_square(const float *h, float *out, int64_t n, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const float v = h[i] > 0.0f || h[i] != h[i] ? h[i] : 0.0f;
         out[i] = v * v;
+    }
+}
+
+/* out = x · sigmoid(gate) over rows of n (out may be x): gated attention's output gate (Qwen3.5 / Qwen3-Next).
+ * As torch computes it, the sigmoid 1 / (1 + exp(-gate)) first, then the product; exp is vexp.h's (~2 ulp). */
+void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * n > 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n, *gr = gate + r * n;
+        float *o = out + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            vf g, v;
+            memcpy(&g, gr + i, sizeof g);
+            memcpy(&v, xr + i, sizeof v);
+            const vf y = v * (1.0f / (1.0f + vexpf16(-g)));
+            memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < n; ++i) o[i] = xr[i] * (1.0f / (1.0f + vexpf(-gr[i])));
     }
 }
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--speculative", choices=["ngram", "draft", "mtp"], help="add spec-decode runs on copy-heavy prompts"
     )
     p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
-                   "(speculative runs; tokenized with the model's tokenizer)")  # fmt: skip
+                   "(speculative runs; tokenized with the model's tokenizer; generation stops at eos)")  # fmt: skip
+    p.add_argument("--prompt-kind", help="only --prompts rows whose `kind` is this (the demo's: copy, continue)")
+    p.add_argument("--min-prompts", type=int, default=1,
+                   help="speculative runs: at least this many prompts per batch size, run batch-size at a time "
+                   "(batch 1 over several prompts)")  # fmt: skip
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step at most")
     p.add_argument("--speculative-policy", choices=["adaptive", "fixed", "curve"], default="adaptive",
@@ -166,9 +172,23 @@ def _spec_variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     return [(f"fixed k={j}", "fixed", j) for j in range(1, k + 1)] + [(f"adaptive k≤{k}", "adaptive", k)]
 
 
+def _spec_prompts(args: argparse.Namespace, runner: ModelRunner, batch: int) -> list[list[int]]:
+    """At least `--min-prompts` prompts, and a whole batch: from `--prompts` (of `--prompt-kind`), else generated."""
+    count = max(batch, args.min_prompts)
+    if not args.prompts:
+        return copy_heavy_prompts(count, args.prompt_len, runner.config.vocab_size)
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    texts = [row["prompt"] for row in rows if args.prompt_kind in (None, row.get("kind"))]
+    if len(texts) < count:
+        raise SystemExit(f"--prompts {args.prompts} has {len(texts)} prompts of kind {args.prompt_kind!r}, "
+                         f"{count} needed")  # fmt: skip
+    return [runner.tokenizer.encode(text) for text in texts[:count]]
+
+
 def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
-    """Spec decode vs plain on copy-heavy prompts, same run (one plain baseline per batch size, shared by every
-    speculative configuration); greedy outputs must agree."""
+    """Spec decode vs plain on the same prompts, same run: at batch b the prompts run b at a time; plain and every
+    speculative configuration take turns, each repeat, so that a slow stretch of the machine hits them alike.
+    Greedy outputs must agree. Tokens per second count the tokens generated (eos may stop a request early)."""
     draft = (args.draft_model or path) if args.speculative == "draft" else None
     spec_runners = {
         label: ModelRunner.from_pretrained(
@@ -182,32 +202,41 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
         )  # fmt: skip
         for label, policy, k in _spec_variants(args)
     }
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=not args.prompts)
     rows = []
     for batch in args.batch_sizes:
-        if args.prompts:
-            texts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()[:batch]]
-            prompts = [runner.tokenizer.encode(text) for text in texts]
-        else:
-            prompts = copy_heavy_prompts(batch, args.prompt_len, runner.config.vocab_size)
-        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-        plain = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
-        expected = [r.token_ids for r in runner.generate(prompts, params)]
+        prompts = _spec_prompts(args, runner, batch)
+        groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+
+        def run(target: ModelRunner) -> list[list[int]]:
+            return [result.token_ids for group in groups for result in target.generate(group, params)]
+
+        engines = {"plain": runner, **spec_runners}
+        expected = run(runner)
+        same = {label: run(r) == expected for label, r in spec_runners.items()}  # also the warm-up
+        before = {label: r.spec_stats() for label, r in spec_runners.items()}
+        times: dict[str, list[float]] = {label: [] for label in engines}
+        for _ in range(args.repeats):
+            for label, target in engines.items():
+                start = time.perf_counter()
+                run(target)
+                times[label].append(time.perf_counter() - start)
+        tokens = sum(len(t) for t in expected)
+        plain = statistics.median(times["plain"])
         for label, spec_runner in spec_runners.items():
-            before = spec_runner.spec_stats()
-            fast = timed(lambda: spec_runner.generate(prompts, params), args.repeats, runner.device)
             after = spec_runner.spec_stats()
-            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-            accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
-            steps = after["num_drafts"] - before["num_drafts"]
-            chosen = {k: n - before["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
-            same = [r.token_ids for r in spec_runner.generate(prompts, params)] == expected
+            drafts = after["num_draft_tokens"] - before[label]["num_draft_tokens"]
+            accepted = after["num_accepted_draft_tokens"] - before[label]["num_accepted_draft_tokens"]
+            steps = after["num_drafts"] - before[label]["num_drafts"]
+            chosen = {k: n - before[label]["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
+            fast = statistics.median(times[label])
             rows.append({"engine": f"hybridgen+{args.speculative}", "policy": label, "batch": batch,
-                         "identical_to_plain": same, "acceptance_rate": accepted / drafts if drafts else 0.0,
+                         "prompts": len(prompts), "identical_to_plain": same[label],
+                         "acceptance_rate": accepted / drafts if drafts else 0.0,
                          "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
                          "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
-                         "plain_tokens_per_s": batch * args.new_tokens / plain.seconds,
-                         "spec_tokens_per_s": batch * args.new_tokens / fast.seconds,
-                         "speedup": plain.seconds / fast.seconds})  # fmt: skip
+                         "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / fast,
+                         "speedup": plain / fast})  # fmt: skip
     return rows
 
 

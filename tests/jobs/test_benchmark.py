@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from jobs.benchmark import main
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def test_benchmark_smoke_generate_and_score(tmp_path, capsys):
@@ -59,6 +64,22 @@ def test_benchmark_speculation_curve_measures_every_k_and_adaptive(tmp_path):
     assert "1" in chosen[0] <= {"0", "1"} and "2" in chosen[1] <= {"0", "1", "2"}  # 0 or less: the token budget
 
 
+def test_benchmark_speculation_on_demo_prompts_of_one_kind(tmp_path):
+    """`--prompts` filtered by `--prompt-kind`, at least `--min-prompts` of them per batch size, run batch-size at
+    a time (batch 1 over several prompts), plain and speculative taking turns."""
+    out = tmp_path / "kind.json"
+    args = ["--model", str(EXAMPLES / "models/demo-target"), "--prompts", str(EXAMPLES / "prompts.jsonl"),
+            "--prompt-kind", "copy",
+            "--min-prompts", "3", "--batch-sizes", "1", "2", "--new-tokens", "4", "--repeats", "1",
+            "--speculative", "ngram", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["speculative"]
+    assert [(r["batch"], r["prompts"]) for r in rows] == [(1, 3), (2, 3)]
+    assert all(r["identical_to_plain"] and r["spec_tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="prompts of kind 'copy', 80 needed"):
+        main([*args[:-2], "--min-prompts", "80", "--json", str(out)])
+
+
 def test_benchmark_graphs_vs_eager_roofline_and_peak_memory(tmp_path, capsys):
     """The GPU command's code path on CPU (graphs in their eager form): both engines in one run, the batch-1
     roofline share from the bytes a step reads (weights counted as transformers counts the checkpoint's), and
@@ -100,4 +121,4 @@ def test_benchmark_gdn_preset_runs_both_engines(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "hybridgen-gdn-tiny" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     assert [row["batch"] for row in result["generate"]] == [1, 2]
     assert all(row["ratio_to_transformers"] > 0 for row in result["generate"])
-    assert result["decode_plan"].startswith("off (")  # GDN blocks run the module path
+    assert result["decode_plan"] == "on"  # GDN and gated attention blocks run as one native call

@@ -132,3 +132,39 @@ def test_shadow_acceptance_brings_speculation_back_before_the_next_re_try():
         after = steps(policy, 40, 1.0, shadow)  # then everything would be
         results[shadow] = next((i for i, k in enumerate(after) if k > 0), len(after))
     assert results[True] <= 3 < results[False], results
+
+
+def test_step_times_are_a_line_per_bucket_robust_to_slow_steps():
+    """A width measured fast by chance does not look cheaper than a narrower one (one least-squares line with a
+    slope of at least 0), and a step that waited for the CPU does not move the estimate (median of recent steps)."""
+    policy = AdaptivePolicy(K)
+    for k, seconds in ((0, 1.0), (1, 2.0), (2, 1.5), (4, 5.0)):
+        for _ in range(4):
+            policy.observe([0, 1], [k, k], [0, 0], seconds)
+    estimates = [policy._seconds(2, k) for k in range(K + 1)]
+    assert estimates == sorted(estimates) and estimates[2] > estimates[1] * 0.99
+    before = policy._seconds(2, 1)
+    policy.observe([0, 1], [1, 1], [0, 0], 100.0)  # one slow step
+    assert policy._seconds(2, 1) == pytest.approx(before, rel=0.05)
+
+
+def test_first_step_at_a_width_is_not_kept_and_prefill_steps_teach_only_acceptance():
+    policy = AdaptivePolicy(K)
+    policy.observe([0], [1], [1], 50.0)  # the first verification at width 1: one-off costs
+    assert (1, 1) not in policy.seconds
+    policy.observe([0], [1], [1], 2.0)
+    assert policy.seconds[(1, 1)] == 2.0
+    reached = policy.batch.reached[0]
+    policy.observe([0], [1], [1], None)  # a step that also prefilled: acceptance counts, time does not
+    assert policy.samples[(1, 1)] == 2 and policy.batch.reached[0] > reached
+
+
+def test_drafts_the_proposer_could_not_make_count_as_rejected():
+    """The scheduler reports the drafts it asked for: a request whose n-gram lookup finds nothing lowers the
+    acceptance the policy plans with, as a rejected draft would (the verification costs the same either way)."""
+    found, missing = AdaptivePolicy(K), AdaptivePolicy(K)
+    for _ in range(20):
+        found.observe([0], [2], [2], 1.0, width=2)
+        missing.observe([0], [2], [0], 1.0, width=0)  # asked for 2, none made: a plain step
+    assert found._rates(0, [0.5] * K)[0] > 0.8 and missing._rates(0, [0.5] * K)[0] < 0.2
+    assert (1, 0) in missing.seconds and (1, 2) not in missing.seconds  # timed as the plain step it was

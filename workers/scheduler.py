@@ -30,6 +30,7 @@ from workers.spec_decode.proposal import Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+MAX_SHADOW_ROWS = 8  # rows per plain step whose free (n-gram) draft is checked against the token produced
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Scheduler:
         self.running: list[Request] = []  # generating: every token but the last is in the state
         self.finished: list[Request] = []
         self._retired: set[int] = set()  # request ids retired during this step
+        self._shadow_turn = 0  # where the rows whose shadow draft is checked start (see `_shadow_drafts`)
 
     def _positions_needed(self, request: Request) -> int:
         """KV positions a request may use: prompt + max_tokens (within max_model_len) + drafts."""
@@ -281,8 +283,6 @@ class Scheduler:
             max(0, min(max_drafts, r.params.max_tokens - len(r.output) - 1, r.max_model_len - r.num_tokens - 1))
             for r in requests
         ]  # fmt: skip
-        for r in requests:  # KV room for k + 1 positions (padded rows of a planned verification write them all)
-            self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
         chosen = self.policy.num_drafts(request_ids, budget)
         shadow = self._shadow_drafts(requests, chosen, budget)
         proposal = self.proposer.propose(requests, chosen) if any(chosen) else None  # none asked: not called
@@ -291,6 +291,8 @@ class Scheduler:
             self.proposer.accepted(requests, [1] * len(requests))
             self._check_shadow(requests, shadow)
             return request_ids, chosen, [0] * len(requests), 0
+        for r in requests:  # KV room for k + 1 positions (padded rows of a planned verification write them all)
+            self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
@@ -340,6 +342,9 @@ class Scheduler:
         if not getattr(self.proposer, "drafts_cost_nothing", False):
             return {}
         rows = [i for i, (k, b) in enumerate(zip(chosen, budget)) if k == 0 and b > 0]
+        if len(rows) > MAX_SHADOW_ROWS:  # enough evidence per step; the rows take turns
+            self._shadow_turn = (self._shadow_turn + MAX_SHADOW_ROWS) % len(rows)
+            rows = (rows[self._shadow_turn :] + rows[: self._shadow_turn])[:MAX_SHADOW_ROWS]
         shadow = self.proposer.lookup([requests[i] for i in rows], [1] * len(rows))
         # No draft to make (no n-gram match) is a miss too: -1 never equals the token produced.
         return {i: (requests[i].num_tokens, row[0] if row else -1) for i, row in zip(rows, shadow)}

@@ -38,10 +38,21 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class _Acceptance:
-    """Per draft position: how often it was reached (drafts before it all accepted) and accepted."""
+    """Per draft position: how often it was reached (drafts before it all accepted) and accepted, counts fading by
+    a factor per step (acceptance drifts as the text moves on). The fading is applied when the counts are next
+    touched, so an idle request costs nothing per step."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    step: int = 0  # the step the counts are faded to
+
+    def fade_to(self, step: int, factor: float) -> None:
+        """Fade the counts from their step to `step`."""
+        if step != self.step:
+            scale = factor ** (step - self.step)
+            self.reached = [n * scale for n in self.reached]
+            self.accepted = [n * scale for n in self.accepted]
+            self.step = step
 
     def record(self, num_drafts: int, num_accepted_drafts: int) -> None:
         while len(self.reached) < num_drafts:
@@ -51,16 +62,15 @@ class _Acceptance:
             self.reached[j] += 1
             self.accepted[j] += j < num_accepted_drafts
 
-    def decay(self, factor: float) -> None:
-        """Let older observations weigh less (acceptance drifts as the text moves on)."""
-        self.reached = [n * factor for n in self.reached]
-        self.accepted = [n * factor for n in self.accepted]
-
-    def rate(self, j: int, prior: float, prior_weight: float) -> float:
-        """Smoothed chance that draft j is accepted once reached."""
-        reached = self.reached[j] if j < len(self.reached) else 0
-        accepted = self.accepted[j] if j < len(self.accepted) else 0
-        return (accepted + prior * prior_weight) / (reached + prior_weight)
+    def rates(self, priors: list[float], prior_weight: float, scale: float = 1.0) -> list[float]:
+        """Smoothed chance that draft j is accepted once reached, for every position j of `priors`, with the
+        counts scaled by `scale` (the fading since they were last touched)."""
+        reached, accepted = self.reached, self.accepted
+        return [
+            ((accepted[j] * scale if j < len(accepted) else 0) + prior * prior_weight)
+            / ((reached[j] * scale if j < len(reached) else 0) + prior_weight)
+            for j, prior in enumerate(priors)
+        ]
 
 
 class FixedPolicy:
@@ -105,6 +115,7 @@ class AdaptivePolicy:
         self.samples: Counter[tuple[int, int]] = Counter()  # steps measured per (bucket, width)
         self.batch = _Acceptance()
         self.requests: dict[int, _Acceptance] = {}
+        self.steps = 0  # steps observed (the clock acceptance counts fade by)
         self.steps_without_drafts = 0
         self.explore_interval = (
             explore_every  # grows after re-tries that did not pay, back to explore_every after one that did
@@ -152,13 +163,19 @@ class AdaptivePolicy:
         if self.steps_without_drafts >= self.explore_interval:
             return 1, True
         # 3. The best expected throughput.
-        batch_rates = [self.batch.rate(j, 0.5, 1.0) for j in range(self.max_drafts)]  # once per step, not per request
-        rates = [self._rates(rid, batch_rates) for rid in request_ids]
+        batch_rates = self.batch.rates([0.5] * self.max_drafts, 1.0)  # once per step, not per request
+        tokens = [0.0] * (top + 1)  # expected tokens of the step at each k, summed over the requests
+        for rid, budget in zip(request_ids, budgets):
+            rates, total, reach = self._rates(rid, batch_rates), 1.0, 1.0
+            for k in range(top + 1):
+                if 0 < k <= budget:
+                    reach *= rates[k - 1]
+                    total += reach
+                tokens[k] += total
         plain = len(request_ids) / self._seconds(bucket, 0)
         best_k, best = 0, plain * self.margin
         for k in range(1, top + 1):
-            tokens = sum(_expected_tokens(r, min(k, b)) for r, b in zip(rates, budgets))
-            throughput = tokens / self._seconds(bucket, k)
+            throughput = tokens[k] / self._seconds(bucket, k)
             if throughput > best * 1.0001:  # ties go to fewer drafts
                 best_k, best = k, throughput
         self.best[bucket] = best_k
@@ -169,8 +186,11 @@ class AdaptivePolicy:
         return any(b <= bucket and k == 0 for b, k in self.best.items())
 
     def _rates(self, request_id: int, batch_rates: list[float]) -> list[float]:
-        mine = self.requests.get(request_id, _Acceptance())
-        return [mine.rate(j, batch_rates[j], self.prior_weight) for j in range(self.max_drafts)]
+        """A request's smoothed per-position rates (the batch's until it has its own observations)."""
+        mine = self.requests.get(request_id)
+        if mine is None:
+            return batch_rates
+        return mine.rates(batch_rates, self.prior_weight, self.decay ** (self.steps - mine.step))
 
     def _line(self, bucket: int) -> tuple[float, float] | None:
         """(a, s) of seconds ≈ a + s·k through this bucket's measured widths (least squares, each width weighted by
@@ -220,34 +240,29 @@ class AdaptivePolicy:
                 times = self.times.setdefault(key, deque(maxlen=TIMING_WINDOW))
                 times.append(seconds)
                 self.seconds[key] = statistics.median(times)
-        self.batch.decay(self.decay)
+        self.steps += 1  # every step, drafted or not, old evidence fades, so a lull gets re-tried
+        self.batch.fade_to(self.steps, self.decay)
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
-            mine = self.requests.get(rid)
-            if mine is not None:  # every step, drafted or not: old evidence fades, so a lull gets re-tried
-                mine.decay(self.decay)
             if k:
-                self.batch.record(k, accepted)
-                self.requests.setdefault(rid, _Acceptance()).record(k, accepted)
+                self._record(rid, k, accepted)
 
     def observe_acceptance(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int]) -> None:
         """Acceptance seen without a verification (a free proposer's shadow drafts checked against the tokens a
         plain step produced): counts like verified drafts, no step time."""
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):
-            self.batch.record(k, accepted)
-            self.requests.setdefault(rid, _Acceptance()).record(k, accepted)
+            self._record(rid, k, accepted)
+
+    def _record(self, request_id: int, num_drafts: int, num_accepted_drafts: int) -> None:
+        self.batch.record(num_drafts, num_accepted_drafts)
+        mine = self.requests.get(request_id)
+        if mine is None:
+            mine = self.requests[request_id] = _Acceptance(step=self.steps)
+        mine.fade_to(self.steps, self.decay)
+        mine.record(num_drafts, num_accepted_drafts)
 
     def forget(self, request_id: int) -> None:
         """A request finished: drop its own counts (the batch's stay)."""
         self.requests.pop(request_id, None)
-
-
-def _expected_tokens(rates: list[float], k: int) -> float:
-    """1 + Σ_{j ≤ k} Π_{i ≤ j} α_i: the expected tokens of a step with k drafts."""
-    total, reach = 1.0, 1.0
-    for j in range(k):
-        reach *= rates[j]
-        total += reach
-    return total
 
 
 def make_policy(name: str, max_drafts: int, free_drafts: bool = False) -> FixedPolicy | AdaptivePolicy:

@@ -56,21 +56,24 @@ class ForcedMtp(ScriptedProposer):
 
 
 def _fresh_mtp(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """MTP keys over positions 0 … len-2 from scratch, and its logits at the last one: (h_t, token t+1) pairs from
-    one plain target prefill of `tokens`."""
+    """MTP keys (every attention block's) over positions 0 … len-2 from scratch, and its logits at the last one:
+    (h_t, token t+1) pairs from one plain target prefill of `tokens`."""
     n = len(tokens)
     pool = StatePool(model.config, 1, n + 1, torch.device("cpu"), torch.float32)
     batch = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([n - 1]))
     with torch.no_grad():
         hidden = model(torch.tensor([tokens[:-1]]), batch, None, pool.kv_caches()).hidden
-        cache = paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
-        out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, cache)
-    return _slot_keys(cache, 0, n - 1), model.logits(out[0, -1])
+        caches = [
+            paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
+            for _ in range(model.mtp.num_attention_blocks)
+        ]
+        out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, caches)
+    return _slot_keys(caches, 0, n - 1), model.logits(out[0, -1])
 
 
-def _slot_keys(cache: KVCache, slot: int, num_tokens: int) -> torch.Tensor:
-    """The keys [kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in a paged cache."""
-    return cache.read(torch.tensor([slot]), num_tokens)[0][0]
+def _slot_keys(caches: list[KVCache], slot: int, num_tokens: int) -> torch.Tensor:
+    """The keys [caches, kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in paged caches."""
+    return torch.stack([cache.read(torch.tensor([slot]), num_tokens)[0][0] for cache in caches])
 
 
 @pytest.mark.parametrize("family", GDN_FAMILIES)
@@ -92,7 +95,7 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
             assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
             if start >= 1:
                 fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(_slot_keys(mtp.cache, request.slot, start), fresh_keys, **TOL)
+                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
                 checked += 1
     assert checked > 20
     for accepted, expected in proposer.seen:

@@ -227,3 +227,10 @@ def test_a_partial_nemotron_mtp_head_names_the_missing_keys(checkpoint_dir, tmp_
         ValueError, match=r"pattern '\*-\*-'\): missing mtp\.layers\.0\.hnorm\.weight, mtp\.layers\.3\."
     ):
         load_checkpoint(str(path), mtp=True)
+
+
+def test_the_memory_plan_holds_every_mtp_attention_block(checkpoint_dir):
+    path = str(checkpoint_dir("nemotron_dense"))  # one attention layer ("M-*-M-"); its MTP layer "*-*-" has two
+    plain = ModelRunner.from_pretrained(path).memory_plan.bytes_per_block
+    with_mtp = ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("mtp")).memory_plan.bytes_per_block
+    assert with_mtp == 3 * plain

@@ -98,8 +98,8 @@ def test_mtp_head_is_read_as_trained(runner, hf_model):
             pool = StatePool(model.config, 1, n + 1, torch.device("cpu"), torch.float32)
             batch = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([n - 1]))
             hidden = model(torch.tensor([ids[:-1]]), batch, None, pool.kv_caches()).hidden
-            cache = paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
-            ours = model.logits(model.mtp(torch.tensor([ids[1:]]), hidden, model.embed_tokens, batch, cache))[0]
+            caches = [paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)]  # one attention
+            ours = model.logits(model.mtp(torch.tensor([ids[1:]]), hidden, model.embed_tokens, batch, caches))[0]
         torch.testing.assert_close(ours, reference, atol=2e-3, rtol=1e-3)
         correct += int((reference[:-1].argmax(-1) == torch.tensor(ids[2:])).sum())
         total += n - 2

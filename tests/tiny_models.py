@@ -80,11 +80,12 @@ FAMILIES = {
     "bamba": lambda: BambaForCausalLM(BambaConfig(
         **_COMMON, **_IBM_MAMBA, num_hidden_layers=4, attn_layer_indices=[2], intermediate_size=96)),
     "nemotron_dense": lambda: NemotronHForCausalLM(NemotronHConfig(
-        **_COMMON, **_NEMOTRON, hybrid_override_pattern="M-*-M-", n_routed_experts=4, num_experts_per_tok=2)),
+        **_COMMON, **_NEMOTRON, hybrid_override_pattern="M-*-M-", n_routed_experts=4, num_experts_per_tok=2,
+        num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*-*-")),
     "nemotron_moe": lambda: NemotronHForCausalLM(NemotronHConfig(
         **_COMMON, **_NEMOTRON, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
-        routed_scaling_factor=1.5)),
+        routed_scaling_factor=1.5, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")),
     "qwen3_next": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
         **_QWEN, **_QWEN_MOE, intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
     "qwen3_5": lambda: Qwen3_5ForConditionalGeneration(Qwen3_5Config(
@@ -100,6 +101,8 @@ GDN_VARIANT_FAMILIES = {
 }
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
+# Nemotron-H with an MTP head: "*E" as Nemotron 3 Super declares it, and two attention blocks with relu² MLPs.
+NEMOTRON_MTP_FAMILIES = ("nemotron_dense", "nemotron_moe")
 # Zero-centred norms and an MTP head; the Qwen3.5 ones also a byte-level tokenizer (transformers loads qwen3_5
 # tokenizers as its own byte-level class, which would mangle the word-level one).
 QWEN_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -134,32 +137,48 @@ DENSE_FAMILIES = {
 }  # fmt: skip
 
 
+def random_value(name: str, shape: torch.Size, generator: torch.Generator, zero_centred_norms: bool) -> torch.Tensor:
+    """A large-scale random value for the parameter `name`: std 0.15 (conv 0.5), norms near 1 (near 0 when
+    `zero_centred_norms`, but for the Gated DeltaNet's own `linear_attn.norm`), varied A, dt bias, D and score bias."""
+    if name.endswith("A_log"):
+        return torch.log(1 + 7 * torch.rand(shape, generator=generator))
+    randn = torch.randn(shape, generator=generator)
+    if name.endswith("dt_bias"):
+        return -1 + randn * 0.5
+    if name.endswith(".D") or "e_score_correction_bias" in name:
+        return randn * 0.5
+    if "norm" in name:
+        return (0.0 if zero_centred_norms and "linear_attn.norm" not in name else 1.0) + 0.2 * randn
+    return randn * (0.5 if "conv1d" in name else 0.15)
+
+
 def randomise(model: torch.nn.Module, seed: int, zero_centred_norms: bool = False) -> None:
-    """Large-scale random weights: std 0.15 (conv 0.5), norms near 1, varied A, dt bias and D.
-
-    `zero_centred_norms` (Qwen): RMSNorms scale by 1 + w, so w is drawn near 0 — except the Gated DeltaNet's own
-    gated norm (`linear_attn.norm`), which has a plain weight.
-    """
+    """Large-scale random weights (`random_value`). `zero_centred_norms` (Qwen): RMSNorms scale by 1 + w."""
     generator = torch.Generator().manual_seed(seed)
-
-    def randn(t: torch.Tensor) -> torch.Tensor:
-        return torch.randn(t.shape, generator=generator)
-
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("A_log"):
-                tensor.copy_(torch.log(1 + 7 * torch.rand(tensor.shape, generator=generator)))
-            elif name.endswith("dt_bias"):
-                tensor.copy_(-1 + randn(tensor) * 0.5)
-            elif name.endswith(".D") or "e_score_correction_bias" in name:
-                tensor.copy_(randn(tensor) * 0.5)
-            elif "norm" in name:
-                centre = 0.0 if zero_centred_norms and "linear_attn.norm" not in name else 1.0
-                tensor.copy_(centre + 0.2 * randn(tensor))
-            else:
-                tensor.copy_(randn(tensor) * (0.5 if "conv1d" in name else 0.15))
+            if "inv_freq" not in name:
+                tensor.copy_(random_value(name, tensor.shape, generator, zero_centred_norms))
+
+
+def add_nemotron_mtp_head(config: NemotronHConfig, path: Path, seed: int) -> None:
+    """Add random `mtp.*` weights as Nemotron-H checkpoints ship them (transformers builds no MTP head): block i of
+    the MTP pattern is `mtp.layers.i.{norm, mixer.*}` with the keys and shapes of a backbone layer of its kind
+    (experts per expert); layer 0 also holds `enorm`, `hnorm` [d] and `eh_proj` [d, 2d], the last layer
+    `final_layernorm` [d]."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    tensors = load_file(path)
+    pattern, d = config.mtp_hybrid_override_pattern, config.hidden_size
+    head = {"mtp.layers.0.enorm.weight": (d,), "mtp.layers.0.hnorm.weight": (d,), "mtp.layers.0.eh_proj.weight": (d, 2 * d),
+            f"mtp.layers.{len(pattern) - 1}.final_layernorm.weight": (d,)}  # fmt: skip
+    for block, kind in enumerate(pattern):
+        source = f"backbone.layers.{config.hybrid_override_pattern.index(kind)}."
+        head.update(
+            {f"mtp.layers.{block}.{k[len(source) :]}": v.shape for k, v in tensors.items() if k.startswith(source)}
+        )
+    dtype = tensors["backbone.embeddings.weight"].dtype
+    tensors.update({k: random_value(k, torch.Size(shape), generator, False).to(dtype) for k, shape in head.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def add_mtp_head(model: torch.nn.Module, path: Path, seed: int) -> None:
@@ -237,6 +256,8 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
         fuse_experts(directory / "model.safetensors")
     if gdn_family:
         add_mtp_head(model, directory / "model.safetensors", seed)
+    if name in NEMOTRON_MTP_FAMILIES:
+        add_nemotron_mtp_head(model.config, directory / "model.safetensors", seed)
     make_tokenizer(byte_level=name in BYTE_LEVEL_FAMILIES or flavour == "bpe").save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory

@@ -103,13 +103,14 @@ def plan_memory(
     mtp: bool = False,
 ) -> MemoryPlan:
     """The KV blocks `budget` bytes leave after the weights (target, draft), the state slots and one forward's
-    activations; `mtp` adds the MTP head's KV layer to every block. Raises when not even one block is left."""
+    activations; `mtp` adds the MTP head's KV layers (one per attention block of its layer) to every block.
+    Raises when not even one block is left."""
     config = models[0].config
     used = in_use(models[0], device) if device.type == "cuda" else sum(in_use(m, device) for m in models)
     needed = used + activation_bytes(config, max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1))
     needed += sum(state_bytes_per_slot(m.config, dtype) for m in models) * max_num_seqs
     per_token = sum(kv_bytes_per_token(m.config, dtype) for m in models)
-    per_token += kv_bytes_per_token(config, dtype, num_layers=1) if mtp else 0
+    per_token += kv_bytes_per_token(config, dtype, num_layers=config.mtp_block_kinds.count(ATTENTION)) if mtp else 0
     per_block = per_token * DEFAULT_BLOCK_SIZE
     if per_token == 0:  # no attention layer: nothing grows with the sequence
         return MemoryPlan(budget, needed, per_block, 1 << 40)

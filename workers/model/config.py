@@ -20,6 +20,7 @@ from typing import Any
 QWEN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")  # attention-only (drafts, mostly)
 SUPPORTED_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", *QWEN_MODEL_TYPES, *DENSE_MODEL_TYPES)
+MTP_MODEL_TYPES = (*QWEN_MODEL_TYPES, "nemotron_h")  # families whose multi-token-prediction heads are served
 
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
@@ -150,6 +151,8 @@ class HybridConfig:
     torch_dtype: str | None = None
     gdn: GdnConfig | None = None  # Gated DeltaNet families only
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
+    mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
+    mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -331,6 +334,14 @@ def _get(raw: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+def _nemotron_mtp_kinds(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The block kinds of Nemotron-H's MTP layer: the legacy `mtp_hybrid_override_pattern` string (hub configs,
+    e.g. "*E"), else transformers 5's `mtp_layers_block_type` list, else transformers' default (attention, MoE)."""
+    pattern = raw.get("mtp_hybrid_override_pattern")
+    names = list(pattern) if isinstance(pattern, str) else raw.get("mtp_layers_block_type") or ["attention", "moe"]
+    return tuple(_kinds(names))
+
+
 def _nemotron_h(raw: dict[str, Any]) -> dict[str, Any]:
     pattern = raw.get("hybrid_override_pattern")
     names = list(pattern) if isinstance(pattern, str) else raw.get("layers_block_type") or raw.get("layer_types")
@@ -381,4 +392,6 @@ def _nemotron_h(raw: dict[str, Any]) -> dict[str, Any]:
             latent_size=raw.get("moe_latent_size"),
         ),
         "rms_norm_eps": float(_get(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+        "mtp_block_kinds": _nemotron_mtp_kinds(raw),
+        "mtp_num_layers": int(raw.get("num_nextn_predict_layers") or 1),
     }

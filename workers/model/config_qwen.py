@@ -111,4 +111,7 @@ def read_qwen(raw: dict[str, Any]) -> dict[str, Any]:
         ),
         "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
         "zero_centred_norms": True,
+        # One full-attention decoder layer; its feed-forward is a MoE whenever the model has experts.
+        "mtp_block_kinds": (ATTENTION, MOE if num_experts else MLP),
+        "mtp_num_layers": int(text.get("mtp_num_hidden_layers") or 1),
     }

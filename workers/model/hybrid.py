@@ -11,12 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.model.attention import Attention
-from workers.model.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS, HybridConfig
-from workers.model.feed_forward import MLP as DenseMLP
-from workers.model.feed_forward import MoE
-from workers.model.gdn import GatedDeltaNetMixer
-from workers.model.mamba2 import Mamba2Mixer
+from workers.model.block import Block
+from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.mtp import MtpHead
 from workers.model.norm import RMSNorm
 from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
@@ -29,26 +25,6 @@ class ForwardOutput:
     hidden: torch.Tensor  # [b, l, d] final hidden states (after the final norm)
     mamba_states: list[RecurrentState]  # per recurrent layer (Mamba2 or GDN): state after each row's last valid token
     scan_inputs: list[ScanInputs | DeltaScanInputs] = field(default_factory=list)  # per recurrent layer, if asked
-
-
-class Block(nn.Module):
-    """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
-
-    def __init__(self, config: HybridConfig, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        ff = config.feed_forward
-        if kind == MAMBA:
-            self.mixer: nn.Module = Mamba2Mixer(config)
-        elif kind == GDN:
-            self.mixer = GatedDeltaNetMixer(config)
-        elif kind == ATTENTION:
-            self.mixer = Attention(config)
-        elif kind == MLP:
-            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
-        else:
-            self.mixer = MoE(config)
 
 
 class HybridModel(nn.Module):

@@ -13,14 +13,15 @@ from safetensors import safe_open
 
 from workers.model import native, triton_kernels
 from workers.model.attention import Attention
-from workers.model.config import QWEN_MODEL_TYPES, HybridConfig
+from workers.model.config import MTP_MODEL_TYPES, HybridConfig
 from workers.model.feed_forward import MLP
 from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.hybrid import HybridModel
 from workers.model.linear import prepare_linears
 from workers.model.mamba2 import Mamba2Mixer
+from workers.model.mtp import check_mtp_layout, mtp_pattern
 from workers.model.norm import RMSNorm
-from workers.model.weights import Source, checkpoint_sources, is_ignored
+from workers.model.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,17 +197,25 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
 
 
 def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> None:
-    """An MTP head is only served for the Qwen GDN families, and the checkpoint (its tensor names `keys`) must carry
-    its weights; `ValueError` naming what is missing otherwise."""
-    if config.model_type not in QWEN_MODEL_TYPES:
+    """An MTP head is served for the Qwen GDN families and Nemotron-H, in the layouts `check_mtp_layout` accepts,
+    and the checkpoint (its tensor names `keys`) must carry its weights; `ValueError` naming what is missing or
+    unsupported otherwise. Reads no tensor data."""
+    if config.model_type not in MTP_MODEL_TYPES:
         raise ValueError(
-            f"speculative method 'mtp' is supported for {', '.join(QWEN_MODEL_TYPES)}, not {config.model_type!r}"
+            f"speculative method 'mtp' is supported for {', '.join(MTP_MODEL_TYPES)}, not {config.model_type!r}"
         )
+    check_mtp_layout(config)
+    expected = mtp_head_keys(config)
     if not any(key.startswith("mtp.") for key in keys):
         raise ValueError(
             f"speculative method 'mtp' needs the checkpoint's multi-token-prediction head, but {directory} has no "
-            "mtp.* weights (expected mtp.fc.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight, "
-            "mtp.layers.0.*, mtp.norm.weight); use method 'ngram' or 'draft' for this model"
+            f"mtp.* weights (expected {', '.join(expected)}, …); use method 'ngram' or 'draft' for this model"
+        )
+    missing = [key for key in expected if key not in keys]
+    if missing:
+        raise ValueError(
+            f"the multi-token-prediction head in {directory} does not match its config (MTP pattern "
+            f"{mtp_pattern(config)!r}): missing {', '.join(missing)}"
         )
 
 

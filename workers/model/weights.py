@@ -72,36 +72,47 @@ def _ibm_sources(config: HybridConfig) -> dict[str, list[Source]]:
     return sources
 
 
+def _nemotron_block_sources(kind: str, hub: str, ours: str, num_experts: int) -> dict[str, list[Source]]:
+    """One Nemotron-H block `hub.{norm, mixer.*}` (a backbone layer or an MTP block) → our `ours.{norm, mixer.*}`."""
+    sources = {f"{ours}.norm.weight": _one(f"{hub}.norm.weight")}
+    names = {MAMBA: MAMBA_PARAMS, ATTENTION: ATTENTION_PARAMS}.get(kind, ())
+    if kind == MLP:
+        names = ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias")
+    for name in names:
+        sources[f"{ours}.mixer.{name}"] = _one(f"{hub}.mixer.{name}")
+    if kind in (MAMBA, ATTENTION, MLP):
+        return sources
+    mix = f"{hub}.mixer"
+    sources[f"{ours}.mixer.router.weight"] = _one(f"{mix}.gate.weight")
+    sources[f"{ours}.mixer.router.e_score_correction_bias"] = _one(f"{mix}.gate.e_score_correction_bias")
+    for ours_name, hub_name in (("experts_up", "up_proj"), ("experts_down", "down_proj")):
+        per_expert = tuple(f"{mix}.experts.{e}.{hub_name}.weight" for e in range(num_experts))
+        sources[f"{ours}.mixer.{ours_name}"] = [Source(per_expert, "stack"), Source((f"{mix}.experts.{hub_name}",))]
+    for name in ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias"):
+        sources[f"{ours}.mixer.shared.{name}"] = _one(f"{mix}.shared_experts.{name}")
+    for ours_name, hub_name in (("latent_in", "fc1_latent_proj"), ("latent_out", "fc2_latent_proj")):
+        for w in ("weight", "bias"):
+            sources[f"{ours}.mixer.{ours_name}.{w}"] = _one(f"{mix}.{hub_name}.{w}")
+    return sources
+
+
 def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Source]]:
-    """Nemotron-H: `backbone.layers.N.{norm, mixer.*}`, one block per layer."""
+    """Nemotron-H: `backbone.layers.N.{norm, mixer.*}`, one block per layer; and the MTP head (`mtp.layers.i`, one
+    block each, in the order of the MTP pattern; the first also holds `enorm`, `hnorm`, `eh_proj`, the last
+    `final_layernorm`), read only when the model was built with it."""
     sources: dict[str, list[Source]] = {
         "embed_tokens.weight": _one(f"{prefix}.embeddings.weight"),
         "final_norm.weight": _one(f"{prefix}.norm_f.weight"),
     }
     num_experts = config.feed_forward.num_experts
     for block, kind in enumerate(config.block_kinds):
-        hub, ours = f"{prefix}.layers.{block}", f"blocks.{block}"
-        sources[f"{ours}.norm.weight"] = _one(f"{hub}.norm.weight")
-        names = {MAMBA: MAMBA_PARAMS, ATTENTION: ATTENTION_PARAMS}.get(kind, ())
-        if kind == MLP:
-            names = ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias")
-        for name in names:
-            sources[f"{ours}.mixer.{name}"] = _one(f"{hub}.mixer.{name}")
-        if kind not in (MAMBA, ATTENTION, MLP):
-            mix = f"{hub}.mixer"
-            sources[f"{ours}.mixer.router.weight"] = _one(f"{mix}.gate.weight")
-            sources[f"{ours}.mixer.router.e_score_correction_bias"] = _one(f"{mix}.gate.e_score_correction_bias")
-            for ours_name, hub_name in (("experts_up", "up_proj"), ("experts_down", "down_proj")):
-                per_expert = tuple(f"{mix}.experts.{e}.{hub_name}.weight" for e in range(num_experts))
-                sources[f"{ours}.mixer.{ours_name}"] = [
-                    Source(per_expert, "stack"),
-                    Source((f"{mix}.experts.{hub_name}",)),
-                ]
-            for name in ("up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias"):
-                sources[f"{ours}.mixer.shared.{name}"] = _one(f"{mix}.shared_experts.{name}")
-            for ours_name, hub_name in (("latent_in", "fc1_latent_proj"), ("latent_out", "fc2_latent_proj")):
-                for w in ("weight", "bias"):
-                    sources[f"{ours}.mixer.{ours_name}.{w}"] = _one(f"{mix}.{hub_name}.{w}")
+        sources.update(_nemotron_block_sources(kind, f"{prefix}.layers.{block}", f"blocks.{block}", num_experts))
+    for block, kind in enumerate(config.mtp_block_kinds):
+        sources.update(_nemotron_block_sources(kind, f"mtp.layers.{block}", f"mtp.blocks.{block}", num_experts))
+    last = len(config.mtp_block_kinds) - 1
+    for ours, hub in (("fc", "0.eh_proj"), ("pre_fc_norm_embedding", "0.enorm"), ("pre_fc_norm_hidden", "0.hnorm"),
+                      ("norm", f"{last}.final_layernorm")):  # fmt: skip
+        sources[f"mtp.{ours}.weight"] = _one(f"mtp.layers.{hub}.weight")
     return sources
 
 
@@ -141,6 +152,19 @@ def checkpoint_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[
         sources = _ibm_sources(config)
     sources["lm_head.weight"] = _one("lm_head.weight")
     return sources
+
+
+def mtp_head_keys(config: HybridConfig) -> list[str]:
+    """The checkpoint keys that frame an MTP head of `config`'s family (its projections and norms; the mixers'
+    weights are matched at load like every other parameter's)."""
+    if config.model_type in QWEN_MODEL_TYPES:
+        layer = "mtp.layers.0"
+        return ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight", "mtp.norm.weight"]  # fmt: skip
+    num_blocks = len(config.mtp_block_kinds)
+    keys = ["mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight"]
+    keys += [f"mtp.layers.{block}.norm.weight" for block in range(num_blocks)]
+    return keys + [f"mtp.layers.{num_blocks - 1}.final_layernorm.weight"]
 
 
 def is_ignored(key: str) -> bool:

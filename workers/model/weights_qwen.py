@@ -93,17 +93,18 @@ def _moe_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
 
 
 def _mtp_sources(config: HybridConfig) -> dict[str, list[Source]]:
-    """The MTP head (`workers/model/mtp.py`): `mtp.{fc, pre_fc_norm_*, layers.0.*, norm}`."""
+    """The MTP head (`workers/model/mtp.py`): `mtp.{fc, pre_fc_norm_*, layers.0.*, norm}`; its decoder layer is our
+    blocks 0 (attention) and 1 (MLP or MoE)."""
     d, hub = config.hidden_size, "mtp.layers.0"
     sources = {"mtp.fc.weight": [Source(("mtp.fc.weight",))]}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         sources[f"mtp.{name}.weight"] = _norm(f"mtp.{name}.weight", d)
-    sources["mtp.attention_norm.weight"] = _norm(f"{hub}.input_layernorm.weight", d)
-    sources["mtp.feed_forward_norm.weight"] = _norm(f"{hub}.post_attention_layernorm.weight", d)
+    sources["mtp.blocks.0.norm.weight"] = _norm(f"{hub}.input_layernorm.weight", d)
+    sources["mtp.blocks.1.norm.weight"] = _norm(f"{hub}.post_attention_layernorm.weight", d)
     attention = _attention_sources(config, f"{hub}.self_attn")
     ff = _moe_sources(config, f"{hub}.mlp") if config.feed_forward.num_experts else _mlp_sources(f"{hub}.mlp")
-    sources.update({f"mtp.attention.{name}": options for name, options in attention.items()})
-    sources.update({f"mtp.feed_forward.{name}": options for name, options in ff.items()})
+    sources.update({f"mtp.blocks.0.mixer.{name}": options for name, options in attention.items()})
+    sources.update({f"mtp.blocks.1.mixer.{name}": options for name, options in ff.items()})
     return sources
 
 

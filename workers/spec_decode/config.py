@@ -16,8 +16,8 @@ class SpeculativeConfig:
     method "ngram": prompt lookup over the request's prompt + generated tokens (n-grams of
     `prompt_lookup_min`…`prompt_lookup_max` tokens). method "draft": a smaller model (`draft_model`, a local
     directory or hub id with the target's vocabulary), attention-only or hybrid. method "mtp": the target
-    checkpoint's own multi-token-prediction head (Qwen3-Next / Qwen3.5 `mtp.*` weights), chained k times.
-    `policy` "adaptive" picks each step's number of drafts (0 … num_speculative_tokens) from measured step times
+    checkpoint's own multi-token-prediction head (Qwen3-Next / Qwen3.5 or Nemotron-H `mtp.*` weights), chained k
+    times. `policy` "adaptive" picks each step's number of drafts (0 … num_speculative_tokens) from measured step times
     and acceptance; "fixed" always asks for num_speculative_tokens (see `workers/spec_decode/policy.py`).
     """
 

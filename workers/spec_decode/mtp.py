@@ -1,13 +1,14 @@
 """MTP proposer: the target checkpoint's own multi-token-prediction head drafts k tokens, chained.
 
-The head reads the target's final-norm hidden states, so the scheduler hands them over after every target
-forward (`observe_target`: prompt positions at prefill, the accepted inputs of a verification, the one input of a
-plain decode step). Invariant: the head's KV cache holds the entries (h_t, token t+1) of positions 0 … c-1, and
-`pending[slot]` holds the target hidden states of positions c … N-2 that it has not consumed yet (N = the
-request's token count). A proposal first catches up on them — writing their keys/values, which overwrites the
-speculative entries of the previous chain — and the last one's output drafts d_1; each further draft feeds the
-head its own output state and the previous draft. So after a step with n accepted tokens, the next proposal's
-catch-up leaves the KV holding exactly the accepted positions; nothing needs shifting on `accepted`.
+The head (Qwen3-Next / Qwen3.5 or Nemotron-H, `workers/model/mtp.py`) reads the target's final-norm hidden states,
+so the scheduler hands them over after every target forward (`observe_target`: prompt positions at prefill, the
+accepted inputs of a verification, the one input of a plain decode step). Invariant: the KV cache of each of the
+head's attention blocks (paged over the target's block table) holds the entries (h_t, token t+1) of positions
+0 … c-1, and `pending[slot]` holds the target hidden states of positions c … N-2 that it has not consumed yet
+(N = the request's token count). A proposal first catches up on them — writing their keys/values, which
+overwrites the speculative entries of the previous chain — and the last one's output drafts d_1; each further
+draft feeds the head its own output state and the previous draft. So after a step with n accepted tokens, the next
+proposal's catch-up leaves the KV holding exactly the accepted positions; nothing needs shifting on `accepted`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ class MtpProposer:
         self.model, self.head = model, model.mtp
         self.num_speculative_tokens = num_speculative_tokens
         self.device = model.embed_tokens.weight.device
-        self.cache: KVCache | None = None
+        self.caches: list[KVCache] = []  # one per attention block of the head
         self.max_chunk_tokens = 2048  # set by `start` to the scheduler's token budget
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot → (first position, target hidden [m, d])
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
-        """Allocate the head's KV cache: one attention layer paged over the target's blocks (same positions)."""
+        """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions)."""
         dtype = self.model.embed_tokens.weight.dtype
-        self.cache = paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
+        self.caches = [
+            paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
+            for _ in range(self.head.num_attention_blocks)
+        ]
         self.max_chunk_tokens = max_chunk_tokens
         self.pending = {}
 
@@ -104,7 +108,7 @@ class MtpProposer:
             previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
             batch = ForwardBatch(slots, torch.tensor(positions, device=self.device), torch.ones_like(slots),
                                  one_token_each=True)  # fmt: skip
-            last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.cache)[:, 0]
+            last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.caches)[:, 0]
             positions = [p + 1 for p in positions]
         for row, i in enumerate(rows):
             drafts[i] = chains[row][: budgets[row]]
@@ -123,7 +127,7 @@ class MtpProposer:
         num_tokens = torch.tensor(counts, device=self.device)
         slots = torch.tensor([r.slot for r in requests], device=self.device)
         batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
-        out = self.head(token_ids.to(self.device), hidden, self.model.embed_tokens, batch, self.cache)
+        out = self.head(token_ids.to(self.device), hidden, self.model.embed_tokens, batch, self.caches)
         return out[torch.arange(len(requests), device=self.device), num_tokens - 1]  # [b, d]
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:

@@ -1,5 +1,6 @@
-"""MTP drafting on the Gated DeltaNet families: lossless, its KV cache follows the accepted positions exactly
-(forced acceptance patterns), the sampled distribution stays the target's, and clear errors without an MTP head."""
+"""MTP drafting on the Qwen Gated DeltaNet families and Nemotron-H: lossless, its KV caches follow the accepted
+positions exactly (forced acceptance patterns), the sampled distribution stays the target's, and clear errors
+without an MTP head. `test_mtp_nemotron.py` checks Nemotron-H's drafts against an independent reference."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.tiny_models import NEMOTRON_MTP_FAMILIES
 from tests.workers.spec_decode.test_greedy_exactness import PARAMS as GREEDY
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
 from tests.workers.spec_decode.test_runner_speculative import assert_second_tokens_follow_the_target
@@ -21,6 +23,7 @@ from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.proposal import Proposal
 
 GDN_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+MTP_FAMILIES = [*GDN_FAMILIES, *NEMOTRON_MTP_FAMILIES]
 TOL = dict(atol=5e-5, rtol=1e-4)
 
 
@@ -56,24 +59,27 @@ class ForcedMtp(ScriptedProposer):
 
 
 def _fresh_mtp(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """MTP keys over positions 0 … len-2 from scratch, and its logits at the last one: (h_t, token t+1) pairs from
-    one plain target prefill of `tokens`."""
+    """MTP keys (every attention block's) over positions 0 … len-2 from scratch, and its logits at the last one:
+    (h_t, token t+1) pairs from one plain target prefill of `tokens`."""
     n = len(tokens)
     pool = StatePool(model.config, 1, n + 1, torch.device("cpu"), torch.float32)
     batch = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([n - 1]))
     with torch.no_grad():
         hidden = model(torch.tensor([tokens[:-1]]), batch, None, pool.kv_caches()).hidden
-        cache = paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
-        out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, cache)
-    return _slot_keys(cache, 0, n - 1), model.logits(out[0, -1])
+        caches = [
+            paged_kv_cache(pool.blocks, model.config, torch.device("cpu"), torch.float32)
+            for _ in range(model.mtp.num_attention_blocks)
+        ]
+        out = model.mtp(torch.tensor([tokens[1:]]), hidden, model.embed_tokens, batch, caches)
+    return _slot_keys(caches, 0, n - 1), model.logits(out[0, -1])
 
 
-def _slot_keys(cache: KVCache, slot: int, num_tokens: int) -> torch.Tensor:
-    """The keys [kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in a paged cache."""
-    return cache.read(torch.tensor([slot]), num_tokens)[0][0]
+def _slot_keys(caches: list[KVCache], slot: int, num_tokens: int) -> torch.Tensor:
+    """The keys [caches, kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in paged caches."""
+    return torch.stack([cache.read(torch.tensor([slot]), num_tokens)[0][0] for cache in caches])
 
 
-@pytest.mark.parametrize("family", GDN_FAMILIES)
+@pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
     runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, linear_backend="torch",
                                          speculative=SpeculativeConfig("mtp", num_speculative_tokens=4))  # fmt: skip
@@ -92,7 +98,7 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
             assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
             if start >= 1:
                 fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(_slot_keys(mtp.cache, request.slot, start), fresh_keys, **TOL)
+                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
                 checked += 1
     assert checked > 20
     for accepted, expected in proposer.seen:
@@ -109,25 +115,39 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("batch", [1, 5, 16])
-@pytest.mark.parametrize("family", GDN_FAMILIES)
-def test_greedy_mtp_equals_greedy_plain(family, batch, checkpoint_dir):
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_greedy_mtp_equals_greedy_plain(family, batch, policy, checkpoint_dir):
+    """Fixed k verifies drafts every step (count-based acceptance, the target's recurrent states shifted to the
+    accepted position); the adaptive policy (the default) chooses k per step."""
     path = str(checkpoint_dir(family))
     prompts = greedy_prompts(batch, batch)
     plain = [r.token_ids for r in ModelRunner.from_pretrained(path, max_num_seqs=8).generate(prompts, GREEDY)]
-    runner = ModelRunner.from_pretrained(path, max_num_seqs=8, speculative=SpeculativeConfig("mtp", 3))
+    speculative = SpeculativeConfig("mtp", 3, policy=policy)
+    runner = ModelRunner.from_pretrained(path, max_num_seqs=8, speculative=speculative)
     results = runner.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == plain
     assert runner.spec_stats()["num_drafts"] > 0
 
 
-def test_mtp_without_mtp_weights_is_a_clear_error(tmp_path, checkpoint_dir):
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("qwen3_5", r"mtp\.fc\.weight, mtp\.pre_fc_norm_embedding\.weight"),
+        (
+            "nemotron_moe",
+            r"mtp\.layers\.0\.enorm\.weight, mtp\.layers\.0\.hnorm\.weight, mtp\.layers\.0\.eh_proj\.weight",
+        ),
+    ],
+)
+def test_mtp_without_mtp_weights_is_a_clear_error(family, expected, tmp_path, checkpoint_dir):
     path = tmp_path / "model"
-    shutil.copytree(checkpoint_dir("qwen3_5"), path)
+    shutil.copytree(checkpoint_dir(family), path)
     tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.startswith("mtp.")}
     save_file(tensors, path / "model.safetensors")
     ModelRunner.from_pretrained(str(path))  # fine without speculation
-    with pytest.raises(ValueError, match=r"no mtp\.\* weights \(expected mtp\.fc\.weight"):
+    with pytest.raises(ValueError, match=rf"has no mtp\.\* weights \(expected {expected}"):
         ModelRunner.from_pretrained(str(path), speculative=SpeculativeConfig("mtp"))
 
 
@@ -139,8 +159,9 @@ def test_mtp_on_a_mamba2_family_is_refused(checkpoint_dir):
 
 
 @pytest.mark.slow
-def test_sampled_mtp_tokens_follow_the_target_distribution(checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), max_num_seqs=64,
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_moe"])
+def test_sampled_mtp_tokens_follow_the_target_distribution(family, checkpoint_dir):
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=64,
                                          speculative=SpeculativeConfig("mtp", num_speculative_tokens=2, policy="fixed"))  # fmt: skip
     prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()[:40]
     n = 1500

@@ -285,14 +285,17 @@ class Scheduler:
         ]  # fmt: skip
         chosen = self.policy.num_drafts(request_ids, budget)
         shadow = self._shadow_drafts(requests, chosen, budget)
-        proposal = self.proposer.propose(requests, chosen) if any(chosen) else None  # none asked: not called
+        proposal = None
+        if any(chosen):  # else the proposer is not asked
+            for r in requests:  # KV room for k + 1 positions (a draft model writes its drafts' KV; padded rows of
+                # a planned verification write them all)
+                self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
+            proposal = self.proposer.propose(requests, chosen)
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
             self._check_shadow(requests, shadow)
             return request_ids, chosen, [0] * len(requests), 0
-        for r in requests:  # KV room for k + 1 positions (padded rows of a planned verification write them all)
-            self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.

@@ -186,7 +186,7 @@ def test_mtp_drafts_from_the_plans_hidden_states(checkpoint_dir, family):
             assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
             if start >= 1:
                 fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(_slot_keys(mtp.cache, request.slot, start), fresh_keys, **TOL)
+                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
                 checked += 1
     assert checked > 20
     assert all(accepted == expected for accepted, expected in proposer.seen)

@@ -26,11 +26,10 @@ from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
-from workers.spec_decode.proposal import Proposer
+from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
-MAX_SHADOW_ROWS = 8  # rows per plain step whose free (n-gram) draft is checked against the token produced
 
 
 @dataclass
@@ -111,7 +110,6 @@ class Scheduler:
         self.running: list[Request] = []  # generating: every token but the last is in the state
         self.finished: list[Request] = []
         self._retired: set[int] = set()  # request ids retired during this step
-        self._shadow_turn = 0  # where the rows whose shadow draft is checked start (see `_shadow_drafts`)
 
     def _positions_needed(self, request: Request) -> int:
         """KV positions a request may use: prompt + max_tokens (within max_model_len) + drafts."""
@@ -274,8 +272,8 @@ class Scheduler:
     def _speculate(self, requests: list[Request]) -> tuple[list[int], list[int], list[int], int]:
         """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0).
         Returns what the policy learns from: request ids, drafts asked for and drafts accepted per request (a draft
-        the proposer could not make counts as rejected: the policy's acceptance is the proposer's coverage times
-        the target's agreement), and the drafts the verification ran per row (the width its time is filed under)."""
+        a model proposer could not make counts as rejected), and the drafts the verification ran per row (the width
+        its time is filed under)."""
         request_ids = [r.index for r in requests]
         # 1. Decide and propose: never draft past max_tokens or max_model_len; the policy picks k within that.
         max_drafts = self.budget.max_drafts(len(requests), self.num_speculative_tokens)
@@ -283,14 +281,28 @@ class Scheduler:
             max(0, min(max_drafts, r.params.max_tokens - len(r.output) - 1, r.max_model_len - r.num_tokens - 1))
             for r in requests
         ]  # fmt: skip
+        # A free proposer (n-gram lookup) drafts before the decision: a row without a match costs nothing whatever
+        # k is, so the policy decides over the drafts that exist, and a row that gets none checks its first draft
+        # against the token the step produces (a "shadow" draft: acceptance evidence on plain steps).
+        free = getattr(self.proposer, "drafts_cost_nothing", False) and not self.policy.settled_plain(len(requests))
+        looked_up = self.proposer.lookup(requests, budget) if free else None
+        if looked_up is not None:
+            budget = [len(d) for d in looked_up]
         chosen = self.policy.num_drafts(request_ids, budget)
-        shadow = self._shadow_drafts(requests, chosen, budget)
+        shadow = {}
+        if looked_up is not None:
+            shadow = {
+                i: (r.num_tokens, d[0]) for i, (r, d, k) in enumerate(zip(requests, looked_up, chosen)) if d and not k
+            }
         proposal = None
         if any(chosen):  # else the proposer is not asked
             for r in requests:  # KV room for k + 1 positions (a draft model writes its drafts' KV; padded rows of
                 # a planned verification write them all)
                 self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
-            proposal = self.proposer.propose(requests, chosen)
+            if looked_up is not None:
+                proposal = Proposal.from_lists([d[:k] for d, k in zip(looked_up, chosen)], None)
+            else:
+                proposal = self.proposer.propose(requests, chosen)
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
@@ -337,20 +349,6 @@ class Scheduler:
             request.spec.record(k, min(len(tokens) - 1, num_kept))
         self._check_shadow(requests, shadow)
         return request_ids, chosen, [n - 1 for n in accepted], drafts.shape[1]
-
-    def _shadow_drafts(self, requests: list[Request], chosen: list[int], budget: list[int]) -> dict[int, tuple]:
-        """For a proposer whose drafts cost nothing (n-gram lookup): the first draft it would have made for rows the
-        policy gave none, so that their acceptance is still observed — speculation resumes as soon as the text
-        turns predictable, instead of after the next scheduled re-try. {row: (position, draft token)}."""
-        if not getattr(self.proposer, "drafts_cost_nothing", False):
-            return {}
-        rows = [i for i, (k, b) in enumerate(zip(chosen, budget)) if k == 0 and b > 0]
-        if len(rows) > MAX_SHADOW_ROWS:  # enough evidence per step; the rows take turns
-            self._shadow_turn = (self._shadow_turn + MAX_SHADOW_ROWS) % len(rows)
-            rows = (rows[self._shadow_turn :] + rows[: self._shadow_turn])[:MAX_SHADOW_ROWS]
-        shadow = self.proposer.lookup([requests[i] for i in rows], [1] * len(rows))
-        # No draft to make (no n-gram match) is a miss too: -1 never equals the token produced.
-        return {i: (requests[i].num_tokens, row[0] if row else -1) for i, row in zip(rows, shadow)}
 
     def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
         """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 POLICIES = ("adaptive", "fixed")
 MAX_EXPLORE_EVERY = 256
 TIMING_WINDOW = 9  # step times kept per (bucket, width); their median is the estimate
+SETTLE_BELOW, SETTLE_STEPS = 0.8, 8  # see `AdaptivePolicy.settled_plain`
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -79,6 +80,10 @@ class FixedPolicy:
     def __init__(self) -> None:
         self.chosen: Counter[int] = Counter()
 
+    def settled_plain(self, batch_size: int) -> bool:
+        """Never: every step drafts."""
+        return False
+
     def num_drafts(self, request_ids: list[int], budgets: list[int]) -> list[int]:
         """Every request gets its full budget."""
         self.chosen[max(budgets, default=0)] += 1
@@ -99,13 +104,14 @@ class AdaptivePolicy:
     """Chooses k per step from measured step times and observed acceptance (see the module docstring)."""
 
     def __init__(self, max_drafts: int, explore_every: int = 16, prior_weight: float = 4.0, decay: float = 0.95,
-                 free_drafts: bool = False, margin: float = 1.03):  # fmt: skip
+                 free_drafts: bool = False, margin: float = 1.15):  # fmt: skip
         """`explore_every`: after this many steps at k = 0, verify one draft (then twice as many steps, and so on).
         `prior_weight`: observations a request needs before its own rate outweighs the batch's. `decay`: per step,
         the weight left to older acceptance counts (batch and request). `free_drafts`: the proposer costs nothing and
         reports acceptance on steps without drafts (n-gram shadow drafts), so a probe drafts for every request.
-        `margin`: how much more throughput speculation must promise than a plain step before it is chosen (the
-        estimates are noisy; a wrong choice for speculation costs more than a wrong one against it)."""
+        `margin`: how much more throughput speculation must promise than a plain step before it is chosen: step
+        times on a shared CPU move by ~10% from run to run, so a smaller promised gain is not reliably a gain, and
+        a wrong choice for speculation costs throughput while a wrong one against it only leaves a gain unused."""
         self.max_drafts = max_drafts
         self.explore_every, self.prior_weight = explore_every, prior_weight
         self.decay, self.free_drafts, self.margin = decay, free_drafts, margin
@@ -116,6 +122,7 @@ class AdaptivePolicy:
         self.batch = _Acceptance()
         self.requests: dict[int, _Acceptance] = {}
         self.steps = 0  # steps observed (the clock acceptance counts fade by)
+        self.plain_until: dict[int, int] = {}  # batch bucket → step until which its steps are plain undecided
         self.steps_without_drafts = 0
         self.explore_interval = (
             explore_every  # grows after re-tries that did not pay, back to explore_every after one that did
@@ -128,6 +135,8 @@ class AdaptivePolicy:
         """Drafts per request for this step: min(k, budget) with one k for the batch."""
         k, probe = self._choose(request_ids, budgets)
         self.chosen[k] += 1
+        if not any(budgets):  # nothing to choose (no draft allowed or, for n-gram, none found): not a lull
+            return [0] * len(budgets)
         if k == 0:
             self.steps_without_drafts += 1
         elif self.steps_without_drafts >= self.explore_interval:  # a re-try: if it does not pay, wait longer
@@ -144,7 +153,7 @@ class AdaptivePolicy:
     def _choose(self, request_ids: list[int], budgets: list[int]) -> tuple[int, bool]:
         """(k, whether this step only probes: measures a width or re-checks acceptance)."""
         top = min(self.max_drafts, max(budgets, default=0))
-        if top == 0:
+        if top == 0 or self.settled_plain(len(request_ids)):
             return 0, False
         bucket = batch_bucket(len(request_ids))
         # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the narrowest verification — the
@@ -173,13 +182,23 @@ class AdaptivePolicy:
                     total += reach
                 tokens[k] += total
         plain = len(request_ids) / self._seconds(bucket, 0)
-        best_k, best = 0, plain * self.margin
+        best_k, best, best_drafting = 0, plain * self.margin, 0.0
         for k in range(1, top + 1):
             throughput = tokens[k] / self._seconds(bucket, k)
+            best_drafting = max(best_drafting, throughput)
             if throughput > best * 1.0001:  # ties go to fewer drafts
                 best_k, best = k, throughput
         self.best[bucket] = best_k
+        if best_drafting < SETTLE_BELOW * plain:  # clearly plain: skip deciding (and n-gram lookups) for a while
+            self.plain_until[bucket] = self.steps + SETTLE_STEPS
         return best_k, False
+
+    def settled_plain(self, batch_size: int) -> bool:
+        """Whether steps at this batch size are plain for now without deciding: the last decision found
+        speculation clearly unprofitable (below `SETTLE_BELOW` of a plain step's throughput) fewer than
+        `SETTLE_STEPS` steps ago, and no re-try is due. Spares a large batch the per-request work of deciding."""
+        settled = self.plain_until.get(batch_bucket(batch_size), -1) > self.steps
+        return settled and self.steps_without_drafts < self.explore_interval
 
     def _unprofitable_at_or_below(self, bucket: int) -> bool:
         """Whether the last choice at some batch bucket no larger than this one was no drafts at all."""

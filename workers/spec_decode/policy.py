@@ -122,6 +122,7 @@ class AdaptivePolicy:
         self.batch = _Acceptance()
         self.requests: dict[int, _Acceptance] = {}
         self.steps = 0  # steps observed (the clock acceptance counts fade by)
+        self.probing = False  # the last step's drafts went to one request only (see `num_drafts`)
         self.plain_until: dict[int, int] = {}  # batch bucket → step until which its steps are plain undecided
         self.steps_without_drafts = 0
         self.explore_interval = (
@@ -135,6 +136,7 @@ class AdaptivePolicy:
         """Drafts per request for this step: min(k, budget) with one k for the batch."""
         k, probe = self._choose(request_ids, budgets)
         self.chosen[k] += 1
+        self.probing = probe and not self.free_drafts  # one request drafts: its time is not the batch's
         if not any(budgets):  # nothing to choose (no draft allowed or, for n-gram, none found): not a lull
             return [0] * len(budgets)
         if k == 0:
@@ -143,29 +145,29 @@ class AdaptivePolicy:
             self.steps_without_drafts, self.explore_interval = 0, min(2 * self.explore_interval, MAX_EXPLORE_EVERY)
         else:  # speculation was chosen on its merits
             self.steps_without_drafts, self.explore_interval = 0, self.explore_every
-        if probe and not self.free_drafts:  # drafts for one request only: the verification still runs k + 1 wide
-            # for every row (what is measured), while a draft model catches up on the tokens it skipped for that
-            # one request alone
+        if self.probing:  # a re-try of a costly proposer: drafts for one request only (a draft model or MTP head
+            # catches up on the tokens it skipped for that one alone), so the step's time is not kept
             row = max(range(len(budgets)), key=lambda i: budgets[i])
             return [min(k, budget) if i == row else 0 for i, budget in enumerate(budgets)]
         return [min(k, budget) for budget in budgets]
 
     def _choose(self, request_ids: list[int], budgets: list[int]) -> tuple[int, bool]:
-        """(k, whether this step only probes: measures a width or re-checks acceptance)."""
+        """(k, whether this step is a re-try that only re-checks acceptance)."""
         top = min(self.max_drafts, max(budgets, default=0))
         if top == 0 or self.settled_plain(len(request_ids)):
             return 0, False
         bucket = batch_bucket(len(request_ids))
-        # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the narrowest verification — the
-        #    cheapest one, and with the plain step it gives the line that wider widths are extrapolated on (they are
-        #    measured when chosen). Skipped when a batch no larger already found speculation unprofitable (a
-        #    verification costs relatively more at larger batches): the line then comes from the nearest bucket.
+        # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the
+        #    narrowest verification with every request drafting — the cheapest one, and with the plain step it
+        #    gives the line that wider widths are extrapolated on (they are measured when chosen). Skipped when a
+        #    batch no larger already found speculation unprofitable (a verification costs relatively more at larger
+        #    batches): the line then comes from the nearest bucket.
         for k in (0, 1):
             if self.samples[(bucket, k)] < 3 and self.tried[(bucket, k)] < 3:
                 if k and self._unprofitable_at_or_below(bucket):
                     break
                 self.tried[(bucket, k)] += 1
-                return k, k > 0
+                return k, False
         # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen, or
         #    the verification's time was measured while something else held the CPU.
         #    One draft: the cheapest verification, and the first position's acceptance is what rises first.
@@ -249,7 +251,7 @@ class AdaptivePolicy:
         """One step's outcome: drafts asked for and accepted per request (a draft the proposer could not make counts
         as rejected), the step's wall time (None when the step also did other work, a prefill chunk: its acceptance
         counts, its time does not) and the drafts per row it verified (default: the most asked for)."""
-        if seconds is not None:
+        if seconds is not None and not self.probing:
             key = (batch_bucket(len(request_ids)), max(num_drafts, default=0) if width is None else width)
             self.samples[key] += 1
             # The first step at a width carries one-off costs (a draft model catching up on a whole prompt, buffers

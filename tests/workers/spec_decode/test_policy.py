@@ -84,13 +84,19 @@ def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
     policy = AdaptivePolicy(K)
     assert policy.num_drafts([0, 1], [0, 0]) == [0, 0]
     # Measured first, three times each (the first step at a width carries one-off costs and is not kept): the
-    # plain step, then the narrowest verification, probed with one request (all of them when drafts cost nothing).
-    for free, probe in ((False, [1, 0]), (True, [1, 1])):
-        policy, chosen = AdaptivePolicy(K, free_drafts=free), []
+    # plain step, then the narrowest verification with every request drafting. Later re-tries of a costly proposer
+    # give drafts to one request only, and their time is not kept (it is not what the batch would cost).
+    for free, retry in ((False, [1, 0]), (True, [1, 1])):
+        policy, chosen = AdaptivePolicy(K, free_drafts=free, explore_every=2), []
         for _ in range(6):
             chosen.append(policy.num_drafts([0, 1], [2, 1]))
-            policy.observe([0, 1], chosen[-1], [0, 0], 1.0)
-        assert chosen == [[0, 0]] * 3 + [probe] * 3
+            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + sum(chosen[-1]))
+        assert chosen == [[0, 0]] * 3 + [[1, 1]] * 3
+        chosen.append([0, 0])
+        while not any(chosen[-1]):  # verification costs 3 plain steps here: plain steps until a re-try
+            chosen.append(policy.num_drafts([0, 1], [2, 1]))
+            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + sum(chosen[-1]))
+        assert chosen[-1] == retry and policy.samples[(2, 1)] == (3 if not free else 4)  # a one-row re-try: untimed
     assert FixedPolicy().num_drafts([0, 1, 2], [4, 0, 2]) == [4, 0, 2]
     with pytest.raises(ValueError, match="policy 'greedy' is invalid: must be one of adaptive, fixed"):
         make_policy("greedy", K)
@@ -169,3 +175,18 @@ def test_drafts_the_proposer_could_not_make_count_as_rejected():
         missing.observe([0], [2], [0], 1.0, width=0)  # asked for 2, none made: a plain step
     assert found._rates(0, [0.5] * K)[0] > 0.8 and missing._rates(0, [0.5] * K)[0] < 0.2
     assert (1, 0) in missing.seconds and (1, 2) not in missing.seconds  # timed as the plain step it was
+
+
+def test_a_clearly_unprofitable_batch_settles_on_plain_steps_until_the_next_re_try():
+    """Where speculation is far from paying (a busy batch), the policy stops deciding for a few steps, so the
+    scheduler skips the per-request work of deciding (and n-gram lookups); re-tries still come."""
+    policy = AdaptivePolicy(K, free_drafts=True)
+    chosen = _run(policy, 200, lambda k: 1.0 + 1.0 * k, lambda step: [0.3] * K, batch=32)
+    settled = [policy.settled_plain(32)]
+    for _ in range(20):
+        policy.num_drafts(list(range(32)), [K] * 32)
+        policy.observe(list(range(32)), [0] * 32, [0] * 32, 1.0)
+        settled.append(policy.settled_plain(32))
+    assert sum(settled) >= 10 and not all(settled)  # mostly settled, deciding again now and then
+    assert Counter(chosen[-100:])[0] >= 95 and any(chosen[100:])  # plain steps, with re-tries
+    assert not FixedPolicy().settled_plain(32)

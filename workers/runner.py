@@ -120,6 +120,13 @@ class ModelRunner:
         self._spec_stats = SpecStats()
         mtp = speculative is not None and speculative.method == "mtp"
         logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan, self.cuda_graphs, mtp))
+        if speculative is not None and self.device.type == "cpu" and self.dtype != torch.float32:
+            logger.warning(
+                "speculative decoding in %s on CPU: a verification's matmuls round differently from decode steps'"
+                ", so greedy output may differ from plain decoding in rare tokens; float32 (dtype 'auto' on CPU) is "
+                "token-exact",
+                str(self.dtype).removeprefix("torch."),
+            )
         if speculative is not None and speculative.method == "mtp" and model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.

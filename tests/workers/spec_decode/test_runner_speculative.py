@@ -225,3 +225,14 @@ def test_ngram_index_proposes_what_the_scan_does(min_n, max_n):
             k = rng.randrange(0, 6)
             assert index.propose(k) == propose_ngram(tokens, k, min_n, max_n), tokens
             new = [rng.randrange(4) for _ in range(rng.choice([1, 1, 1, 3]))]
+
+
+def test_speculation_in_bfloat16_on_cpu_warns_that_only_float32_is_token_exact(checkpoint_dir, caplog):
+    path = str(checkpoint_dir("granite_dense"))
+    with caplog.at_level("WARNING", logger="workers.runner"):
+        ModelRunner.from_pretrained(path, dtype="bfloat16", speculative=SpeculativeConfig("ngram"))
+    assert "float32 (dtype 'auto' on CPU) is token-exact" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="workers.runner"):
+        ModelRunner.from_pretrained(path, speculative=SpeculativeConfig("ngram"))
+    assert "token-exact" not in caplog.text

@@ -27,7 +27,9 @@ from workers.model.ssd import causal_conv, conv_step_, conv_window_after
 from workers.model.state import DeltaScanInputs, RecurrentState
 
 # Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
-# rule runs token by token; longer inputs (prompts) take the chunked form.
+# rule runs token by token; longer inputs (prompts) take the chunked form, or with the native kernel the native
+# prefill, at any length from the zero state (conv to gated norm token by token in C: ~4× faster than the chunked
+# PyTorch path on one core at gdn-bench shapes, 10 vs 43 ms for a 512-token prompt; the whole mixer 2×).
 RECURRENT_MAX_TOKENS = 8
 
 
@@ -84,6 +86,8 @@ class GatedDeltaNetMixer(nn.Module):
         b, length, _ = hidden.shape
         if self.decode_kernel == "native" and in_place and length == 1 and state is not None and _contiguous(state):
             return self._native_decode(hidden, state), state, None
+        if self.decode_kernel == "native" and (state is None or length > RECURRENT_MAX_TOKENS):
+            return self._native_prefill(hidden, num_tokens, state)
         # 1. Projections.
         conv_in, z, b_raw, a_raw = self.in_proj(hidden).split(
             [g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1
@@ -124,6 +128,29 @@ class GatedDeltaNetMixer(nn.Module):
             self.A_log, state.ssm, self.norm.weight, self.norm.eps, g.num_key_heads,
         )  # fmt: skip
         return self.out_proj(out)[:, None]
+
+    def _native_prefill(
+        self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: RecurrentState | None
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
+        """Prompts (from the zero state: no scan inputs) or the next chunk of one (from `state`, with its scan
+        inputs, as every forward from a kept state returns them) through `csrc/gdn_decode.c`: conv, delta rule
+        token by token and gated norm. Returns what `forward` returns."""
+        g = self.config
+        b, length, _ = hidden.shape
+        proj = self.in_proj(hidden).contiguous()  # [b, l, conv_dim + value_dim + 2 h_v]
+        out, conv, delta_state, qkv = native_recurrent.gdn_prefill(
+            proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.dt_bias, self.A_log, self.norm.weight,
+            self.norm.eps, g.num_key_heads, g.num_value_heads, None if state is None else (state.conv, state.ssm),
+        )  # fmt: skip
+        out = self.out_proj(out)
+        if state is None:
+            return out, RecurrentState(conv, delta_state), None
+        conv_in, _, b_raw, a_raw = proj.split([g.conv_dim, g.value_dim, g.num_value_heads, g.num_value_heads], dim=-1)
+        k = qkv[..., g.key_dim : 2 * g.key_dim].reshape(b, length, g.num_key_heads, g.key_head_dim)
+        k = k.repeat_interleave(g.num_value_heads // g.num_key_heads, dim=2)  # value head j reads key head j // r
+        v = qkv[..., 2 * g.key_dim :].reshape(b, length, g.num_value_heads, g.value_head_dim)
+        decay, beta = self._gates(b_raw, a_raw, num_tokens)
+        return out, RecurrentState(conv, delta_state), DeltaScanInputs(conv_in, k, v, decay, beta)
 
     def _triton_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """The one-token step through the Triton kernels: conv, gates, delta rule (state in place), gated norm."""

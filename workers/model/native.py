@@ -6,7 +6,8 @@
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
 - `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
-  per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer.
+  per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer; and
+  the prompt (prefill) pass, token by token per request, value head and block of 64 state columns.
 - `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
   rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
@@ -120,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
     lib.gdn_decode_step.restype = None
     lib.gdn_decode_step.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
+    lib.gdn_prefill.restype = None
+    lib.gdn_prefill.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
     lib.mamba2_decode_step.restype = None
     lib.mamba2_decode_step.argtypes = [
         ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,

@@ -127,3 +127,51 @@ def mamba2_prefill(
         num_groups, state_size, width, torch.get_num_threads(),
     )  # fmt: skip
     return out, conv_state, ssm_state, xbc
+
+
+def gdn_prefill(
+    proj: torch.Tensor,
+    num_tokens: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_key_heads: int,
+    num_value_heads: int,
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (or the next chunk of them) through a Gated DeltaNet mixer's conv, delta rule and gated norm, from
+    the zero state or from `initial` (conv window [b, conv_dim, W-1], delta-rule state [b, h_v, d_k, d_v]).
+
+    proj [b, l, conv_dim + h_v·d_v + 2·h_v] (in_proj output, rows q | k | v | z | b | a; right-padded, num_tokens
+    [b] int64 valid tokens per row). Returns (out [b, l, h_v·d_v], conv_state [b, conv_dim, W-1], delta_state
+    [b, h_v, d_k, d_v], qkv [b, l, conv_dim]): the out_proj input (0 at padding), the states after each row's last
+    valid token, and the conv output after SiLU with q and k l2-normalised (q scaled by d_k^-0.5).
+    """
+    b, length, row_len = proj.shape
+    conv_dim, width = conv_weight.shape
+    value_dim = row_len - conv_dim - 2 * num_value_heads
+    value_head_dim = value_dim // num_value_heads
+    key_head_dim = (conv_dim - value_dim) // (2 * num_key_heads)
+    if conv_dim != 2 * num_key_heads * key_head_dim + value_dim or value_dim != num_value_heads * value_head_dim:
+        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_weight {tuple(conv_weight.shape)}")
+    if not (num_tokens.dtype == torch.int64 and num_tokens.is_contiguous() and num_tokens.shape == (b,)):
+        raise ValueError("num_tokens must be a contiguous int64 tensor with one entry per row")
+    if b and (int(num_tokens.max()) > length or int(num_tokens.min()) < 0):
+        raise ValueError(f"num_tokens must be within 0 … {length}")
+    state_shape = (b, num_value_heads, key_head_dim, value_head_dim)
+    if initial is not None and (initial[0].shape != (b, conv_dim, width - 1) or initial[1].shape != state_shape):
+        raise ValueError(f"shape mismatch: initial conv {tuple(initial[0].shape)}, state {tuple(initial[1].shape)}")
+    qkv, out = torch.empty(b, length, conv_dim), torch.empty(b, length, value_dim)
+    conv_state, delta_state = torch.empty(b, conv_dim, width - 1), torch.empty(state_shape)
+    initial_conv, initial_delta = (None, None) if initial is None else (t.contiguous() for t in initial)
+    conv_by_tap = conv_weight.t().contiguous()  # [W, conv_dim]: each tap's weights side by side
+    native.load().gdn_prefill(
+        native.pointer(proj), num_tokens.data_ptr(), native.pointer(conv_by_tap), native.pointer(dt_bias),
+        native.pointer(A_log), native.pointer(norm_weight), eps, native.pointer(initial_conv),
+        native.pointer(initial_delta), native.pointer(qkv), native.pointer(conv_state), native.pointer(delta_state),
+        native.pointer(out), b, length, num_key_heads, num_value_heads, key_head_dim, value_head_dim, width,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out, conv_state, delta_state, qkv

@@ -52,7 +52,7 @@ def test_benchmark_decode_kernel_flag_reaches_the_runner(tmp_path):
 def test_benchmark_speculation_curve_measures_every_k_and_adaptive(tmp_path):
     out = tmp_path / "curve.json"
     args = ["--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "6", "--prompt-len", "16", "--repeats", "1",
-            "--speculative", "ngram", "--num-speculative-tokens", "2", "--speculative-policy", "curve",
+            "--speculative", "draft", "--num-speculative-tokens", "2", "--speculative-policy", "curve",
             "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     rows = json.loads(out.read_text())["speculative"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.workers.model.test_decode_plan import _clone, _random_pool
-from tests.workers.spec_decode.test_mtp import TOL, ForcedMtp, _fresh_mtp, _slot_keys
+from tests.workers.spec_decode.test_mtp import ForcedMtp, run_checking_mtp_kv
 from tests.workers.spec_decode.test_state_shifting import (
     PARAMS,
     ScriptedProposer,
@@ -177,18 +177,7 @@ def test_mtp_drafts_from_the_plans_hidden_states(checkpoint_dir, family):
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
     scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4, decode_plan=True)
     assert isinstance(scheduler.plan, DecodePlan)
-    checked = 0
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:
-            tokens = request.prompt + request.output
-            start, pending = mtp.pending[request.slot]
-            assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
-            if start >= 1:
-                fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
-                checked += 1
-    assert checked > 20
+    assert run_checking_mtp_kv(scheduler, mtp) > 20
     assert all(accepted == expected for accepted, expected in proposer.seen)
     assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
     assert {r.index: r.output for r in scheduler.finished} == reference

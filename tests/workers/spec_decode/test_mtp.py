@@ -74,6 +74,23 @@ def _fresh_mtp(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return _slot_keys(caches, 0, n - 1), model.logits(out[0, -1])
 
 
+def run_checking_mtp_kv(scheduler: Scheduler, mtp: MtpProposer) -> int:
+    """Run `scheduler` to the end; after every step, each running request's MTP keys must equal a fresh
+    recompute over the positions the head has consumed. Returns how many such checks ran."""
+    checked = 0
+    while scheduler.has_work():
+        scheduler.step()
+        for request in scheduler.running:
+            tokens = request.prompt + request.output
+            start, pending = mtp.pending[request.slot]
+            assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
+            if start >= 1:
+                fresh_keys, _ = _fresh_mtp(scheduler.model, tokens[: start + 1])
+                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
+                checked += 1
+    return checked
+
+
 def _slot_keys(caches: list[KVCache], slot: int, num_tokens: int) -> torch.Tensor:
     """The keys [caches, kv_heads, num_tokens, head_dim] of positions 0 … num_tokens-1 of `slot` in paged caches."""
     return torch.stack([cache.read(torch.tensor([slot]), num_tokens)[0][0] for cache in caches])
@@ -89,18 +106,7 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
     scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4)
-    checked = 0
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:
-            tokens = request.prompt + request.output
-            start, pending = mtp.pending[request.slot]
-            assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
-            if start >= 1:
-                fresh_keys, _ = _fresh_mtp(runner.model, tokens[: start + 1])
-                torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)
-                checked += 1
-    assert checked > 20
+    assert run_checking_mtp_kv(scheduler, mtp) > 20
     for accepted, expected in proposer.seen:
         assert accepted == expected
     assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}

@@ -13,6 +13,8 @@ proposal's catch-up leaves the KV holding exactly the accepted positions; nothin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from workers.model import ForwardBatch, HybridModel, KVCache, StatePool
@@ -33,7 +35,7 @@ class MtpProposer:
         self.device = model.embed_tokens.weight.device
         self.caches: list[KVCache] = []  # one per attention block of the head
         self.max_chunk_tokens = 2048  # set by `start` to the scheduler's token budget
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot → (first position, target hidden [m, d])
+        self.pending: dict[int, _Pending] = {}  # slot → target hidden states not consumed yet
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
         """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions)."""
@@ -64,12 +66,13 @@ class MtpProposer:
         its first num_tokens[i] positions are now part of the request (the rest was rejected or padding)."""
         for row, request in enumerate(requests):
             new = hidden[row, : num_tokens[row]].detach().clone()  # [n, d]
-            if request.slot in self.pending:
-                start, old = self.pending[request.slot]
-                assert start + old.shape[0] == cache_lens[row], "target positions must follow on"
-                self.pending[request.slot] = (start, torch.cat([old, new]))
+            pending = self.pending.get(request.slot)
+            if pending is None:
+                self.pending[request.slot] = _Pending(cache_lens[row], [new], new.shape[0])
             else:
-                self.pending[request.slot] = (cache_lens[row], new)
+                assert pending.start + pending.count == cache_lens[row], "target positions must follow on"
+                pending.pieces.append(new)
+                pending.count += new.shape[0]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
@@ -83,10 +86,12 @@ class MtpProposer:
         probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
         slots = torch.tensor([r.slot for r in active], device=self.device)
         # 1. Catch up: (h_t, token t+1) for every pending position; the last output drafts d_1.
-        starts, hiddens = zip(*(self.pending.pop(r.slot) for r in active))
+        taken = [self.pending.pop(r.slot) for r in active]
+        starts = [p.start for p in taken]
+        hiddens = [p.pieces[0] if len(p.pieces) == 1 else torch.cat(p.pieces) for p in taken]
         counts = [h.shape[0] for h in hiddens]
         if len(active) * max(counts) <= self.max_chunk_tokens:
-            last = self._feed(active, list(starts), list(hiddens))
+            last = self._feed(active, starts, hiddens)
         else:  # new prompts: one row at a time, in chunks of at most max_chunk_tokens positions
             rows_last = []
             for request, start, h in zip(active, starts, hiddens):
@@ -132,3 +137,14 @@ class MtpProposer:
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """Nothing to shift: the next catch-up rewrites the KV from the accepted positions on."""
+
+
+@dataclass
+class _Pending:
+    """Target hidden states of positions start … start+count-1 that the head has not consumed, in the pieces the
+    target's forwards produced: joined only when drafted from, so that a plain step appends its row instead of
+    copying everything pending."""
+
+    start: int
+    pieces: list[torch.Tensor]
+    count: int

@@ -82,8 +82,9 @@ def run_checking_mtp_kv(scheduler: Scheduler, mtp: MtpProposer) -> int:
         scheduler.step()
         for request in scheduler.running:
             tokens = request.prompt + request.output
-            start, pending = mtp.pending[request.slot]
-            assert start + pending.shape[0] == len(tokens) - 1  # the target positions not yet consumed
+            start, count = mtp.pending[request.slot].start, mtp.pending[request.slot].count
+            assert start + count == len(tokens) - 1  # the target positions not yet consumed
+            assert count == sum(piece.shape[0] for piece in mtp.pending[request.slot].pieces)
             if start >= 1:
                 fresh_keys, _ = _fresh_mtp(scheduler.model, tokens[: start + 1])
                 torch.testing.assert_close(_slot_keys(mtp.caches, request.slot, start), fresh_keys, **TOL)

@@ -70,12 +70,12 @@ class DecodePlan:
     """Decode steps of `model` for the requests in slots 0 … b-1 of `pool` (any b up to the pool's slot count).
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
-    per row — speculative verification — as the module path does on CPU: every linear once over all the tokens
-    (the weights are read once), the Mamba2 / Gated DeltaNet and attention steps token by token.
-    `keep(num_accepted_tokens)` then shifts each row's recurrent states to the state after input
-    num_accepted_tokens − 1: rows that accepted fewer than all get their saved state back and re-run the accepted
-    tokens, so states (and logits) are bit for bit those of plain steps — greedy speculative output equals greedy
-    plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
+    per row — speculative verification: every linear once over all the tokens (the weights are read once),
+    attention token by token, and each Mamba2 / Gated DeltaNet layer walking the tokens on a cached copy of each
+    head's state, which it leaves in the pool as it was. `keep(num_accepted_tokens)` then advances each row's
+    recurrent states by its accepted tokens to the state after input num_accepted_tokens − 1. Verification and
+    keep run the decode step's arithmetic (the same compiled helpers), so logits and states are bit for bit those of
+    plain steps — greedy speculative output equals greedy plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
     proposer drafts from them).
     """
 
@@ -101,14 +101,11 @@ class DecodePlan:
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
         recurrent = next((b.mixer for b in model.blocks if b.kind in RECURRENT_KINDS), None)
-        self.xbc = torch.empty(rows, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
-        # Verification saves the states it starts from and keeps each recurrent layer's in_proj outputs (the shift
-        # re-runs the accepted tokens from them).
+        self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
+        # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
+        # tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
         self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
-        self.saved_conv = torch.empty_like(pool.conv[:kept])
-        self.saved_ssm = torch.empty_like(pool.ssm[:kept])
-        self.replay_out = torch.empty(recurrent.out_proj.in_features if kept else 0)
         a = config.attention
         attention = ATTENTION in config.block_kinds
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
@@ -133,7 +130,7 @@ class DecodePlan:
     def verify(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         """Rows 0 … b-1 each run l tokens (padded rows included) from `positions` on → logits [b, l, v].
 
-        KV entries and recurrent states are left after all l tokens until `keep` shifts the states.
+        KV entries are written for all l tokens; recurrent states are left as they were until `keep` advances them.
         """
         logits = self._execute(token_ids, positions)
         self._verified = (logits.shape[0], logits.shape[1]) if logits.shape[1] > 1 else None
@@ -195,10 +192,6 @@ class DecodePlan:
                  (config.embedding_multiplier,))  # fmt: skip
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
         rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
-        if length > 1:  # save the recurrent states verification starts from
-            for layer in range(self.saved_conv.shape[0]):
-                for saved, state in ((self.saved_conv, self.pool.conv), (self.saved_ssm, self.pool.ssm)):
-                    rec.emit(Op.COPY, [saved[layer, :b], state[layer, :b], state[layer, :b].numel()])
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         recurrent_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -230,19 +223,19 @@ class DecodePlan:
         proj = self._projections(width, layer, n, length)
         y = scratch_rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
-        for t in range(length):  # token by token, the states updated in place
-            rec.emit(Op.MAMBA2, [proj[t], self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias,
-                              mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups,
-                              self.xbc[:b], y[t], b, m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel],
-                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
+                 [proj, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log,
+                  mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc[:n], y, b,
+                  m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
+                 (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
         rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
 
-    def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int, b: int) -> list[torch.Tensor]:
-        """OP_GDN's arguments from the conv window to the conv output scratch (for b rows): what
+    def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
+        """OP_GDN's arguments from the conv window to the delta-rule states: what
         `GatedDeltaNetMixer._native_decode` hands `gdn_decode_step` (the conv weight [conv_dim, 1, W] is the
         [conv_dim, W] it squeezes)."""
-        return [self.pool.conv[layer], mixer.conv1d.weight, mixer.dt_bias, mixer.A_log, self.pool.ssm[layer],
-                mixer.norm.weight, self.xbc[:b]]  # fmt: skip
+        return [self.pool.conv[layer], mixer.conv1d.weight, mixer.dt_bias, mixer.A_log, self.pool.ssm[layer]]
 
     def _record_gdn(self, rec: Recorder, mixer: GatedDeltaNetMixer, layer: int) -> None:
         g, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
@@ -251,30 +244,29 @@ class DecodePlan:
         y = scratch_rows(self.narrow, n, g.value_dim).view(length, b, g.value_dim)
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
         sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
-        for t in range(length):  # token by token, conv windows and delta-rule states updated in place
-            rec.emit(Op.GDN, [proj[t], *self._gdn_arguments(mixer, layer, b), y[t], b, *sizes], (mixer.norm.eps,))
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(Op.GDN if length == 1 else Op.GDN_VERIFY,
+                 [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
+                 (mixer.norm.eps,))  # fmt: skip
         rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
 
     def _record_shift(self, b: int, length: int) -> torch.Tensor:
-        """One shift record per recurrent layer: the replay of `_record_mamba`'s / `_record_gdn`'s steps from the
-        saved state, for rows that accepted fewer than l tokens."""
+        """One shift record per recurrent layer: advance the states the verification left by each row's accepted
+        tokens, from the layer's kept in_proj outputs (the keep kernels of csrc/mamba_decode.c, gdn_decode.c)."""
         rec = Recorder(b, length)
         mixers = [block.mixer for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
-            kept, saved = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.saved_conv[layer]
+            kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config
-                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer, 1), self.replay_out, b,
-                                        g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim,
-                                        g.conv_kernel, saved, self.saved_ssm[layer], length],
-                         (mixer.norm.eps,))  # fmt: skip
+                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, g.num_key_heads,
+                                        g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel, length])  # fmt: skip
                 continue
             m = mixer.config
             rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,
-                                    mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], mixer.norm.weight,
-                                    mixer.norm.num_groups, self.xbc, self.replay_out, b, m.num_heads, m.head_dim,
-                                    m.num_groups, m.state_size, m.conv_kernel, saved, self.saved_ssm[layer], length],
-                     (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+                                    mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], scratch, b, m.num_heads,
+                                    m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
+                     (m.dt_min, m.dt_max))  # fmt: skip
         return rec.tensor()
 
     def _record_attention(self, rec: Recorder, attention: Attention, layer: int) -> None:

@@ -34,6 +34,8 @@ class Op(enum.IntEnum):
     GDN_SHIFT = 13
     COPY_ROWS = 14
     SIGMOID_MUL = 15
+    MAMBA2_VERIFY = 20
+    GDN_VERIFY = 21
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

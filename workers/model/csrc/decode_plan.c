@@ -7,11 +7,10 @@
  * bit-for-bit those of the module-by-module path (tests check that). The CPU counterpart of a CUDA graph.
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
  *
- * Speculative verification runs l tokens per row the same way (linears over all of them at once, the Mamba2,
- * Gated DeltaNet and attention steps token by token, states updated in place after saving them); decode_plan_shift
- * then gives each row the state after its accepted tokens: rows that accepted fewer than l get the saved state back
- * and re-run their accepted tokens through the same kernel, so the kept state is bit for bit what plain decode
- * steps would leave.
+ * Speculative verification runs l tokens per row the same way: linears over all of them at once, attention token
+ * by token, and each Mamba2 / Gated DeltaNet layer in one verify call that reads the recurrent states and leaves
+ * them as they are; decode_plan_shift then advances each row's states by its accepted tokens (the keep kernels),
+ * with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would leave.
  */
 #include <stdint.h>
 #include <string.h>
@@ -35,6 +34,8 @@ enum {
     OP_GDN_SHIFT,
     OP_COPY_ROWS,
     OP_SIGMOID_MUL,
+    OP_MAMBA2_VERIFY = 20,
+    OP_GDN_VERIFY = 21,
 };
 
 typedef struct {
@@ -108,6 +109,15 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             gdn_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], F32(7), F32(8),
                             op->a[9], op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
             break;
+        case OP_GDN_VERIFY: /* as OP_GDN with proj and out [l, b, ·], qkv scratch [l, b, Cd], a15 l */
+            gdn_verify(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], F32(7), F32(8),
+                       op->a[9], op->a[15], op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
+            break;
+        case OP_MAMBA2_VERIFY: /* as OP_MAMBA2 with proj and out [l, b, ·], xbc scratch [l, b, Cd], a18 l */
+            mamba2_verify(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], (float)op->f[1],
+                          F32(7), F32(8), op->a[9], (float)op->f[2], F32(10), F32(11), op->a[12], op->a[18],
+                          op->a[13], op->a[14], op->a[15], op->a[16], op->a[17], num_threads);
+            break;
         case OP_MAMBA2:
             mamba2_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0],
                                (float)op->f[1], F32(7), F32(8), op->a[9], (float)op->f[2], F32(10), F32(11),
@@ -134,55 +144,26 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
     return 0;
 }
 
-/* Rows that accepted fewer than all l tokens restart from the saved state and re-run their accepted tokens, one
- * row at a time (the kernels compute every row alike, so one row alone gives the bits the batch gave). */
-static void mamba2_shift(const plan_op *op, const int64_t *accepted, int num_threads) {
-    const int64_t b = op->a[12], H = op->a[13], P = op->a[14], G = op->a[15], N = op->a[16], W = op->a[17];
-    const int64_t length = op->a[20], Cd = H * P + 2 * G * N, row_len = H * P + Cd + H;
-    const int64_t conv_row = Cd * (W - 1), ssm_row = H * P * N;
-    for (int64_t r = 0; r < b; ++r) {
-        if (accepted[r] == length) continue; /* the state after all l tokens is already in place */
-        float *conv = F32(1) + r * conv_row, *ssm = F32(7) + r * ssm_row;
-        memcpy(conv, F32(18) + r * conv_row, conv_row * sizeof(float));
-        memcpy(ssm, F32(19) + r * ssm_row, ssm_row * sizeof(float));
-        for (int64_t t = 0; t < accepted[r]; ++t)
-            mamba2_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), F32(5), F32(6),
-                               (float)op->f[0], (float)op->f[1], ssm, F32(8), op->a[9], (float)op->f[2], F32(10),
-                               F32(11), 1, H, P, G, N, W, num_threads);
-    }
-}
-
-static void gdn_shift(const plan_op *op, const int64_t *accepted, int num_threads) {
-    const int64_t b = op->a[9], HK = op->a[10], HV = op->a[11], DK = op->a[12], DV = op->a[13], W = op->a[14];
-    const int64_t length = op->a[17], Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV;
-    const int64_t conv_row = Cd * (W - 1), state_row = HV * DK * DV;
-    for (int64_t r = 0; r < b; ++r) {
-        if (accepted[r] == length) continue;
-        float *conv = F32(1) + r * conv_row, *state = F32(5) + r * state_row;
-        memcpy(conv, F32(15) + r * conv_row, conv_row * sizeof(float));
-        memcpy(state, F32(16) + r * state_row, state_row * sizeof(float));
-        for (int64_t t = 0; t < accepted[r]; ++t)
-            gdn_decode_step(F32(0) + (t * b + r) * row_len, conv, F32(2), F32(3), F32(4), state, F32(6),
-                            (float)op->f[0], F32(7), F32(8), 1, HK, HV, DK, DV, W, num_threads);
-    }
-}
-
-/* Shift records, one per recurrent layer: OP_MAMBA2_SHIFT (arguments as OP_MAMBA2, plus a18 saved conv windows,
- * a19 saved SSM states, a20 tokens per row l) or OP_GDN_SHIFT (as OP_GDN, plus a15 saved conv windows, a16 saved
- * delta-rule states, a17 l); a0 holds the layer's in_proj outputs token-major [l, b, ·]. Every row keeps the state
- * after its first accepted[r] tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
+/* Shift records, one per recurrent layer, after a verification: OP_MAMBA2_SHIFT (a: in_proj outputs [l, b, ·],
+ * conv windows, conv weight, conv bias, dt_bias, A_log, D, SSM states, xbc scratch [l, b, Cd], b, H, P, G, N, W, l;
+ * f: dt_min, dt_max) or OP_GDN_SHIFT (a: in_proj outputs, conv windows, conv weight, dt_bias, A_log, delta-rule
+ * states, qkv scratch [l, b, Cd], b, HK, HV, DK, DV, W, l). Every row advances its states by its first accepted[r]
+ * tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
         const int mamba = op->code == OP_MAMBA2_SHIFT;
         if (!mamba && op->code != OP_GDN_SHIFT) return i + 1;
-        const int64_t b = mamba ? op->a[12] : op->a[9], length = mamba ? op->a[20] : op->a[17];
+        const int64_t b = mamba ? op->a[9] : op->a[7], length = mamba ? op->a[15] : op->a[13];
         for (int64_t r = 0; r < b; ++r)
             if (accepted[r] < 1 || accepted[r] > length) return i + 1;
         if (mamba)
-            mamba2_shift(op, accepted, num_threads);
+            mamba2_keep(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], (float)op->f[1],
+                        F32(7), F32(8), accepted, b, length, op->a[10], op->a[11], op->a[12], op->a[13], op->a[14],
+                        num_threads);
         else
-            gdn_shift(op, accepted, num_threads);
+            gdn_keep(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), accepted, b, length, op->a[8], op->a[9],
+                     op->a[10], op->a[11], op->a[12], num_threads);
     }
     return 0;
 }

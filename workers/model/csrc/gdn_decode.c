@@ -16,15 +16,21 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "conv_step.h"
 #include "kernels.h"
 #include "vexp.h"
 
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
+/* The helpers a decode step, a verification and a keep share are not inlined: each is one compiled body, so that
+ * vectorised reductions add in one order everywhere and the three agree bit for bit. */
+#define SHARED_STEP __attribute__((noinline, noclone))
+
 /* x ← x / sqrt(Σx² + 1e-6) · scale over n values (the FLA / transformers l2norm). */
-static inline void l2norm_scaled(float *x, int64_t n, float scale) {
+static SHARED_STEP void l2norm_scaled(float *x, int64_t n, float scale) {
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = 0; i < n; ++i) sq += x[i] * x[i];
@@ -35,7 +41,7 @@ static inline void l2norm_scaled(float *x, int64_t n, float scale) {
 /* One token through NC columns of one value head's state: S ← decay·S;  S += k ⊗ beta·(v − Sᵀk);  o = Sᵀq.
  * S is [DK, NC] with rows `stride` apart (the columns of a [DK, DV] state are independent: a prompt walks
  * a block of them at a time); v and o hold the same NC columns. */
-static inline void delta_head_step(float *S, int64_t stride, const float *q, const float *k, const float *v,
+static SHARED_STEP void delta_head_step(float *S, int64_t stride, const float *q, const float *k, const float *v,
                                    float decay, float beta, float *o, float *delta, int64_t DK, int64_t NC) {
     for (int64_t j = 0; j < NC; ++j) delta[j] = 0.0f;
     for (int64_t i = 0; i < DK; ++i) { /* Sᵀk of the undecayed state; scaled by decay below */
@@ -69,7 +75,7 @@ static inline void head_gates(const float *p, int64_t Cd, int64_t HV, int64_t DV
 }
 
 /* o ← norm_w · rmsnorm(o) · silu(z) over one head's DV channels, in place. */
-static inline void gated_head_norm(float *o, const float *z, const float *norm_w, float eps, int64_t DV) {
+static SHARED_STEP void gated_head_norm(float *o, const float *z, const float *norm_w, float eps, int64_t DV) {
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t j = 0; j < DV; ++j) sq += o[j] * o[j];
@@ -80,7 +86,7 @@ static inline void gated_head_norm(float *o, const float *z, const float *norm_w
 
 /* Conv output of one token, in place: silu, then each key head of q l2-normalised and scaled by DK^-0.5, of k
  * l2-normalised. */
-static inline void activate_qkv(float *qkv, int64_t Cd, int64_t HK, int64_t DK) {
+static SHARED_STEP void activate_qkv(float *qkv, int64_t Cd, int64_t HK, int64_t DK) {
     silu_inplace(qkv, Cd);
     for (int64_t h = 0; h < 2 * HK; ++h) l2norm_scaled(qkv + h * DK, DK, h < HK ? 1.0f / sqrtf((float)DK) : 1.0f);
 }
@@ -95,15 +101,8 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
 #pragma omp for schedule(static)
         for (int64_t bc = 0; bc < b * Cd; ++bc) {
             const int64_t bi = bc / Cd, c = bc % Cd;
-            float *window = conv_state + bc * (W - 1);
-            const float *w = conv_w + c * W;
-            const float input = proj[bi * row_len + c];
-            float acc = 0.0f;
-            for (int64_t k = 0; k < W - 1; ++k) acc += window[k] * w[k];
-            acc += input * w[W - 1];
-            for (int64_t k = 0; k + 1 < W - 1; ++k) window[k] = window[k + 1];
-            if (W > 1) window[W - 2] = input;
-            qkv[bc] = acc;
+            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c, 0, qkv + bc,
+                               0, 1, W, 1);
         }
         /* 2. silu; l2-normalise each key head of q (then scale by DK^-0.5) and of k. */
 #pragma omp for schedule(static)
@@ -120,6 +119,81 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
                             row + 2 * HK * DK + h * DV, decay, beta, o, delta, DK, DV);
             gated_head_norm(o, p + Cd + h * DV, norm_w, eps, DV);
         }
+    }
+}
+
+/* Speculative verification: l tokens per row from the states in place, which are read and left as they are (the
+ * keep below advances them once the accepted count is known). proj [l, b, ·] token-major → out [l, b, HV·DV]; qkv
+ * [l, b, Cd] scratch. Each (row, value head) walks its l tokens on a copy of its state in cache: the state is read
+ * once instead of saved, updated l times and restored. Outputs are bit for bit those of l decode steps. */
+void gdn_verify(const float *proj, const float *conv_state, const float *conv_w, const float *dt_bias,
+                const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
+                int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
+    const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * Cd; ++bc) {
+            const int64_t bi = bc / Cd, c = bc % Cd;
+            conv_channel_steps((float *)conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c,
+                               b * row_len, qkv + bc, b * Cd, l, W, 0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < l * b; ++r) activate_qkv(qkv + r * Cd, Cd, HK, DK);
+        float *state = malloc(DK * DV * sizeof(float)), *delta = malloc(DV * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * HV; ++bh) {
+            const int64_t bi = bh / HV, h = bh % HV, kh = h / per_key;
+            memcpy(state, delta_state + bh * DK * DV, DK * DV * sizeof(float));
+            for (int64_t t = 0; t < l; ++t) {
+                const int64_t r = t * b + bi;
+                const float *row = qkv + r * Cd, *p = proj + r * row_len;
+                float decay, beta;
+                head_gates(p, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+                float *o = out + (r * HV + h) * DV;
+                delta_head_step(state, DV, row + kh * DK, row + HK * DK + kh * DK, row + 2 * HK * DK + h * DV, decay,
+                                beta, o, delta, DK, DV);
+                gated_head_norm(o, p + Cd + h * DV, norm_w, eps, DV);
+            }
+        }
+        free(state);
+        free(delta);
+    }
+}
+
+/* After `gdn_verify`: row r advances its conv window and delta-rule state, in place, by its first accepted[r]
+ * tokens of proj [l, b, ·] — the states accepted[r] decode steps would leave, bit for bit. qkv [l, b, Cd] is
+ * scratch. */
+void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias, const float *A_log,
+              float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
+              int64_t DK, int64_t DV, int64_t W, int num_threads) {
+    const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * Cd; ++bc) {
+            const int64_t bi = bc / Cd, c = bc % Cd;
+            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c, b * row_len,
+                               qkv + bc, b * Cd, accepted[bi], W, 1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < l * b; ++r)
+            if (r / b < accepted[r % b]) activate_qkv(qkv + r * Cd, Cd, HK, DK);
+        float *o = malloc(DV * sizeof(float)), *delta = malloc(DV * sizeof(float)); /* outputs: the verification's */
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * HV; ++bh) {
+            const int64_t bi = bh / HV, h = bh % HV, kh = h / per_key;
+            for (int64_t t = 0; t < accepted[bi]; ++t) {
+                const int64_t r = t * b + bi;
+                const float *row = qkv + r * Cd;
+                float decay, beta;
+                head_gates(proj + r * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+                delta_head_step(delta_state + bh * DK * DV, DV, row + kh * DK, row + HK * DK + kh * DK,
+                                row + 2 * HK * DK + h * DV, decay, beta, o, delta, DK, DV);
+            }
+        }
+        free(o);
+        free(delta);
     }
 }
 

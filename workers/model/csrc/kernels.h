@@ -23,9 +23,24 @@ void mamba2_prefill(const float *proj, const int64_t *num_tokens, const float *c
                     const float *norm_w, int64_t norm_groups, float eps, float *xbc, const float *initial_conv,
                     const float *initial_ssm, float *conv_state, float *ssm_state, float *out, int64_t b, int64_t l,
                     int64_t H, int64_t P, int64_t G, int64_t N, int64_t W, int num_threads);
+void mamba2_verify(const float *proj, const float *conv_state, const float *conv_w, const float *conv_b,
+                   const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                   const float *ssm_state, const float *norm_w, int64_t norm_groups, float eps, float *xbc,
+                   float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
+                   int num_threads);
+void mamba2_keep(const float *proj, float *conv_state, const float *conv_w, const float *conv_b,
+                 const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                 float *ssm_state, float *xbc, const int64_t *accepted, int64_t b, int64_t l, int64_t H, int64_t P,
+                 int64_t G, int64_t N, int64_t W, int num_threads);
 void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias,
                      const float *A_log, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                      int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
+void gdn_verify(const float *proj, const float *conv_state, const float *conv_w, const float *dt_bias,
+                const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
+                int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
+void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias, const float *A_log,
+              float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
+              int64_t DK, int64_t DV, int64_t W, int num_threads);
 void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *dt_bias,
                  const float *A_log, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,

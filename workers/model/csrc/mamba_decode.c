@@ -14,11 +14,14 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 #include <stdint.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
+#include "conv_step.h"
 #include "kernels.h"
 #include "vexp.h"
 
@@ -44,8 +47,10 @@ static inline float head_dt(float dt_raw, float bias, float dt_min, float dt_max
     return fminf(fmaxf(softplus(dt_raw + bias), dt_min), dt_max);
 }
 
-/* One token through one head: state [P, N] ← decay · state + dt x ⊗ B; y[p] = state[p] · C + D x[p]. */
-static inline void ssm_head_step(float *state, const float *x, const float *B, const float *C, float dt, float decay,
+/* One token through one head: state [P, N] ← decay · state + dt x ⊗ B; y[p] = state[p] · C + D x[p].
+ * Not inlined: the decode step, the verification and the keep below call this one compiled body, so that the
+ * vectorised reduction adds in one order everywhere and their states and outputs agree bit for bit. */
+static __attribute__((noinline, noclone)) void ssm_head_step(float *state, const float *x, const float *B, const float *C, float dt, float decay,
                                  float D, float *y, int64_t P, int64_t N) {
     for (int64_t p = 0; p < P; ++p) {
         const float xdt = x[p] * dt;
@@ -61,8 +66,8 @@ static inline void ssm_head_step(float *state, const float *x, const float *B, c
     }
 }
 
-/* y ← rmsnorm(y · silu(z)) · w over one group of n channels, in place. */
-static inline void gated_norm_group(const float *z, float *y, const float *w, float eps, int64_t n) {
+/* y ← rmsnorm(y · silu(z)) · w over one group of n channels, in place (one compiled body, as ssm_head_step). */
+static __attribute__((noinline, noclone)) void gated_norm_group(const float *z, float *y, const float *w, float eps, int64_t n) {
     silu_mul_row(z, y, y, n);
     float sq = 0.0f;
     for (int64_t i = 0; i < n; ++i) sq += y[i] * y[i];
@@ -84,15 +89,8 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
 #pragma omp for schedule(static)
         for (int64_t bc = 0; bc < b * Cd; ++bc) {
             const int64_t bi = bc / Cd, c = bc % Cd;
-            float *window = conv_state + bc * (W - 1);
-            const float *w = conv_w + c * W;
-            const float input = proj[bi * row_len + I + c];
-            float acc = conv_b ? conv_b[c] : 0.0f;
-            for (int64_t k = 0; k < W - 1; ++k) acc += window[k] * w[k];
-            acc += input * w[W - 1];
-            for (int64_t k = 0; k + 1 < W - 1; ++k) window[k] = window[k + 1];
-            if (W > 1) window[W - 2] = input;
-            xbc[bc] = acc;
+            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                               proj + bi * row_len + I + c, 0, xbc + bc, 0, 1, W, 1);
         }
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < b; ++bi) silu_inplace(xbc + bi * Cd, Cd);
@@ -112,6 +110,87 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
             gated_norm_group(proj + bi * row_len + g * group_size, out + bg * group_size, norm_w + g * group_size, eps,
                              group_size);
         }
+    }
+}
+
+/* Speculative verification: l tokens per row from the states in place, which are read and left as they are (the
+ * keep below advances them once the accepted count is known). proj [l, b, I + Cd + H] token-major → out
+ * [l, b, I]; xbc [l, b, Cd] scratch. Each (row, head) walks its l tokens on a copy of its state in cache, so the
+ * state is read once instead of saved, updated l times and restored; outputs are bit for bit those of l decode
+ * steps (the same conv order, the same `ssm_head_step`, the same norm). */
+void mamba2_verify(const float *proj, const float *conv_state, const float *conv_w, const float *conv_b,
+                   const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                   const float *ssm_state, const float *norm_w, int64_t norm_groups, float eps, float *xbc,
+                   float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
+                   int num_threads) {
+    const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+    const int64_t group_size = I / norm_groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+        flush_denormals();
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * Cd; ++bc) {
+            const int64_t bi = bc / Cd, c = bc % Cd;
+            conv_channel_steps((float *)conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                               proj + bi * row_len + I + c, b * row_len, xbc + bc, b * Cd, l, W, 0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < l * b; ++r) silu_inplace(xbc + r * Cd, Cd);
+        float *state = malloc(P * N * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * H; ++bh) {
+            const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
+            memcpy(state, ssm_state + bh * P * N, P * N * sizeof(float));
+            for (int64_t t = 0; t < l; ++t) {
+                const int64_t r = t * b + bi;
+                const float dt = head_dt(proj[r * row_len + I + Cd + h], dt_bias[h], dt_min, dt_max);
+                const float *row = xbc + r * Cd;
+                ssm_head_step(state, row + h * P, row + I + g * N, row + I + G * N + g * N, dt,
+                              expf(dt * -expf(A_log[h])), D[h], out + r * I + h * P, P, N);
+            }
+        }
+        free(state);
+#pragma omp for schedule(static)
+        for (int64_t rg = 0; rg < l * b * norm_groups; ++rg) {
+            const int64_t r = rg / norm_groups, g = rg % norm_groups;
+            gated_norm_group(proj + r * row_len + g * group_size, out + rg * group_size, norm_w + g * group_size, eps,
+                             group_size);
+        }
+    }
+}
+
+/* After `mamba2_verify`: row r advances its conv window and SSM state, in place, by its first accepted[r] tokens of
+ * proj [l, b, ·] — the states accepted[r] decode steps would leave, bit for bit. xbc [l, b, Cd] is scratch. */
+void mamba2_keep(const float *proj, float *conv_state, const float *conv_w, const float *conv_b,
+                 const float *dt_bias, const float *A_log, const float *D, float dt_min, float dt_max,
+                 float *ssm_state, float *xbc, const int64_t *accepted, int64_t b, int64_t l, int64_t H, int64_t P,
+                 int64_t G, int64_t N, int64_t W, int num_threads) {
+    const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+#pragma omp parallel num_threads(num_threads)
+    {
+        flush_denormals();
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * Cd; ++bc) {
+            const int64_t bi = bc / Cd, c = bc % Cd;
+            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                               proj + bi * row_len + I + c, b * row_len, xbc + bc, b * Cd, accepted[bi], W, 1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < l * b; ++r)
+            if (r / b < accepted[r % b]) silu_inplace(xbc + r * Cd, Cd);
+        float *y = malloc(P * sizeof(float)); /* the outputs were the verification's; only the states matter */
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * H; ++bh) {
+            const int64_t bi = bh / H, h = bh % H, g = h / heads_per_group;
+            for (int64_t t = 0; t < accepted[bi]; ++t) {
+                const int64_t r = t * b + bi;
+                const float dt = head_dt(proj[r * row_len + I + Cd + h], dt_bias[h], dt_min, dt_max);
+                const float *row = xbc + r * Cd;
+                ssm_head_step(ssm_state + bh * P * N, row + h * P, row + I + g * N, row + I + G * N + g * N, dt,
+                              expf(dt * -expf(A_log[h])), D[h], y, P, N);
+            }
+        }
+        free(y);
     }
 }
 

@@ -293,17 +293,18 @@ class DecodePlan:
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
             self._referenced.append(inv_freq)
-        for t in range(length):  # token t attends to the cache up to its own position: causal
-            positions = self.positions[t, :b]
-            if inv_freq is not None:
+        if inv_freq is not None:
+            for t in range(length):
+                positions = self.positions[t, :b]
                 rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
                 rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
-            blocks = self.pool.blocks
-            rec.emit(Op.ATTENTION, [q[t], keys[t], values[t], self.pool.key[layer], self.pool.value[layer],
-                                      self.slot_ids, positions, blocks.tables, out[t], b, a.num_heads,
-                                      a.num_kv_heads, a.head_dim, self.pool.capacity,
-                                      blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2]],
-                     (a.scale,))  # fmt: skip
+        # All l tokens at once (each attends causally up to its own position), the cache read once for them.
+        blocks = self.pool.blocks
+        rec.emit(Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
+                 [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids, self.positions[0, :b],
+                  blocks.tables, out, b, a.num_heads, a.num_kv_heads, a.head_dim, self.pool.capacity,
+                  blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2], length],
+                 (a.scale,))  # fmt: skip
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])

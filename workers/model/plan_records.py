@@ -36,6 +36,7 @@ class Op(enum.IntEnum):
     SIGMOID_MUL = 15
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
+    ATTENTION_VERIFY = 22
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

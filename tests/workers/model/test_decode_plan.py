@@ -131,9 +131,9 @@ def test_verification_and_keep_equal_plain_plan_steps_bit_for_bit(checkpoint_dir
 
 @pytest.mark.parametrize("family", ["bamba", "nemotron_dense", "qwen3_5_text", "qwen3_next_dense"])  # Mamba2, GDN
 def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_count(checkpoint_dir, family):
-    """16 rows, 5 tokens each, every count 1 … 5 among them: verification reads the recurrent states (conv windows,
-    SSM or delta-rule states) and leaves them as they were; keep then gives each row the state of its own number of
-    plain steps."""
+    """16 rows, 5 tokens each, every count 1 … 5 among them: verification gives the logits and KV entries of 5 plain
+    steps, reads the recurrent states (conv windows, SSM or delta-rule states) and leaves them as they were; keep then
+    gives each row the state of its own number of plain steps."""
     model = load_checkpoint(str(checkpoint_dir(family))).model
     stepped = _random_pool(model, slots=16, capacity=24, seed=4)
     verified = _clone(stepped)
@@ -141,11 +141,14 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
     positions = torch.randint(0, 18, (16,), generator=g).tolist()
-    snapshots = [(stepped.conv.clone(), stepped.ssm.clone())]
+    snapshots, step_logits = [(stepped.conv.clone(), stepped.ssm.clone())], []
     for t in range(5):
-        step_plan.run([row[t] for row in tokens], [p + t for p in positions])
+        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
         snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    verify_plan.verify(tokens, positions)
+    logits = verify_plan.verify(tokens, positions)
+    for t in range(5):  # attention over KV blocks of 16 positions: rows cross block boundaries within their 5 tokens
+        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
+    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
     assert torch.equal(verified.conv, snapshots[0][0]) and torch.equal(verified.ssm, snapshots[0][1])
     accepted = [1 + i % 5 for i in range(16)]
     verify_plan.keep(accepted)

@@ -1,4 +1,4 @@
-/* One decode step of grouped-query attention over a paged KV cache, float32.
+/* Decode steps (and speculative verification) of grouped-query attention over a paged KV cache, float32.
  *
  * Each request writes its new key/value at its position, then every query head attends over its slot's cache up
  * to and including that position: the work of F.scaled_dot_product_attention plus the cache writes, masks and
@@ -15,58 +15,102 @@
 
 #include "kernels.h"
 
+/* This block's scores of one query (scaled), into score[n]; returns their maximum. Not inlined, so that every
+ * query of every step adds its dot products in one compiled order (decode steps and verification agree). */
+static __attribute__((noinline, noclone)) float block_scores(const float *query, const float *keys, int64_t n,
+                                                             int64_t d, float scale, float *score) {
+    float block_max = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+        const float *key = keys + j * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
+        score[j] = dot * scale;
+        block_max = score[j] > block_max ? score[j] : block_max;
+    }
+    return block_max;
+}
+
+/* o += Σ_j exp(score[j] − max) · values[j] over one block (o rescaled first when the running maximum grew);
+ * returns the block's share of the softmax denominator added to `total`. Not inlined, as block_scores. */
+static __attribute__((noinline, noclone)) float block_values(float *o, const float *values, const float *score,
+                                                             int64_t n, int64_t d, float block_max, float *max_score,
+                                                             float total) {
+    if (block_max > *max_score) {
+        const float rescale = *max_score == -INFINITY ? 0.0f : expf(*max_score - block_max);
+        total *= rescale;
+        for (int64_t i = 0; i < d; ++i) o[i] *= rescale;
+        *max_score = block_max;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float weight = expf(score[j] - *max_score);
+        const float *value = values + j * d;
+        total += weight;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] += weight * value[i];
+    }
+    return total;
+}
+
+/* l tokens per request at positions[r] … positions[r] + l − 1 (l = 1: a decode step; more: speculative
+ * verification). q, out [l, b, H, d]; k_new, v_new [l, b, KV, d]. All l keys/values are written first; token t
+ * then attends causally up to its own position. Per (request, KV head) the cache is walked block by block once for
+ * all l · H / KV queries (each block stays in cache while they read it); every query runs the same per-block
+ * arithmetic as a decode step at its position, so the outputs are bit for bit those of l decode steps. */
+void attention_verify(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
+                      const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
+                      const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
+                      int64_t l, int64_t H, int64_t KV, int64_t d, int num_threads) {
+    const int64_t group = H / KV;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t item = 0; item < b * KV; ++item) {
+        const int64_t bi = item / KV, kv = item % KV, first = positions[bi], last = first + l - 1;
+        const int64_t *table = block_tables + slot_ids[bi] * max_blocks;
+        float *keys = key_cache + kv * cache_tokens * d;
+        float *values = value_cache + kv * cache_tokens * d;
+        /* 1. The new keys and values go to the request's positions in its slot's blocks. */
+        for (int64_t t = 0; t < l; ++t) {
+            const int64_t position = first + t, at = table[position / block_size] * block_size + position % block_size;
+            memcpy(keys + at * d, k_new + ((t * b + bi) * KV + kv) * d, d * sizeof(float));
+            memcpy(values + at * d, v_new + ((t * b + bi) * KV + kv) * d, d * sizeof(float));
+        }
+        float max_score[l * group], total[l * group], score[256];
+        for (int64_t t = 0; t < l; ++t)
+            for (int64_t g = 0; g < group; ++g) {
+                max_score[t * group + g] = -INFINITY;
+                total[t * group + g] = 0.0f;
+                memset(out + ((t * b + bi) * H + kv * group + g) * d, 0, d * sizeof(float));
+            }
+        /* 2. Block by block: each query that reaches the block scores it and adds its weighted values (online
+         * softmax: what was summed so far is rescaled when the running maximum grows). */
+        for (int64_t start = 0; start <= last; start += block_size) {
+            const int64_t base = table[start / block_size] * block_size;
+            for (int64_t t = 0; t < l; ++t) {
+                const int64_t position = first + t;
+                if (start > position) continue;
+                const int64_t n = position + 1 - start < block_size ? position + 1 - start : block_size;
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t head = kv * group + g, at = (t * b + bi) * H + head;
+                    const float block_max = block_scores(q + at * d, keys + base * d, n, d, scale, score);
+                    total[t * group + g] = block_values(out + at * d, values + base * d, score, n, d, block_max,
+                                                        &max_score[t * group + g], total[t * group + g]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < l; ++t)
+            for (int64_t g = 0; g < group; ++g) {
+                float *o = out + ((t * b + bi) * H + kv * group + g) * d;
+                for (int64_t i = 0; i < d; ++i) o[i] /= total[t * group + g];
+            }
+    }
+}
+
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
                       int64_t H, int64_t KV, int64_t d, int num_threads) {
-    const int64_t group = H / KV;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t item = 0; item < b * KV; ++item) {
-        const int64_t bi = item / KV, kv = item % KV, position = positions[bi];
-        const int64_t *table = block_tables + slot_ids[bi] * max_blocks;
-        float *keys = key_cache + kv * cache_tokens * d;
-        float *values = value_cache + kv * cache_tokens * d;
-        /* 1. The new key and value go to the request's position in its slot's block. */
-        const int64_t at = table[position / block_size] * block_size + position % block_size;
-        memcpy(keys + at * d, k_new + (bi * KV + kv) * d, d * sizeof(float));
-        memcpy(values + at * d, v_new + (bi * KV + kv) * d, d * sizeof(float));
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t head = kv * group + g;
-            const float *query = q + (bi * H + head) * d;
-            float *o = out + (bi * H + head) * d;
-            float score[256], max_score = -INFINITY, total = 0.0f;
-            memset(o, 0, d * sizeof(float));
-            for (int64_t start = 0; start <= position; start += block_size) {
-                const int64_t n = position + 1 - start < block_size ? position + 1 - start : block_size;
-                const int64_t base = table[start / block_size] * block_size;
-                /* 2. This block's scores; rescale what was summed so far when the running maximum grows. */
-                float block_max = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) {
-                    const float *key = keys + (base + j) * d;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < d; ++i) dot += query[i] * key[i];
-                    score[j] = dot * scale;
-                    block_max = score[j] > block_max ? score[j] : block_max;
-                }
-                if (block_max > max_score) {
-                    const float rescale = max_score == -INFINITY ? 0.0f : expf(max_score - block_max);
-                    total *= rescale;
-                    for (int64_t i = 0; i < d; ++i) o[i] *= rescale;
-                    max_score = block_max;
-                }
-                /* 3. The weighted sum of this block's values. */
-                for (int64_t j = 0; j < n; ++j) {
-                    const float weight = expf(score[j] - max_score);
-                    const float *value = values + (base + j) * d;
-                    total += weight;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; ++i) o[i] += weight * value[i];
-                }
-            }
-            for (int64_t i = 0; i < d; ++i) o[i] /= total;
-        }
-    }
+    attention_verify(q, k_new, v_new, key_cache, value_cache, block_tables, max_blocks, block_size, cache_tokens,
+                     slot_ids, positions, scale, out, b, 1, H, KV, d, num_threads);
 }
 
 /* Rotary position embedding of the first rotary_dim dims of every head (half-split convention), in place:

@@ -7,9 +7,9 @@
  * bit-for-bit those of the module-by-module path (tests check that). The CPU counterpart of a CUDA graph.
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
  *
- * Speculative verification runs l tokens per row the same way: linears over all of them at once, attention token
- * by token, and each Mamba2 / Gated DeltaNet layer in one verify call that reads the recurrent states and leaves
- * them as they are; decode_plan_shift then advances each row's states by its accepted tokens (the keep kernels),
+ * Speculative verification runs l tokens per row the same way: linears over all of them at once, and each attention,
+ * Mamba2 and Gated DeltaNet layer in one call over the l tokens (the recurrent ones read their states and leave them
+ * as they are); decode_plan_shift then advances each row's states by its accepted tokens (the keep kernels),
  * with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would leave.
  */
 #include <stdint.h>
@@ -36,6 +36,7 @@ enum {
     OP_SIGMOID_MUL,
     OP_MAMBA2_VERIFY = 20,
     OP_GDN_VERIFY = 21,
+    OP_ATTENTION_VERIFY = 22,
 };
 
 typedef struct {
@@ -123,18 +124,23 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
                                (float)op->f[1], F32(7), F32(8), op->a[9], (float)op->f[2], F32(10), F32(11),
                                op->a[12], op->a[13], op->a[14], op->a[15], op->a[16], op->a[17], num_threads);
             break;
-        case OP_ATTENTION: {
+        case OP_ATTENTION:
+        case OP_ATTENTION_VERIFY: {
             /* a: q, k, v, key cache, value cache, slot ids, positions, block tables, out, b, H, KV, d, capacity,
-             * max blocks, block size, cache tokens */
+             * max blocks, block size, cache tokens, and for a verification l (q, k, v, out [l, b, ·]; positions
+             * of each row's first token) */
             const int64_t *positions = I64(6), *slot_ids = I64(5), *tables = I64(7);
             const int64_t rows = op->a[9], capacity = op->a[13], max_blocks = op->a[14], block_size = op->a[15];
-            for (int64_t r = 0; r < rows; ++r) {
-                if (positions[r] < 0 || positions[r] >= capacity) return i + 1;
-                if (tables[slot_ids[r] * max_blocks + positions[r] / block_size] == 0) return i + 1; /* no block */
-            }
-            attention_decode(F32(0), F32(1), F32(2), F32(3), F32(4), tables, max_blocks, block_size, op->a[16],
-                             slot_ids, positions, (float)op->f[0], F32(8), rows, op->a[10], op->a[11], op->a[12],
-                             num_threads);
+            const int64_t length = op->code == OP_ATTENTION ? 1 : op->a[17];
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t t = 0; t < length; ++t) {
+                    const int64_t position = positions[r] + t;
+                    if (position < 0 || position >= capacity) return i + 1;
+                    if (tables[slot_ids[r] * max_blocks + position / block_size] == 0) return i + 1; /* no block */
+                }
+            attention_verify(F32(0), F32(1), F32(2), F32(3), F32(4), tables, max_blocks, block_size, op->a[16],
+                             slot_ids, positions, (float)op->f[0], F32(8), rows, length, op->a[10], op->a[11],
+                             op->a[12], num_threads);
             break;
         }
         default:

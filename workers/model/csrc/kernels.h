@@ -49,6 +49,10 @@ void attention_decode(const float *q, const float *k_new, const float *v_new, fl
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
                       int64_t H, int64_t KV, int64_t d, int num_threads);
+void attention_verify(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
+                      const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
+                      const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
+                      int64_t l, int64_t H, int64_t KV, int64_t d, int num_threads);
 void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_t b, int64_t heads, int64_t head_dim,
                int64_t rotary_dim);
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);

@@ -34,6 +34,7 @@ class Op(enum.IntEnum):
     GDN_SHIFT = 13
     COPY_ROWS = 14
     SIGMOID_MUL = 15
+    ARGMAX_FEED = 16  # 16 and 17 are the draft chain's (17 unused yet); other new ops start at 18
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

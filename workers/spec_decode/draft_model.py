@@ -220,7 +220,9 @@ class DraftModelProposer:
         for request, context_len, j in zip(pending.requests, pending.context_lens, keep):
             self.covered[request.slot] = context_len + j
 
-    def _keep_module_states(self, active: list[Request], states_by_step: list[list[MambaState]], keep: list[int]):
+    def _keep_module_states(
+        self, active: list[Request], states_by_step: list[list[MambaState]], keep: list[int]
+    ) -> None:
         """Write each row's states after step keep[row] (of the module path's per-step states) into its slot."""
         keep_index = torch.tensor(keep, device=self.device)
         rows = torch.arange(len(active), device=self.device)

@@ -117,6 +117,7 @@ class ModelRunner:
         self.decode_plan = decode_plan
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
+        self._draft_proposer: DraftModelProposer | None = None  # likewise for the draft model's
         self._spec_stats = SpecStats()
         mtp = speculative is not None and speculative.method == "mtp"
         logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan, self.cuda_graphs, mtp))
@@ -206,7 +207,10 @@ class ModelRunner:
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         if self.speculative.method == "mtp":
             return MtpProposer(self.model, self.speculative.num_speculative_tokens)
-        return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
+        if self._draft_proposer is None:  # kept: its state slots and plans are reused by later runs when they fit
+            k = self.speculative.num_speculative_tokens
+            self._draft_proposer = DraftModelProposer(self.draft_model, k, self.decode_plan)
+        return self._draft_proposer
 
     def spec_stats(self) -> dict[str, Any]:
         """Speculative decoding counters over every request this runner has finished, and how many steps

@@ -166,20 +166,29 @@ class DecodePlan:
         b, length = check_step(token_ids, positions, self.max_rows, self.tokens_per_row)
         self.token_ids.numpy()[: b * length] = [row[t] for t in range(length) for row in token_ids]
         self.positions.numpy()[:length, :b] = [[p + t for p in positions] for t in range(length)]
+        self._last = None
+        self.replay(self.records(b, length))
+        self._last = (b, length)
+        logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
+        divisor = self.model.config.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor  # exactly as HybridModel.logits
+
+    def records(self, b: int, length: int) -> torch.Tensor:
+        """The records [num_records, RECORD_WORDS] of one step of `length` tokens for rows 0 … b-1 (recorded on
+        first use): they read `token_ids` and `positions` token-major and leave the logits in `logits`."""
         records = self._records.get((b, length))
         if records is None:
             records = self._records[(b, length)] = self._record(b, length)
-        self._last = None
+        return records
+
+    def replay(self, records: torch.Tensor) -> None:
+        """Run records made over this plan's buffers in one native call; ValueError when one refuses its input."""
         failed = self.lib.decode_plan_run(records.data_ptr(), records.shape[0], torch.get_num_threads())
         if failed:
             raise ValueError(
                 f"decode step refused its input at record {failed - 1}: a token id outside [0, "
                 f"{self.model.config.vocab_size}) or a position outside the KV cache or without a KV block"
             )
-        self._last = (b, length)
-        logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
-        divisor = self.model.config.logits_divisor
-        return logits if divisor == 1.0 else logits / divisor  # exactly as HybridModel.logits
 
     # ------------------------------------------------------------------------------------------------ recording
     def _record(self, b: int, length: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ class Op(enum.IntEnum):
     GDN_SHIFT = 13
     COPY_ROWS = 14
     SIGMOID_MUL = 15
+    ARGMAX_FEED = 16  # the draft chain's (workers/model/draft_chain.py)
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22

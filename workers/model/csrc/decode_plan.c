@@ -34,6 +34,7 @@ enum {
     OP_GDN_SHIFT,
     OP_COPY_ROWS,
     OP_SIGMOID_MUL,
+    OP_ARGMAX_FEED = 16, /* the draft chain's (draft_chain.py) */
     OP_MAMBA2_VERIFY = 20,
     OP_GDN_VERIFY = 21,
     OP_ATTENTION_VERIFY = 22,
@@ -65,6 +66,36 @@ static int embed(const int64_t *ids, const float *table, float *out, int64_t row
         }
     }
     return 0;
+}
+
+/* Index of the largest row[i] / divisor in float32, as torch.argmax(logits / divisor): the first one on ties (a
+ * division can round distinct logits to equal values), NaN counts as largest (the first NaN wins). */
+static int64_t argmax_divided(const float *row, int64_t n, float divisor) {
+    int64_t index = 0;
+    float best = row[0] / divisor;
+    for (int64_t i = 1; i < n && best == best; ++i) {
+        const float value = row[i] / divisor;
+        if (value != value || value > best) {
+            best = value;
+            index = i;
+        }
+    }
+    return index;
+}
+
+/* A greedy draft step's choice: per row r the argmax of logits row r (/ divisor), written as the next step's token
+ * id and into the drafts column; the rows' positions (when given) advance by one. */
+static void argmax_feed(const plan_op *op) {
+    const float *logits = F32(0);
+    const int64_t b = op->a[1], v = op->a[2];
+    int64_t *next_ids = I64(3), *drafts = I64(4), *positions = I64(5);
+    const float divisor = (float)op->f[0];
+    for (int64_t r = 0; r < b; ++r) {
+        const float *row = logits + r * v;
+        const int64_t token = divisor == 1.0f ? argmax_row(row, v) : argmax_divided(row, v, divisor);
+        next_ids[r] = drafts[r] = token;
+        if (positions) positions[r] += 1;
+    }
 }
 
 /* Run records [0, n); 0 on success, else 1 + the index of the record that refused its input (a token id outside
@@ -104,6 +135,10 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             break;
         case OP_SIGMOID_MUL:
             sigmoid_mul(F32(0), F32(1), F32(2), op->a[3], op->a[4], num_threads);
+            break;
+        case OP_ARGMAX_FEED: /* a: logits [b, v], b, v, next token ids [b], drafts [b], positions [b] or null;
+                              * f: logits divisor */
+            argmax_feed(op);
             break;
         case OP_GDN: /* a: in_proj output, conv windows, conv weight, dt_bias, A_log, delta-rule states, norm weight,
                       * conv output scratch, out, b, HK, HV, DK, DV, W; f: eps (gdn_decode.c's arguments) */

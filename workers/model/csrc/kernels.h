@@ -55,6 +55,7 @@ void attention_verify(const float *q, const float *k_new, const float *v_new, fl
                       int64_t l, int64_t H, int64_t KV, int64_t d, int num_threads);
 void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_t b, int64_t heads, int64_t head_dim,
                int64_t rotary_dim);
+int64_t argmax_row(const float *row, int64_t n);
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);
 int64_t linear_panel_width(void);
 void flush_denormals_on_threads(int num_threads);

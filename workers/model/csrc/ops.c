@@ -73,26 +73,23 @@ void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, in
     }
 }
 
-/* index of the largest value of each row (the first one on ties, as torch.argmax); NaN counts as largest.
+/* Index of the largest value of row[0 … n) (the first one on ties, as torch.argmax); NaN counts as largest.
  * Two vectorised passes over the row: its maximum (and whether it holds a NaN), then the first index holding it. */
+int64_t argmax_row(const float *row, int64_t n) {
+    float best = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t i = 0; i < n; ++i) {
+        best = row[i] > best ? row[i] : best;
+        nan |= row[i] != row[i];
+    }
+    for (int64_t i = 0; i < n; ++i)
+        if (nan ? row[i] != row[i] : row[i] == best) return i;
+    return 0;
+}
+
+/* argmax_row of each of `rows` rows of n. */
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * n;
-        float best = -INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-        for (int64_t i = 0; i < n; ++i) {
-            best = row[i] > best ? row[i] : best;
-            nan |= row[i] != row[i];
-        }
-        int64_t index = 0;
-        for (int64_t i = 0; i < n; ++i) {
-            if (nan ? row[i] != row[i] : row[i] == best) {
-                index = i;
-                break;
-            }
-        }
-        out[r] = index;
-    }
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * n, n);
 }

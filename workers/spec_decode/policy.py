@@ -14,7 +14,8 @@ Each step it picks the k that maximises expected tokens per second,
 
 speculating only when that beats the plain step by a margin, and re-trying speculation now and then after
 choosing 0, so that it notices when acceptance rises (a free proposer — n-gram — reports acceptance on plain steps
-through shadow drafts instead). This is the goodput rule of SmartSpec (Liu et al., 2024, "Optimizing Speculative
+through shadow drafts instead). Where even perfect acceptance would not pay — a verification costs about as many
+plain steps as it has tokens, as in a large batch on a CPU — it does not re-try at all. This is the goodput rule of SmartSpec (Liu et al., 2024, "Optimizing Speculative
 Decoding for Serving Large Language Models Using Goodput") with the cost model measured in the run instead of
 profiled beforehand. The choice never changes what greedy decoding produces, and rejection sampling keeps the
 sampled distribution exact for any k chosen before the drafts are drawn.
@@ -30,6 +31,7 @@ POLICIES = ("adaptive", "fixed")
 MAX_EXPLORE_EVERY = 256
 TIMING_WINDOW = 9  # step times kept per (bucket, width); their median is the estimate
 SETTLE_BELOW, SETTLE_STEPS = 0.8, 8  # see `AdaptivePolicy.settled_plain`
+HOPELESS_STEPS = 64  # steps a batch bucket where no acceptance could pay stays plain before deciding again
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -129,6 +131,7 @@ class AdaptivePolicy:
             explore_every  # grows after re-tries that did not pay, back to explore_every after one that did
         )
         self.best: dict[int, int] = {}  # batch bucket → the k last chosen there on the estimates
+        self.hopeless: dict[int, bool] = {}  # batch bucket → whether even perfect acceptance would not pay there
         self.chosen: Counter[int] = Counter()  # k → steps (the "chosen k distribution" of the spec stats)
 
     # ------------------------------------------------------------------------------------------------ decide
@@ -139,8 +142,8 @@ class AdaptivePolicy:
         self.probing = probe and not self.free_drafts  # one request drafts: its time is not the batch's
         if not any(budgets):  # nothing to choose (no draft allowed or, for n-gram, none found): not a lull
             return [0] * len(budgets)
-        if k == 0:
-            self.steps_without_drafts += 1
+        if k == 0:  # a lull in speculation — not at a hopeless bucket, where plain steps say nothing of acceptance
+            self.steps_without_drafts += not self.hopeless.get(batch_bucket(len(request_ids)), False)
         elif self.steps_without_drafts >= self.explore_interval:  # a re-try: if it does not pay, wait longer
             self.steps_without_drafts, self.explore_interval = 0, min(2 * self.explore_interval, MAX_EXPLORE_EVERY)
         else:  # speculation was chosen on its merits
@@ -168,10 +171,11 @@ class AdaptivePolicy:
                     break
                 self.tried[(bucket, k)] += 1
                 return k, False
-        # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen, or
-        #    the verification's time was measured while something else held the CPU.
-        #    One draft: the cheapest verification, and the first position's acceptance is what rises first.
-        if self.steps_without_drafts >= self.explore_interval:
+        # 2. Look again now and then (less often after each re-try that did not pay): acceptance may have risen.
+        #    One draft: the cheapest verification, and the first position's acceptance is what rises first. Not
+        #    where no acceptance could make speculation pay: a re-try there only costs.
+        hopeless = self._hopeless(bucket)
+        if self.steps_without_drafts >= self.explore_interval and not hopeless:
             return 1, True
         # 3. The best expected throughput.
         batch_rates = self.batch.rates([0.5] * self.max_drafts, 1.0)  # once per step, not per request
@@ -190,17 +194,31 @@ class AdaptivePolicy:
             best_drafting = max(best_drafting, throughput)
             if throughput > best * 1.0001:  # ties go to fewer drafts
                 best_k, best = k, throughput
-        self.best[bucket] = best_k
-        if best_drafting < SETTLE_BELOW * plain:  # clearly plain: skip deciding (and n-gram lookups) for a while
-            self.plain_until[bucket] = self.steps + SETTLE_STEPS
+        self.best[bucket], self.hopeless[bucket] = best_k, hopeless
+        if hopeless or best_drafting < SETTLE_BELOW * plain:  # clearly plain: skip deciding (and n-gram lookups)
+            self.plain_until[bucket] = self.steps + (HOPELESS_STEPS if hopeless else SETTLE_STEPS)
         return best_k, False
 
     def settled_plain(self, batch_size: int) -> bool:
         """Whether steps at this batch size are plain for now without deciding: the last decision found
         speculation clearly unprofitable (below `SETTLE_BELOW` of a plain step's throughput) fewer than
-        `SETTLE_STEPS` steps ago, and no re-try is due. Spares a large batch the per-request work of deciding."""
-        settled = self.plain_until.get(batch_bucket(batch_size), -1) > self.steps
-        return settled and self.steps_without_drafts < self.explore_interval
+        `SETTLE_STEPS` steps ago and no re-try is due, or found it hopeless (`_hopeless`) fewer than
+        `HOPELESS_STEPS` ago. Spares a large batch the per-request work of deciding."""
+        bucket = batch_bucket(batch_size)
+        settled = self.plain_until.get(bucket, -1) > self.steps
+        return settled and (self.hopeless.get(bucket, False) or self.steps_without_drafts < self.explore_interval)
+
+    def _hopeless(self, bucket: int) -> bool:
+        """Whether no acceptance could make speculation pay at this bucket: with every draft accepted, each width's
+        k + 1 tokens per request would still come slower than the plain step's one, by the margin — a verification
+        there costs about as many plain steps as it has tokens (a busy CPU batch: its linears are compute-bound).
+        Decided on the measured cost line (this bucket's, or the nearest one scaled to this bucket's plain step)."""
+        if (bucket, 0) not in self.seconds:
+            return False
+        if not any(k and b == bucket for b, k in self.seconds) and not self._unprofitable_at_or_below(bucket):
+            return False  # verification not measured here yet (it is measured unless a smaller batch found no gain)
+        plain = self._seconds(bucket, 0)
+        return all((k + 1) * plain <= self.margin * self._seconds(bucket, k) for k in range(1, self.max_drafts + 1))
 
     def _unprofitable_at_or_below(self, bucket: int) -> bool:
         """Whether the last choice at some batch bucket no larger than this one was no drafts at all."""

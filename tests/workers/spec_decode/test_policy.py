@@ -90,12 +90,12 @@ def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
         policy, chosen = AdaptivePolicy(K, free_drafts=free, explore_every=2), []
         for _ in range(6):
             chosen.append(policy.num_drafts([0, 1], [2, 1]))
-            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + sum(chosen[-1]))
+            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + 0.3 * sum(chosen[-1]))
         assert chosen == [[0, 0]] * 3 + [[1, 1]] * 3
         chosen.append([0, 0])
-        while not any(chosen[-1]):  # verification costs 3 plain steps here: plain steps until a re-try
+        while not any(chosen[-1]):  # nothing accepted: plain steps until a re-try
             chosen.append(policy.num_drafts([0, 1], [2, 1]))
-            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + sum(chosen[-1]))
+            policy.observe([0, 1], chosen[-1], [0, 0], 1.0 + 0.3 * sum(chosen[-1]))
         assert chosen[-1] == retry and policy.samples[(2, 1)] == (3 if not free else 4)  # a one-row re-try: untimed
     assert FixedPolicy().num_drafts([0, 1, 2], [4, 0, 2]) == [4, 0, 2]
     with pytest.raises(ValueError, match="policy 'greedy' is invalid: must be one of adaptive, fixed"):
@@ -104,7 +104,7 @@ def test_budgets_cap_the_choice_and_fixed_policy_takes_them_whole():
 
 def test_re_tries_back_off_and_larger_batches_skip_a_measurement_that_cannot_pay():
     policy = AdaptivePolicy(K)
-    costly = lambda k: 1.0 + 1.0 * k  # noqa: E731
+    costly = lambda k: 1.0 + 0.6 * k  # noqa: E731 — pays only with acceptance near 1
     chosen = _run(policy, 400, costly, lambda step: [0.5] * K, batch=2)
     retries = [i for i, k in enumerate(chosen) if k and i > 2]
     gaps = [b - a for a, b in zip(retries, retries[1:])]
@@ -178,10 +178,11 @@ def test_drafts_the_proposer_could_not_make_count_as_rejected():
 
 
 def test_a_clearly_unprofitable_batch_settles_on_plain_steps_until_the_next_re_try():
-    """Where speculation is far from paying (a busy batch), the policy stops deciding for a few steps, so the
-    scheduler skips the per-request work of deciding (and n-gram lookups); re-tries still come."""
+    """Where speculation is far from paying (every draft rejected, though perfect acceptance would pay), the policy
+    stops deciding for a few steps, so the scheduler skips the per-request work of deciding (and n-gram lookups);
+    re-tries still come."""
     policy = AdaptivePolicy(K, free_drafts=True)
-    chosen = _run(policy, 200, lambda k: 1.0 + 1.0 * k, lambda step: [0.3] * K, batch=32)
+    chosen = _run(policy, 200, lambda k: 1.0 + 0.7 * k, lambda step: [0.0] * K, batch=32)
     settled = [policy.settled_plain(32)]
     for _ in range(20):
         policy.num_drafts(list(range(32)), [K] * 32)
@@ -190,3 +191,16 @@ def test_a_clearly_unprofitable_batch_settles_on_plain_steps_until_the_next_re_t
     assert sum(settled) >= 10 and not all(settled)  # mostly settled, deciding again now and then
     assert Counter(chosen[-100:])[0] >= 95 and any(chosen[100:])  # plain steps, with re-tries
     assert not FixedPolicy().settled_plain(32)
+
+
+def test_no_re_tries_where_even_perfect_acceptance_would_not_pay():
+    """A verification of k drafts costing k + 1 plain steps (a compute-bound batch) cannot pay whatever is accepted:
+    after measuring, the bucket stays plain without re-tries, while a bucket where verification is cheap still
+    speculates."""
+    policy = AdaptivePolicy(K, free_drafts=True)
+    chosen = _run(policy, 400, lambda k: 1.0 + 1.0 * k, lambda step: [0.95] * K, batch=32)
+    assert chosen[:6] == [0, 0, 0, 1, 1, 1] and not any(chosen[6:])  # measured once, then never re-tried
+    assert policy.hopeless[32] and policy.settled_plain(32)
+    assert not any(_run(policy, 50, lambda k: 1.0 + 1.0 * k, lambda step: [0.95] * K, batch=64))  # found below
+    cheap = _run(policy, 100, lambda k: 1.0 + 0.05 * k, lambda step: [0.95] * K, batch=1)
+    assert Counter(cheap[-50:])[K] >= 45 and not policy.hopeless[1]

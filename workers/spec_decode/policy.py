@@ -164,10 +164,12 @@ class AdaptivePolicy:
         #    narrowest verification with every request drafting — the cheapest one, and with the plain step it
         #    gives the line that wider widths are extrapolated on (they are measured when chosen). Skipped when a
         #    batch no larger already found speculation unprofitable (a verification costs relatively more at larger
-        #    batches): the line then comes from the nearest bucket.
+        #    batches), or the next larger one found it hopeless (a batch shrinking as its requests finish: the
+        #    first verification would catch a costly proposer up on every request's whole context for the few
+        #    tokens left): the line then comes from the nearest bucket.
         for k in (0, 1):
             if self.samples[(bucket, k)] < 3 and self.tried[(bucket, k)] < 3:
-                if k and self._unprofitable_at_or_below(bucket):
+                if k and (self._unprofitable_at_or_below(bucket) or self.hopeless.get(2 * bucket, False)):
                     break
                 self.tried[(bucket, k)] += 1
                 return k, False
@@ -247,8 +249,9 @@ class AdaptivePolicy:
 
     def _seconds(self, bucket: int, k: int) -> float:
         """Estimated seconds of a step with k drafts at this bucket: on its line when two widths are measured here;
-        with only the plain step measured, that step scaled by the nearest measured bucket's line; with nothing
-        measured, every width looks alike (which invites a try)."""
+        otherwise on the nearest measured bucket's line, scaled to this bucket's plain step when that is measured
+        (what matters is a width's cost relative to the plain step); with no line anywhere, every width costs the
+        plain step (which invites a try)."""
         line = self._line(bucket)
         if line is not None:
             return max(line[0] + line[1] * k, 1e-9)
@@ -256,12 +259,10 @@ class AdaptivePolicy:
         lines = {b: self._line(b) for b, _ in self.seconds}
         other = min((b for b, found in lines.items() if found is not None and found[0] > 0),
                     key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)  # fmt: skip
-        if plain is None:
-            return 1.0
         if other is None:
-            return plain
+            return 1.0 if plain is None else plain
         a, slope = lines[other]
-        return plain * (1 + slope / a * k)
+        return (a if plain is None else plain) * (1 + slope / a * k)
 
     # ------------------------------------------------------------------------------------------------- learn
     def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],

@@ -202,5 +202,12 @@ def test_no_re_tries_where_even_perfect_acceptance_would_not_pay():
     assert chosen[:6] == [0, 0, 0, 1, 1, 1] and not any(chosen[6:])  # measured once, then never re-tried
     assert policy.hopeless[32] and policy.settled_plain(32)
     assert not any(_run(policy, 50, lambda k: 1.0 + 1.0 * k, lambda step: [0.95] * K, batch=64))  # found below
+    # The batch shrinks as requests finish: the bucket below a hopeless one is not measured (its plain step is).
+    assert not any(_run(policy, 20, lambda k: 1.0 + 1.0 * k, lambda step: [0.95] * K, batch=16))
+    assert (16, 0) in policy.seconds and (16, 1) not in policy.seconds
+    # A bucket whose measuring steps all went untimed (they also prefilled) decides on the nearest line, not on
+    # "every width costs the same" (which would pick the widest).
+    policy.tried[(4, 0)] = policy.tried[(4, 1)] = 3
+    assert policy.num_drafts(list(range(4)), [K] * 4) == [0] * 4
     cheap = _run(policy, 100, lambda k: 1.0 + 0.05 * k, lambda step: [0.95] * K, batch=1)
     assert Counter(cheap[-50:])[K] >= 45 and not policy.hopeless[1]

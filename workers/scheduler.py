@@ -143,9 +143,10 @@ class Scheduler:
             self._retire(request)
         self._compact()
         if outcome is not None:  # the policy times whole steps (plain steps pay the bookkeeping too); a step that
-            # also prefilled says nothing about the cost of its drafts
-            request_ids, asked, accepted, width = outcome
-            self.policy.observe(request_ids, asked, accepted, None if chunks else time.perf_counter() - started, width)
+            # also prefilled, or whose proposer caught up on a prompt, says nothing about the cost of its drafts
+            request_ids, asked, accepted, width, timed = outcome
+            seconds = time.perf_counter() - started if timed and not chunks else None
+            self.policy.observe(request_ids, asked, accepted, seconds, width)
         for request_id in self._retired:  # after the policy learnt from their last step
             self.policy.forget(request_id)
         self._retired.clear()
@@ -269,11 +270,12 @@ class Scheduler:
         for request, token in zip(requests, tokens):
             request.append(token, self.tokenizer)
 
-    def _speculate(self, requests: list[Request]) -> tuple[list[int], list[int], list[int], int]:
+    def _speculate(self, requests: list[Request]) -> tuple[list[int], list[int], list[int], int, bool]:
         """decide k → propose → verify → accept → shift state, for all live requests at once (k_i may be 0).
         Returns what the policy learns from: request ids, drafts asked for and drafts accepted per request (a draft
-        a model proposer could not make counts as rejected), and the drafts the verification ran per row (the width
-        its time is filed under)."""
+        a model proposer could not make counts as rejected), the drafts the verification ran per row (the width
+        its time is filed under), and whether the step's time stands for that width (not when the proposer caught
+        up on a prompt first)."""
         request_ids = [r.index for r in requests]
         # 1. Decide and propose: never draft past max_tokens or max_model_len; the policy picks k within that.
         max_drafts = self.budget.max_drafts(len(requests), self.num_speculative_tokens)
@@ -307,7 +309,7 @@ class Scheduler:
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
             self._check_shadow(requests, shadow)
-            return request_ids, chosen, [0] * len(requests), 0
+            return request_ids, chosen, [0] * len(requests), 0, proposal is None or not proposal.caught_up
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
         # 2. Verify: the target runs [x_last, d_1 … d_k] per row, keeping its scan inputs for the shift.
@@ -348,7 +350,7 @@ class Scheduler:
             # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
             request.spec.record(k, min(len(tokens) - 1, num_kept))
         self._check_shadow(requests, shadow)
-        return request_ids, chosen, [n - 1 for n in accepted], drafts.shape[1]
+        return request_ids, chosen, [n - 1 for n in accepted], drafts.shape[1], not proposal.caught_up
 
     def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
         """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""

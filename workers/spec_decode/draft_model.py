@@ -95,6 +95,7 @@ class DraftModelProposer:
             return Proposal.from_lists(drafts, None)
         active = [requests[i] for i in rows]
         budgets = [num_drafts[i] for i in rows]
+        caught_up = max(r.num_tokens - self.covered[r.slot] for r in active) > self.num_speculative_tokens + 1
         self._catch_up(active)
         sampled = any(not r.params.greedy for r in active)
         probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
@@ -115,7 +116,7 @@ class DraftModelProposer:
             drafts[i] = chains[row][: budgets[row]]
         context_lens = [r.num_tokens for r in active]
         self._pending_shift = PendingShift(active, context_lens, budgets, max(budgets), states_by_step)
-        return Proposal.from_lists(drafts, probs)
+        return Proposal.from_lists(drafts, probs, caught_up)
 
     def _greedy_chain(self, unseen: list[list[int]], cache_lens: list[int], num_steps: int) -> list[list[int]]:
         """All rows greedy and planned: the chain of `num_steps` steps per row (the argmax of each), the one-token

@@ -19,15 +19,18 @@ class Proposal:
 
     token_ids: torch.Tensor  # [num_reqs, max_k] drafts from column 0, PLACEHOLDER_TOKEN_ID after them
     probs: torch.Tensor | None  # [num_reqs, max_k, v] draft distributions q, or None (n-gram: one-hot)
+    # The proposer first caught up on a stretch of context longer than a step (a new prompt, or the tokens of steps
+    # it skipped): prompt-sized work, so the step's time says nothing about what drafting costs per step.
+    caught_up: bool = False
 
     @classmethod
-    def from_lists(cls, drafts: list[list[int]], probs: torch.Tensor | None) -> Proposal:
+    def from_lists(cls, drafts: list[list[int]], probs: torch.Tensor | None, caught_up: bool = False) -> Proposal:
         """Pack ragged draft lists into the padded tensor form."""
         width = max((len(d) for d in drafts), default=0)
         token_ids = torch.full((len(drafts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
         for row, draft in enumerate(drafts):
             token_ids[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
-        return cls(token_ids, probs)
+        return cls(token_ids, probs, caught_up)
 
     @property
     def num_draft_tokens(self) -> list[int]:

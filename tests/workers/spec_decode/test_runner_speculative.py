@@ -172,6 +172,27 @@ def test_metrics_per_request_and_per_runner(checkpoint_dir):
     assert stats["acceptance_per_position"] == [1.0, 1.0, 1.0]
 
 
+def test_a_draft_catching_up_on_a_prompt_is_not_timed_as_a_step(checkpoint_dir):
+    """The first verification of each request makes the draft model feed its whole prompt first: that step's time
+    is a prefill's, not a draft step's, so the policy does not learn from it (acceptance it does learn)."""
+    path = str(checkpoint_dir("nemotron_dense"))
+    runner = ModelRunner.from_pretrained(
+        path, max_num_seqs=1, speculative=SpeculativeConfig("draft", 3, draft_model=path, policy="fixed")
+    )
+    observed = []
+    observe = runner._policy.observe
+    runner._policy.observe = lambda ids, asked, accepted, seconds, width=None: (
+        observed.append((ids[0], max(asked), seconds)),
+        observe(ids, asked, accepted, seconds, width),
+    )
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    runner.generate([[5, 6, 7, 8, 9, 10], [9] * 7], params)  # one at a time: each starts its draft from nothing
+    for request in (0, 1):
+        steps = [(asked, seconds) for rid, asked, seconds in observed if rid == request]
+        assert steps[0][0] == 3 and steps[0][1] is None  # caught up on the prompt: untimed
+        assert all(asked == 3 and seconds is not None for asked, seconds in steps[1:]) and len(steps) > 1
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [(dict(method="eagle"), "method='eagle'"), (dict(num_speculative_tokens=0), "num_speculative_tokens=0"),

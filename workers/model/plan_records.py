@@ -34,6 +34,8 @@ class Op(enum.IntEnum):
     GDN_SHIFT = 13
     COPY_ROWS = 14
     SIGMOID_MUL = 15
+    ATTENTION_PADDED = 18  # ATTENTION skipping rows at position -1 (an MTP head's padded catch-up feeds)
+    ARGMAX = 19  # logits rows → token ids (int64), torch.argmax's first maximal index
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

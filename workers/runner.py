@@ -205,7 +205,7 @@ class ModelRunner:
         if self.speculative.method == "ngram":
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         if self.speculative.method == "mtp":
-            return MtpProposer(self.model, self.speculative.num_speculative_tokens)
+            return MtpProposer(self.model, self.speculative.num_speculative_tokens, self.decode_plan)
         return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
 
     def spec_stats(self) -> dict[str, Any]:

@@ -141,11 +141,11 @@ class MtpPlan:
                 first += piece.shape[0]
         self._stage(slots, [s + len(t) for s, t in zip(starts, token_ids)], length)
 
-    def stage_output(self, slots: list[int], out: torch.Tensor, first_ids: list[int], positions: list[int]) -> None:
-        """Stage a chain that starts from a catch-up run elsewhere: its output [b, d] at the rows' last fed
-        positions and the drafts d_1 `first_ids` chosen from it; row i's first chained step writes at positions[i]."""
+    def stage_output(self, slots: list[int], out: torch.Tensor, positions: list[int]) -> None:
+        """Stage a chain that starts from a catch-up run elsewhere (module by module): its output [b, d] at the
+        rows' last fed positions; row i's first chained step writes at positions[i]. `feed` then only applies the
+        LM head."""
         self.out[0, : len(slots)] = out
-        self.draft_ids.numpy()[0, : len(slots)] = first_ids
         self._stage(slots, positions, 0)
 
     def _stage(self, slots: list[int], chain_starts: list[int], length: int) -> None:
@@ -158,14 +158,14 @@ class MtpPlan:
     # ------------------------------------------------------------------------------------------------- running
     def feed(self) -> torch.Tensor:
         """Run the staged feed → logits [b, v] at each row's last position (step 0's, for d_1)."""
-        b, length = self._staged(feed=True)
+        b, length = self._staged()
         self._run(("feed", b, length), lambda: self._record_feed(b, length))
         return self.logits[0, :b]
 
     def step(self, step: int, token_ids: list[int]) -> torch.Tensor:
         """Chained step `step` (1 … num_steps − 1): the previous step's output with tokens d_step `token_ids` →
         logits [b, v] (for d_{step+1})."""
-        b, _ = self._staged(feed=False)
+        b, _ = self._staged()
         if not 1 <= step < self.num_steps or len(token_ids) != b:
             raise ValueError(f"step must be 1 … {self.num_steps - 1} with one token per row, got {step}")
         self.draft_ids.numpy()[step - 1, :b] = token_ids
@@ -173,17 +173,17 @@ class MtpPlan:
         return self.logits[step, :b]
 
     def greedy(self, num_steps: int) -> torch.Tensor:
-        """Greedy drafts [num_steps, b] (a view) in one call: the staged feed, or the staged output with its first
-        drafts already in `draft_ids[0]`, then steps 1 … num_steps − 1, each row's argmax feeding the next step."""
-        b, length = self._staged(feed=False)
+        """Greedy drafts [num_steps, b] (a view) in one call: the staged feed, then steps 1 … num_steps − 1, each
+        row's argmax feeding the next step. `logits[s, :b]` keeps each step's logits."""
+        b, length = self._staged()
         if not 1 <= num_steps <= self.num_steps:
             raise ValueError(f"num_steps must be 1 … {self.num_steps}, got {num_steps}")
         self._run(("greedy", b, length, num_steps), lambda: self._record_greedy(b, length, num_steps))
         return self.draft_ids[:num_steps, :b]
 
-    def _staged(self, feed: bool) -> tuple[int, int]:
-        if self._shape is None or (feed and self._shape[1] == 0):
-            raise RuntimeError("stage_feed() (or stage_output() for a chain) must come first")
+    def _staged(self) -> tuple[int, int]:
+        if self._shape is None:
+            raise RuntimeError("stage_feed() or stage_output() must come first")
         return self._shape
 
     def _run(self, key: tuple, record) -> None:
@@ -199,11 +199,11 @@ class MtpPlan:
 
     # ------------------------------------------------------------------------------------------------ recording
     def _record_greedy(self, b: int, length: int, num_steps: int) -> torch.Tensor:
-        """feed, argmax → d_1, then (step s, argmax → d_{s+1}) for s = 1 … num_steps − 1 (no feed when l = 0)."""
-        parts = [self._record_feed(b, length), self._record_argmax(b, 0)] if length else []
+        """feed, argmax → d_1, then (step s, argmax → d_{s+1}) for s = 1 … num_steps − 1."""
+        parts = [self._record_feed(b, length), self._record_argmax(b, 0)]
         for step in range(1, num_steps):
             parts += [self._record_step(b, step), self._record_argmax(b, step)]
-        return torch.cat(parts) if parts else torch.zeros(0, RECORD_WORDS, dtype=torch.int64)
+        return torch.cat(parts)
 
     def _record_argmax(self, b: int, step: int) -> torch.Tensor:
         rec = Recorder(b, 1)
@@ -211,11 +211,13 @@ class MtpPlan:
         return rec.tensor()
 
     def _record_feed(self, b: int, length: int) -> torch.Tensor:
+        """The head over l positions per row, then the LM head at each row's last (l = 0: the LM head alone)."""
         n = b * length
         rec = Recorder(b, length)
-        self._record_input(rec, self.feed_token_ids[:n], self.feed_hidden[:n])
-        positions = self.feed_positions[:n].view(length, b)
-        self._record_layer(rec, list(positions), Op.ATTENTION_PADDED, self.out[0, :b])
+        if length:
+            self._record_input(rec, self.feed_token_ids[:n], self.feed_hidden[:n])
+            positions = self.feed_positions[:n].view(length, b)
+            self._record_layer(rec, list(positions), Op.ATTENTION_PADDED, self.out[0, :b])
         _linear(rec, self.model.lm_head, self.out[0, :b], self.logits[0, :b])
         return rec.tensor()
 

@@ -114,6 +114,7 @@ class ModelRunner:
         self.speculative = speculative
         self.draft_model = draft_model
         self._proposer_override = proposer
+        self._mtp_proposer: MtpProposer | None = None
         self.decode_plan = decode_plan
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
@@ -204,8 +205,10 @@ class ModelRunner:
         assert self.speculative is not None
         if self.speculative.method == "ngram":
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        if self.speculative.method == "mtp":
-            return MtpProposer(self.model, self.speculative.num_speculative_tokens, self.decode_plan)
+        if self.speculative.method == "mtp":  # kept: its KV caches and plan follow the reused workspace
+            if self._mtp_proposer is None:
+                self._mtp_proposer = MtpProposer(self.model, self.speculative.num_speculative_tokens, self.decode_plan)
+            return self._mtp_proposer
         return DraftModelProposer(self.draft_model, self.speculative.num_speculative_tokens, self.decode_plan)
 
     def spec_stats(self) -> dict[str, Any]:

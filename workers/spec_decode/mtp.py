@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import ForwardBatch, HybridModel, KVCache, StatePool, mtp_plan
+from workers.model.kv_blocks import BlockTable
 from workers.model.mtp_plan import MtpPlan
 from workers.model.state import paged_kv_cache
 from workers.requests import Request
@@ -42,18 +43,22 @@ class MtpProposer:
         self.pending: dict[int, _Pending] = {}  # slot → target hidden states not consumed yet
         self.planned = decode_plan and mtp_plan.unsupported_reason(model) is None
         self.plan: MtpPlan | None = None
+        self._blocks: BlockTable | None = None  # the block table the caches are paged over
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
-        """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        self.caches = [
-            paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
-            for _ in range(self.head.num_attention_blocks)
-        ]
+        """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions).
+        A runner's next run on the same slots (its workspace reused) keeps them, and the plan's records."""
+        if self._blocks is not pool.blocks:
+            dtype = self.model.embed_tokens.weight.dtype
+            self.caches = [
+                paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
+                for _ in range(self.head.num_attention_blocks)
+            ]
+            k = self.num_speculative_tokens  # feeds of up to 2 (k + 1) positions: a few plain steps between drafts
+            self.plan = MtpPlan(self.model, self.caches, pool.num_slots, 2 * (k + 1), k) if self.planned else None
+            self._blocks = pool.blocks
         self.max_chunk_tokens = max_chunk_tokens
         self.pending = {}
-        k = self.num_speculative_tokens  # feeds of up to 2 (k + 1) positions: a few plain steps between proposals
-        self.plan = MtpPlan(self.model, self.caches, pool.num_slots, 2 * (k + 1), k) if self.planned else None
 
     def move(self, source: int, target: int) -> None:
         """Follow a request to its new slot (its KV blocks move with the target's block table). What the target slot

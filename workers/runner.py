@@ -13,7 +13,7 @@ import torch
 from workers.budget import TokenBudget
 from workers.executors import executor_summary
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
-from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
+from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, mtp_plan, native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
@@ -53,10 +53,14 @@ def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str
 
 def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
     """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
-    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states)."""
+    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states), the MTP head's plan."""
     kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
-    executors = executor_summary(model, decode_plan, cuda_graphs, mtp)
-    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; {executors}"
+    summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
+    summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
+    if mtp:
+        reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
+        summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")
+    return summary
 
 
 class ModelRunner:

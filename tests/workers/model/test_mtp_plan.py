@@ -14,6 +14,7 @@ from workers.model.kv_blocks import BlockTable
 from workers.model.mtp_plan import MtpPlan, unsupported_reason
 from workers.model.plan_records import Op, Recorder
 from workers.model.state import KVCache, paged_kv_cache
+from workers.runner import execution_summary
 
 PLANNED_HEADS = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense", "nemotron_dense"]
 SLOTS, CAPACITY, TOKENS_PER_ROW, STEPS = 20, 48, 5, 4
@@ -152,6 +153,11 @@ def test_heads_outside_the_plan_say_why_and_a_feed_refuses_a_position_without_a_
     assert "native kernels are off" in unsupported_reason(torch_head)
     assert "no MTP head" in unsupported_reason(load_checkpoint(str(checkpoint_dir("qwen3_5_text"))).model)
     model = load_checkpoint(str(checkpoint_dir("qwen3_5_text")), mtp=True).model
+    assert execution_summary(model, decode_plan=True, mtp=True).endswith("MTP head plan on")
+    assert execution_summary(moe, decode_plan=True, mtp=True).endswith("MTP head plan off (moe blocks of the MTP "
+                                                                       "head are not covered (expert routing runs "
+                                                                       "module by module))")  # fmt: skip
+    assert execution_summary(model, decode_plan=False, mtp=True).endswith("MTP head plan off (turned off)")
     blocks = BlockTable(2, 32, 3, 16, torch.device("cpu"))
     blocks.ensure(0, 16)  # slot 0 holds positions 0 … 15, slot 1 nothing
     plan = MtpPlan(model, _caches(model, blocks, seed=0), 2, 4, 2)

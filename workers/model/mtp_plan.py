@@ -24,6 +24,8 @@ a divisor. MoE blocks keep the module path; `unsupported_reason` says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -129,7 +131,7 @@ class MtpPlan:
         """Stage a catch-up: row i feeds positions starts[i] … starts[i] + c_i − 1 of slot slots[i], with the tokens
         t+1 `token_ids[i]` (c_i of them) and the hidden states h_t [c_i, d] in the pieces `hiddens[i]`."""
         b, length = len(slots), max(len(ids) for ids in token_ids)
-        if not 1 <= b <= self.max_rows or not length <= self.tokens_per_row:
+        if not 1 <= b <= self.max_rows or not 1 <= length <= self.tokens_per_row:
             raise ValueError(f"a feed takes 1 … {self.max_rows} rows of at most {self.tokens_per_row} positions")
         ids = self._ids_np[: b * length].reshape(length, b)
         positions = self._positions_np[: b * length].reshape(length, b)
@@ -190,7 +192,8 @@ class MtpPlan:
             raise RuntimeError("stage_feed() or stage_output() must come first")
         return self._shape
 
-    def _run(self, key: tuple, record) -> None:
+    def _run(self, key: tuple, record: Callable[[], torch.Tensor]) -> None:
+        """Replay the records of `key` (built by `record` on first use)."""
         records = self._records.get(key)
         if records is None:
             records = self._records[key] = record()

@@ -13,7 +13,7 @@ import torch
 from workers.budget import TokenBudget
 from workers.executors import executor_summary
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
-from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, native
+from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, mtp_plan, native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
@@ -53,10 +53,14 @@ def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str
 
 def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
     """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
-    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states)."""
+    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states), the MTP head's plan."""
     kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
-    executors = executor_summary(model, decode_plan, cuda_graphs, mtp)
-    return f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; {executors}"
+    summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
+    summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
+    if mtp:
+        reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
+        summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")
+    return summary
 
 
 class ModelRunner:
@@ -114,6 +118,7 @@ class ModelRunner:
         self.speculative = speculative
         self.draft_model = draft_model
         self._proposer_override = proposer
+        self._mtp_proposer: MtpProposer | None = None
         self.decode_plan = decode_plan
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
@@ -205,8 +210,10 @@ class ModelRunner:
         assert self.speculative is not None
         if self.speculative.method == "ngram":
             return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        if self.speculative.method == "mtp":
-            return MtpProposer(self.model, self.speculative.num_speculative_tokens)
+        if self.speculative.method == "mtp":  # kept: its KV caches and plan follow the reused workspace
+            if self._mtp_proposer is None:
+                self._mtp_proposer = MtpProposer(self.model, self.speculative.num_speculative_tokens, self.decode_plan)
+            return self._mtp_proposer
         if self._draft_proposer is None:  # kept: its state slots and plans are reused by later runs when they fit
             k = self.speculative.num_speculative_tokens
             self._draft_proposer = DraftModelProposer(self.draft_model, k, self.decode_plan)

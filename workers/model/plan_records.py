@@ -35,6 +35,8 @@ class Op(enum.IntEnum):
     COPY_ROWS = 14
     SIGMOID_MUL = 15
     ARGMAX_FEED = 16  # the draft chain's (workers/model/draft_chain.py)
+    ATTENTION_PADDED = 18  # ATTENTION skipping rows at position -1 (an MTP head's padded catch-up feeds)
+    ARGMAX = 19  # logits rows → token ids (int64), torch.argmax's first maximal index
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22

@@ -9,6 +9,8 @@ head's attention blocks (paged over the target's block table) holds the entries 
 overwrites the speculative entries of the previous chain — and the last one's output drafts d_1; each further
 draft feeds the head its own output state and the previous draft. So after a step with n accepted tokens, the next
 proposal's catch-up leaves the KV holding exactly the accepted positions; nothing needs shifting on `accepted`.
+On CPU float32 the head's steps run as an MTP plan (`workers/model/mtp_plan.py`): a catch-up of up to 2 (k + 1)
+positions per row and, for greedy requests, the whole chain in one native call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model import ForwardBatch, HybridModel, KVCache, StatePool
+from workers.model import ForwardBatch, HybridModel, KVCache, StatePool, mtp_plan
+from workers.model.kv_blocks import BlockTable
+from workers.model.mtp_plan import MtpPlan
 from workers.model.state import paged_kv_cache
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
@@ -26,8 +30,9 @@ from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_dra
 class MtpProposer:
     """Proposes k tokens per request with `model.mtp` (see the module docstring for the state it keeps)."""
 
-    def __init__(self, model: HybridModel, num_speculative_tokens: int = 1):
-        """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`)."""
+    def __init__(self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = True):
+        """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`). `decode_plan`: run the
+        head's steps as an MTP plan where it allows (`workers/model/mtp_plan.py`; False keeps the module path)."""
         if model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the target loaded with its MTP head (mtp=True)")
         self.model, self.head = model, model.mtp
@@ -36,14 +41,22 @@ class MtpProposer:
         self.caches: list[KVCache] = []  # one per attention block of the head
         self.max_chunk_tokens = 2048  # set by `start` to the scheduler's token budget
         self.pending: dict[int, _Pending] = {}  # slot → target hidden states not consumed yet
+        self.planned = decode_plan and mtp_plan.unsupported_reason(model) is None
+        self.plan: MtpPlan | None = None
+        self._blocks: BlockTable | None = None  # the block table the caches are paged over
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
-        """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        self.caches = [
-            paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
-            for _ in range(self.head.num_attention_blocks)
-        ]
+        """Allocate the head's KV caches: one per attention block, paged over the target's blocks (same positions).
+        A runner's next run on the same slots (its workspace reused) keeps them, and the plan's records."""
+        if self._blocks is not pool.blocks:
+            dtype = self.model.embed_tokens.weight.dtype
+            self.caches = [
+                paged_kv_cache(pool.blocks, self.model.config, self.device, dtype)
+                for _ in range(self.head.num_attention_blocks)
+            ]
+            k = self.num_speculative_tokens  # feeds of up to 2 (k + 1) positions: a few plain steps between drafts
+            self.plan = MtpPlan(self.model, self.caches, pool.num_slots, 2 * (k + 1), k) if self.planned else None
+            self._blocks = pool.blocks
         self.max_chunk_tokens = max_chunk_tokens
         self.pending = {}
 
@@ -84,23 +97,50 @@ class MtpProposer:
         active, budgets = [requests[i] for i in rows], [num_drafts[i] for i in rows]
         sampled = any(not r.params.greedy for r in active)
         probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
-        slots = torch.tensor([r.slot for r in active], device=self.device)
-        # 1. Catch up: (h_t, token t+1) for every pending position; the last output drafts d_1.
         taken = [self.pending.pop(r.slot) for r in active]
-        starts = [p.start for p in taken]
-        hiddens = [p.pieces[0] if len(p.pieces) == 1 else torch.cat(p.pieces) for p in taken]
-        counts = [h.shape[0] for h in hiddens]
-        if len(active) * max(counts) <= self.max_chunk_tokens:
-            last = self._feed(active, starts, hiddens)
-        else:  # new prompts: one row at a time, in chunks of at most max_chunk_tokens positions
-            rows_last = []
-            for request, start, h in zip(active, starts, hiddens):
-                for offset in range(0, h.shape[0], self.max_chunk_tokens):
-                    row_last = self._feed([request], [start + offset], [h[offset : offset + self.max_chunk_tokens]])
-                rows_last.append(row_last)
-            last = torch.cat(rows_last)
-        positions = [s + c for s, c in zip(starts, counts)]  # where each row's next (chained) entry goes
-        # 2. Chain: feed the head its own output and the previous draft.
+        if self.plan is not None:
+            chains = self._propose_planned(active, taken, budgets, probs, rows)
+        else:
+            chains = self._propose_module(active, taken, budgets, probs, rows)
+        for row, i in enumerate(rows):
+            drafts[i] = chains[row][: budgets[row]]
+        return Proposal.from_lists(drafts, probs)
+
+    def _propose_planned(
+        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        rows: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        """`propose` through the MTP plan: all greedy, the catch-up and the whole chain in one native call; else one
+        call per step, the drafts chosen here. Pending runs longer than the plan takes (new prompts) catch up
+        module by module and chain through the plan from there."""
+        plan, num_steps, slots = self.plan, max(budgets), [r.slot for r in active]
+        if max(p.count for p in taken) <= plan.tokens_per_row:
+            token_ids = [_context(r, p.start + 1, p.start + 1 + p.count) for r, p in zip(active, taken)]
+            plan.stage_feed(slots, [p.start for p in taken], token_ids, [p.pieces for p in taken])
+        else:
+            plan.stage_output(slots, self._catch_up(active, taken), [p.start + p.count for p in taken])
+        if all(r.params.greedy for r in active):
+            return plan.greedy(num_steps).T.tolist()  # [b, k]
+        logits = plan.feed()
+        chains: list[list[int]] = [[] for _ in active]
+        for step in range(num_steps):
+            for row, request in enumerate(active):
+                chains[row].append(
+                    choose_draft_token(logits[row], request, step < budgets[row], probs, rows[row], step)
+                )
+            if step + 1 < num_steps:
+                logits = plan.step(step + 1, [chain[-1] for chain in chains])
+        return chains
+
+    def _propose_module(
+        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        rows: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        """`propose` module by module: the catch-up's last output drafts d_1; each further draft feeds the head its
+        own output and the previous draft."""
+        last = self._catch_up(active, taken)
+        slots = torch.tensor([r.slot for r in active], device=self.device)
+        positions = [p.start + p.count for p in taken]  # where each row's next (chained) entry goes
         chains: list[list[int]] = [[] for _ in active]
         for step in range(max(budgets)):
             logits = self.model.logits(last)
@@ -115,9 +155,20 @@ class MtpProposer:
                                  one_token_each=True)  # fmt: skip
             last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.caches)[:, 0]
             positions = [p + 1 for p in positions]
-        for row, i in enumerate(rows):
-            drafts[i] = chains[row][: budgets[row]]
-        return Proposal.from_lists(drafts, probs)
+        return chains
+
+    def _catch_up(self, active: list[Request], taken: list[_Pending]) -> torch.Tensor:
+        """(h_t, token t+1) for every pending position, module by module → each row's last output [b, d]."""
+        starts = [p.start for p in taken]
+        hiddens = [p.pieces[0] if len(p.pieces) == 1 else torch.cat(p.pieces) for p in taken]
+        if len(active) * max(p.count for p in taken) <= self.max_chunk_tokens:
+            return self._feed(active, starts, hiddens)
+        rows_last = []  # new prompts: one row at a time, in chunks of at most max_chunk_tokens positions
+        for request, start, h in zip(active, starts, hiddens):
+            for offset in range(0, h.shape[0], self.max_chunk_tokens):
+                row_last = self._feed([request], [start + offset], [h[offset : offset + self.max_chunk_tokens]])
+            rows_last.append(row_last)
+        return torch.cat(rows_last)
 
     def _feed(self, requests: list[Request], starts: list[int], hiddens: list[torch.Tensor]) -> torch.Tensor:
         """One head forward over (h_t, token t+1) for t = starts[i] … starts[i] + len(hiddens[i]) − 1 per row;
@@ -126,8 +177,7 @@ class MtpProposer:
         token_ids = torch.zeros(len(requests), max(counts), dtype=torch.long)
         hidden = hiddens[0].new_zeros(len(requests), max(counts), hiddens[0].shape[-1])
         for row, (request, start, h) in enumerate(zip(requests, starts, hiddens)):
-            context = request.prompt + request.output
-            token_ids[row, : counts[row]] = torch.tensor(context[start + 1 : start + 1 + counts[row]])
+            token_ids[row, : counts[row]] = torch.tensor(_context(request, start + 1, start + 1 + counts[row]))
             hidden[row, : counts[row]] = h
         num_tokens = torch.tensor(counts, device=self.device)
         slots = torch.tensor([r.slot for r in requests], device=self.device)
@@ -137,6 +187,14 @@ class MtpProposer:
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """Nothing to shift: the next catch-up rewrites the KV from the accepted positions on."""
+
+
+def _context(request: Request, begin: int, end: int) -> list[int]:
+    """Tokens begin … end-1 of the request's prompt + output, without joining the two lists."""
+    prompt = len(request.prompt)
+    if begin >= prompt:
+        return request.output[begin - prompt : end - prompt]
+    return request.prompt[begin:end] + request.output[: max(0, end - prompt)]
 
 
 @dataclass

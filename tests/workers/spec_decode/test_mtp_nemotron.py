@@ -148,7 +148,10 @@ class RecordingMtp(MtpProposer):
         active = [i for i, k in enumerate(num_drafts) if k > 0]
         for position, i in enumerate(active):
             k, request = num_drafts[i], requests[i]
-            logits = torch.stack([call[position] for call in self.calls[:k]])
+            if self.plan is not None:  # the MTP plan keeps every step's logits
+                logits = self.plan.logits[:k, position].clone()
+            else:
+                logits = torch.stack([call[position] for call in self.calls[:k]])
             tokens = request.prompt + request.output
             hidden = self.target_hidden[request.index].clone()
             self.records.append((request.index, tokens, hidden, logits, proposal.token_ids[i, :k].tolist()))

@@ -35,6 +35,8 @@ enum {
     OP_COPY_ROWS,
     OP_SIGMOID_MUL,
     OP_ARGMAX_FEED = 16, /* the draft chain's (draft_chain.py) */
+    OP_ATTENTION_PADDED = 18,
+    OP_ARGMAX = 19,
     OP_MAMBA2_VERIFY = 20,
     OP_GDN_VERIFY = 21,
     OP_ATTENTION_VERIFY = 22,
@@ -96,6 +98,33 @@ static void argmax_feed(const plan_op *op) {
         next_ids[r] = drafts[r] = token;
         if (positions) positions[r] += 1;
     }
+}
+
+/* OP_ATTENTION over the rows whose position is not -1 (the padding in front of an MTP head's shorter catch-up
+ * feeds): those rows write nothing and leave their output rows alone. Each run of consecutive real rows is one
+ * attention_decode call; the kernel computes every row alike, so a row's result is the one the whole batch gives.
+ * 1 when a real row's position is outside the cache or has no KV block, else 0. */
+static int attention_padded(const plan_op *op, int num_threads) {
+    const int64_t *positions = I64(6), *slot_ids = I64(5), *tables = I64(7);
+    const int64_t rows = op->a[9], H = op->a[10], KV = op->a[11], d = op->a[12], capacity = op->a[13];
+    const int64_t max_blocks = op->a[14], block_size = op->a[15];
+    for (int64_t r = 0; r < rows; ++r) {
+        if (positions[r] == -1) continue;
+        if (positions[r] < 0 || positions[r] >= capacity) return 1;
+        if (tables[slot_ids[r] * max_blocks + positions[r] / block_size] == 0) return 1; /* no block */
+    }
+    for (int64_t r = 0, end; r < rows; r = end) {
+        if (positions[r] == -1) {
+            end = r + 1;
+            continue;
+        }
+        for (end = r; end < rows && positions[end] != -1; ++end) {
+        }
+        attention_decode(F32(0) + r * H * d, F32(1) + r * KV * d, F32(2) + r * KV * d, F32(3), F32(4), tables,
+                         max_blocks, block_size, op->a[16], slot_ids + r, positions + r, (float)op->f[0],
+                         F32(8) + r * H * d, end - r, H, KV, d, num_threads);
+    }
+    return 0;
 }
 
 /* Run records [0, n); 0 on success, else 1 + the index of the record that refused its input (a token id outside
@@ -178,6 +207,12 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
                              op->a[12], num_threads);
             break;
         }
+        case OP_ATTENTION_PADDED: /* a: as OP_ATTENTION; rows at position -1 are padding */
+            if (attention_padded(op, num_threads)) return i + 1;
+            break;
+        case OP_ARGMAX: /* a: logits [rows, n], token ids out [rows] (int64), rows, n: torch.argmax's first index */
+            argmax_rows(F32(0), I64(1), op->a[2], op->a[3], num_threads);
+            break;
         default:
             return i + 1;
         }

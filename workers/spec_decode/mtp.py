@@ -98,13 +98,15 @@ class MtpProposer:
         sampled = any(not r.params.greedy for r in active)
         probs = empty_draft_probs(len(requests), max(budgets), self.model.config.vocab_size, sampled, self.device)
         taken = [self.pending.pop(r.slot) for r in active]
+        feed_limit = self.plan.tokens_per_row if self.plan is not None else self.num_speculative_tokens + 1
+        caught_up = max(p.count for p in taken) > feed_limit  # a prompt, or many skipped steps
         if self.plan is not None:
             chains = self._propose_planned(active, taken, budgets, probs, rows)
         else:
             chains = self._propose_module(active, taken, budgets, probs, rows)
         for row, i in enumerate(rows):
             drafts[i] = chains[row][: budgets[row]]
-        return Proposal.from_lists(drafts, probs)
+        return Proposal.from_lists(drafts, probs, caught_up)
 
     def _propose_planned(
         self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,

@@ -32,10 +32,10 @@ static __attribute__((noinline, noclone)) float block_scores(const float *query,
 }
 
 /* o += Σ_j exp(score[j] − max) · values[j] over one block (o rescaled first when the running maximum grew);
- * returns the block's share of the softmax denominator added to `total`. Not inlined, as block_scores. */
-static __attribute__((noinline, noclone)) float block_values(float *o, const float *values, const float *score,
-                                                             int64_t n, int64_t d, float block_max, float *max_score,
-                                                             float total) {
+ * returns `total` plus the block's share of the softmax denominator. Elementwise and sequential sums only (no
+ * reduction a compiler may reorder), so it may be inlined wherever it is called. */
+static inline float block_values(float *o, const float *values, const float *score, int64_t n, int64_t d,
+                                 float block_max, float *max_score, float total) {
     if (block_max > *max_score) {
         const float rescale = *max_score == -INFINITY ? 0.0f : expf(*max_score - block_max);
         total *= rescale;

@@ -25,8 +25,8 @@
 
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
-/* The helpers a decode step, a verification and a keep share are not inlined: each is one compiled body, so that
- * vectorised reductions add in one order everywhere and the three agree bit for bit. */
+/* The helpers with vectorised reductions that a decode step, a verification and a keep share are not inlined: each
+ * is one compiled body, so that its reduction adds in one order everywhere and the three agree bit for bit. */
 #define SHARED_STEP __attribute__((noinline, noclone))
 
 /* x ← x / sqrt(Σx² + 1e-6) · scale over n values (the FLA / transformers l2norm). */
@@ -41,7 +41,7 @@ static SHARED_STEP void l2norm_scaled(float *x, int64_t n, float scale) {
 /* One token through NC columns of one value head's state: S ← decay·S;  S += k ⊗ beta·(v − Sᵀk);  o = Sᵀq.
  * S is [DK, NC] with rows `stride` apart (the columns of a [DK, DV] state are independent: a prompt walks
  * a block of them at a time); v and o hold the same NC columns. */
-static SHARED_STEP void delta_head_step(float *S, int64_t stride, const float *q, const float *k, const float *v,
+static inline void delta_head_step(float *S, int64_t stride, const float *q, const float *k, const float *v,
                                    float decay, float beta, float *o, float *delta, int64_t DK, int64_t NC) {
     for (int64_t j = 0; j < NC; ++j) delta[j] = 0.0f;
     for (int64_t i = 0; i < DK; ++i) { /* Sᵀk of the undecayed state; scaled by decay below */
@@ -86,7 +86,7 @@ static SHARED_STEP void gated_head_norm(float *o, const float *z, const float *n
 
 /* Conv output of one token, in place: silu, then each key head of q l2-normalised and scaled by DK^-0.5, of k
  * l2-normalised. */
-static SHARED_STEP void activate_qkv(float *qkv, int64_t Cd, int64_t HK, int64_t DK) {
+static inline void activate_qkv(float *qkv, int64_t Cd, int64_t HK, int64_t DK) {
     silu_inplace(qkv, Cd);
     for (int64_t h = 0; h < 2 * HK; ++h) l2norm_scaled(qkv + h * DK, DK, h < HK ? 1.0f / sqrtf((float)DK) : 1.0f);
 }
@@ -95,14 +95,16 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
                      const float *A_log, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                      int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
         /* 1. Causal conv over the window [state, new input], shift the window. */
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c, 0, qkv + bc,
-                               0, 1, W, 1);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
+                             proj + bi * row_len + c, 0, qkv + bi * Cd + c, 0, 1,
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
         }
         /* 2. silu; l2-normalise each key head of q (then scale by DK^-0.5) and of k. */
 #pragma omp for schedule(static)
@@ -130,13 +132,15 @@ void gdn_verify(const float *proj, const float *conv_state, const float *conv_w,
                 const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                 int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps((float *)conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c,
-                               b * row_len, qkv + bc, b * Cd, l, W, 0);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps((float *)conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
+                             proj + bi * row_len + c, b * row_len, qkv + bi * Cd + c, b * Cd, l,
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 0);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r) activate_qkv(qkv + r * Cd, Cd, HK, DK);
@@ -168,13 +172,15 @@ void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const f
               float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
               int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, NULL, proj + bi * row_len + c, b * row_len,
-                               qkv + bc, b * Cd, accepted[bi], W, 1);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
+                             proj + bi * row_len + c, b * row_len, qkv + bi * Cd + c, b * Cd, accepted[bi],
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r)

@@ -81,16 +81,18 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
                         float *out, int64_t b, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
                         int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
     const int64_t group_size = I / norm_groups;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
         /* 1. Causal conv over the window [state, new input], shift the window, silu. */
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                               proj + bi * row_len + I + c, 0, xbc + bc, 0, 1, W, 1);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                             proj + bi * row_len + I + c, 0, xbc + bi * Cd + c, 0, 1,
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
         }
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < b; ++bi) silu_inplace(xbc + bi * Cd, Cd);
@@ -124,15 +126,17 @@ void mamba2_verify(const float *proj, const float *conv_state, const float *conv
                    float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
                    int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
     const int64_t group_size = I / norm_groups;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps((float *)conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                               proj + bi * row_len + I + c, b * row_len, xbc + bc, b * Cd, l, W, 0);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps((float *)conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                             proj + bi * row_len + I + c, b * row_len, xbc + bi * Cd + c, b * Cd, l,
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 0);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r) silu_inplace(xbc + r * Cd, Cd);
@@ -166,14 +170,16 @@ void mamba2_keep(const float *proj, float *conv_state, const float *conv_w, cons
                  float *ssm_state, float *xbc, const int64_t *accepted, int64_t b, int64_t l, int64_t H, int64_t P,
                  int64_t G, int64_t N, int64_t W, int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
+    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
 #pragma omp for schedule(static)
-        for (int64_t bc = 0; bc < b * Cd; ++bc) {
-            const int64_t bi = bc / Cd, c = bc % Cd;
-            conv_channel_steps(conv_state + bc * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                               proj + bi * row_len + I + c, b * row_len, xbc + bc, b * Cd, accepted[bi], W, 1);
+        for (int64_t item = 0; item < b * conv_blocks; ++item) {
+            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
+            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
+                             proj + bi * row_len + I + c, b * row_len, xbc + bi * Cd + c, b * Cd, accepted[bi],
+                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r)

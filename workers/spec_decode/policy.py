@@ -4,8 +4,10 @@ Speculation pays when the tokens a verification step produces outweigh what it c
 sides move with the batch: a plain step at batch 64 is already busy, so a k + 1 wide verification costs nearly
 k + 1 times as much, while at batch 1 it costs about one step. The adaptive policy measures, in this run:
 - the seconds of a whole scheduler step (propose + verify + accept + bookkeeping, or a plain step for k = 0) per
-  batch-size bucket and k, steps that also prefilled left out; per bucket a least-squares line a + s·k through the
-  measured widths stands for every width (the plain step and k = 1 are measured first, wider widths when chosen);
+  batch-size bucket and k, steps that also prefilled left out; per bucket the plain step, and a least-squares line
+  a + s·k through the measured verification widths stands for every width (a verification has costs of its own
+  whatever k, so the plain step is not on that line; the plain step, k = 1 and k = 2 are measured first, wider
+  widths when chosen);
 - per draft position j, the chance that draft j is accepted once drafts 1 … j-1 were (per request, pulled towards
   the batch's rate while the request has few observations).
 Each step it picks the k that maximises expected tokens per second,
@@ -160,16 +162,19 @@ class AdaptivePolicy:
         if top == 0 or self.settled_plain(len(request_ids)):
             return 0, False
         bucket = batch_bucket(len(request_ids))
-        # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the
-        #    narrowest verification with every request drafting — the cheapest one, and with the plain step it
-        #    gives the line that wider widths are extrapolated on (they are measured when chosen). Skipped when a
+        # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the two
+        #    narrowest verifications with every request drafting — the cheapest ones, and they give the line that
+        #    wider widths are extrapolated on (they are measured when chosen); the second is skipped when even the
+        #    widest could not pay at the first one's cost. Skipped when a
         #    batch no larger already found speculation unprofitable (a verification costs relatively more at larger
         #    batches), or the next larger one found it hopeless (a batch shrinking as its requests finish: the
         #    first verification would catch a costly proposer up on every request's whole context for the few
         #    tokens left): the line then comes from the nearest bucket.
-        for k in (0, 1):
+        for k in (0, 1, 2):
             if self.samples[(bucket, k)] < 3 and self.tried[(bucket, k)] < 3:
                 if k and (self._unprofitable_at_or_below(bucket) or self.hopeless.get(2 * bucket, False)):
+                    break
+                if k == 2 and not self._could_pay_at_k1_cost(bucket):
                     break
                 self.tried[(bucket, k)] += 1
                 return k, False
@@ -222,6 +227,12 @@ class AdaptivePolicy:
         plain = self._seconds(bucket, 0)
         return all((k + 1) * plain <= self.margin * self._seconds(bucket, k) for k in range(1, self.max_drafts + 1))
 
+    def _could_pay_at_k1_cost(self, bucket: int) -> bool:
+        """Whether the widest verification could pay if it cost no more than the measured k = 1 step (every draft
+        accepted): else measuring a second width is not worth its steps."""
+        plain, one = self.seconds.get((bucket, 0)), self.seconds.get((bucket, 1))
+        return plain is None or one is None or (self.max_drafts + 1) * plain > self.margin * one
+
     def _unprofitable_at_or_below(self, bucket: int) -> bool:
         """Whether the last choice at some batch bucket no larger than this one was no drafts at all."""
         return any(b <= bucket and k == 0 for b, k in self.best.items())
@@ -234,35 +245,51 @@ class AdaptivePolicy:
         return mine.rates(batch_rates, self.prior_weight, self.decay ** (self.steps - mine.step))
 
     def _line(self, bucket: int) -> tuple[float, float] | None:
-        """(a, s) of seconds ≈ a + s·k through this bucket's measured widths (least squares, each width weighted by
-        its kept samples; the slope at least 0), or None with fewer than two widths measured. A line, not the
-        points: a width measured a little fast by chance must not look cheaper than a narrower one."""
-        points = [(k, t, len(self.times[(b, k)])) for (b, k), t in self.seconds.items() if b == bucket]
+        """(a, s) of a verification's seconds ≈ a + s·k at this bucket, or None with too little measured. Through
+        the verification widths (k ≥ 1) when two are measured: a verification step has costs of its own whatever k
+        (the proposer's call, acceptance, the shift), so the plain step is not on its line. Through the plain step
+        and the one measured width otherwise. Least squares (weights: `_weight`), the slope at least 0: a width measured a little fast by chance must not look cheaper than a narrower one."""
+        points = [(k, t, self._weight(bucket, k)) for (b, k), t in self.seconds.items() if b == bucket and k]
+        if len(points) < 2:
+            plain = self.seconds.get((bucket, 0))
+            if plain is None or not points:
+                return None
+            points.append((0, plain, self._weight(bucket, 0)))
         weight = sum(w for _, _, w in points)
-        if len(points) < 2 or weight == 0:
-            return None
         mean_k = sum(w * k for k, _, w in points) / weight
         mean_t = sum(w * t for _, t, w in points) / weight
         spread = sum(w * (k - mean_k) ** 2 for k, _, w in points)
         slope = max(0.0, sum(w * (k - mean_k) * (t - mean_t) for k, t, w in points) / spread)
         return mean_t - slope * mean_k, slope
 
-    def _seconds(self, bucket: int, k: int) -> float:
-        """Estimated seconds of a step with k drafts at this bucket: on its line when two widths are measured here;
-        otherwise on the nearest measured bucket's line, scaled to this bucket's plain step when that is measured
-        (what matters is a width's cost relative to the plain step); with no line anywhere, every width costs the
-        plain step (which invites a try)."""
+    def _weight(self, bucket: int, k: int) -> int:
+        """A width's weight on its bucket's line: its kept samples, up to 3 (a median of 3 is already robust; more
+        must not let one slow step, which leaves the median alone, tilt the line)."""
+        return min(len(self.times[(bucket, k)]), 3)
+
+    def _own_seconds(self, bucket: int, k: int) -> float | None:
+        """This bucket's own estimate of a step with k drafts (the measured plain step; a verification on its
+        line), or None."""
+        if k == 0:
+            return self.seconds.get((bucket, 0))
         line = self._line(bucket)
-        if line is not None:
-            return max(line[0] + line[1] * k, 1e-9)
+        return None if line is None else max(line[0] + line[1] * k, 1e-9)
+
+    def _seconds(self, bucket: int, k: int) -> float:
+        """Estimated seconds of a step with k drafts at this bucket: its own estimate when it has one; otherwise
+        the nearest bucket's estimate relative to its plain step, times this bucket's plain step when that is
+        measured (what matters is a width's cost relative to the plain step); with nothing measured anywhere, every
+        width costs the plain step (which invites a try)."""
+        own = self._own_seconds(bucket, k)
+        if own is not None:
+            return own
         plain = self.seconds.get((bucket, 0))
-        lines = {b: self._line(b) for b, _ in self.seconds}
-        other = min((b for b, found in lines.items() if found is not None and found[0] > 0),
-                    key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)  # fmt: skip
+        measured = [b for b, _ in self.seconds if self._line(b) is not None and (b, 0) in self.seconds]
+        other = min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)
         if other is None:
             return 1.0 if plain is None else plain
-        a, slope = lines[other]
-        return (a if plain is None else plain) * (1 + slope / a * k)
+        relative = self._own_seconds(other, k) / self.seconds[(other, 0)]
+        return (self.seconds[(other, 0)] if plain is None else plain) * relative
 
     # ------------------------------------------------------------------------------------------------- learn
     def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],

@@ -77,8 +77,11 @@ class MtpProposer:
     ) -> None:
         """The target's final-norm hidden [b, l, d] of a forward whose row i started at position cache_lens[i];
         its first num_tokens[i] positions are now part of the request (the rest was rejected or padding)."""
+        # A decode or verification step: one copy for every row (the rows' pieces are views of it); a prompt chunk:
+        # a copy per row, without its padding.
+        block = hidden.detach().clone() if hidden.shape[1] <= self.num_speculative_tokens + 1 else None
         for row, request in enumerate(requests):
-            new = hidden[row, : num_tokens[row]].detach().clone()  # [n, d]
+            new = block[row, : num_tokens[row]] if block is not None else hidden[row, : num_tokens[row]].clone()
             pending = self.pending.get(request.slot)
             if pending is None:
                 self.pending[request.slot] = _Pending(cache_lens[row], [new], new.shape[0])

@@ -25,7 +25,7 @@ from workers.model.gdn import GatedDeltaNetMixer
 from workers.model.hybrid import HybridModel
 from workers.model.linear import NativeLinear
 from workers.model.mamba2 import Mamba2Mixer
-from workers.model.plan_records import RECORD_WORDS, Op, Recorder, scratch_rows
+from workers.model.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
 from workers.model.state import StatePool
 
 
@@ -281,23 +281,7 @@ class DecodePlan:
     def _record_attention(self, rec: Recorder, attention: Attention, layer: int) -> None:
         a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
         width = a.num_heads * a.head_dim
-        projected = scratch_rows(self.wide, n, attention.q_proj.out_features)
-        out = scratch_rows(self.narrow, n, width).view(length, b, width)
-        keys, values = self.keys[:n].view(length, b, -1), self.values[:n].view(length, b, -1)
-        rec.linear(attention.q_proj, self.normed[:n], projected)
-        rec.linear(attention.k_proj, self.normed[:n], keys.view(n, -1))
-        rec.linear(attention.v_proj, self.normed[:n], values.view(n, -1))
-        if a.output_gate:  # q_proj rows per head are [q_h | gate_h]: split them as `Attention._project` does
-            q = self.query[:n].view(length, b, width)
-            for part, offset in ((q, 0), (self.gate[:n], a.head_dim)):
-                rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
-                                        2 * a.head_dim])  # fmt: skip
-        else:
-            q = projected.view(length, b, width)
-        if attention.q_norm is not None:  # per-head RMSNorm of q and k (Qwen3, Qwen3.5), in place, before RoPE
-            for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
-                head_rows = x.reshape(n * heads, a.head_dim)
-                rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))
+        q, keys, values, out = record_attention_inputs(rec, attention, self)
         inv_freq = None
         if a.rope_theta is not None:
             inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))

@@ -35,7 +35,7 @@ from workers.model.config import ATTENTION, MLP
 from workers.model.feed_forward import MLP as DenseMLP
 from workers.model.hybrid import HybridModel
 from workers.model.linear import NativeLinear
-from workers.model.plan_records import RECORD_WORDS, Op, Recorder, scratch_rows
+from workers.model.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
 from workers.model.state import KVCache
 
 PADDING_POSITION = -1  # a feed position that is padding (OP_ATTENTION_PADDED skips it)
@@ -273,23 +273,7 @@ class MtpPlan:
         `_record_attention` over a standalone cache whose rows may sit in any slots)."""
         a, b, length = attention.config, rec.rows, rec.length
         n, width = b * length, a.num_heads * a.head_dim
-        projected = scratch_rows(self.wide, n, attention.q_proj.out_features)
-        out = scratch_rows(self.narrow, n, width).view(length, b, width)
-        keys, values = self.keys[:n].view(length, b, -1), self.values[:n].view(length, b, -1)
-        _linear(rec, attention.q_proj, self.normed[:n], projected)
-        _linear(rec, attention.k_proj, self.normed[:n], keys.view(n, -1))
-        _linear(rec, attention.v_proj, self.normed[:n], values.view(n, -1))
-        if a.output_gate:  # q_proj rows per head are [q_h | gate_h]: split them as `Attention._project` does
-            q = self.query[:n].view(length, b, width)
-            for part, offset in ((q, 0), (self.gate[:n], a.head_dim)):
-                rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
-                                        2 * a.head_dim])  # fmt: skip
-        else:
-            q = projected.view(length, b, width)
-        if attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE
-            for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
-                head_rows = x.reshape(n * heads, a.head_dim)
-                rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))
+        q, keys, values, out = record_attention_inputs(rec, attention, self)
         blocks = cache.blocks
         capacity = blocks.max_blocks_per_slot * blocks.block_size
         for t in range(length):  # token t attends to the cache up to its own position: causal

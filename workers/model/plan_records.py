@@ -85,3 +85,31 @@ class Recorder:
     def tensor(self) -> torch.Tensor:
         """The records as one [num_records, RECORD_WORDS] int64 tensor (what the C side walks)."""
         return torch.tensor(self.records, dtype=torch.int64).view(-1, RECORD_WORDS)
+
+
+def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: object) -> tuple[torch.Tensor, ...]:
+    """The records of an attention block's inputs for all rows · length tokens, as `Attention._project` computes them
+    on the native path: the q/k/v projections of `scratch.normed`, the [q_h | gate_h] split of gated attention's
+    q_proj rows (into `scratch.query` and `scratch.gate`), the per-head q/k RMSNorms (Qwen3, Qwen3.5) in place.
+    `scratch` is a plan with the buffers `normed`, `wide`, `narrow`, `keys`, `values`, `query`, `gate`. Returns
+    views q, keys, values and the attention output scratch, each [l, b, ·] (token-major)."""
+    a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
+    width = a.num_heads * a.head_dim
+    projected = scratch_rows(scratch.wide, n, attention.q_proj.out_features)
+    out = scratch_rows(scratch.narrow, n, width).view(length, b, width)
+    keys, values = scratch.keys[:n].view(length, b, -1), scratch.values[:n].view(length, b, -1)
+    rec.linear(attention.q_proj, scratch.normed[:n], projected)
+    rec.linear(attention.k_proj, scratch.normed[:n], keys.view(n, -1))
+    rec.linear(attention.v_proj, scratch.normed[:n], values.view(n, -1))
+    if a.output_gate:  # q_proj rows per head are [q_h | gate_h]: split them as `Attention._project` does
+        q = scratch.query[:n].view(length, b, width)
+        for part, offset in ((q, 0), (scratch.gate[:n], a.head_dim)):
+            rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
+                                    2 * a.head_dim])  # fmt: skip
+    else:
+        q = projected.view(length, b, width)
+    if attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE
+        for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
+            head_rows = x.reshape(n * heads, a.head_dim)
+            rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))
+    return q, keys, values, out

@@ -70,7 +70,8 @@ void attention_verify(const float *q, const float *k_new, const float *v_new, fl
         float *values = value_cache + kv * cache_tokens * d;
         /* 1. The new keys and values go to the request's positions in its slot's blocks. */
         for (int64_t t = 0; t < l; ++t) {
-            const int64_t position = first + t, at = table[position / block_size] * block_size + position % block_size;
+            const int64_t position = first + t;
+            const int64_t at = table[position / block_size] * block_size + position % block_size;
             memcpy(keys + at * d, k_new + ((t * b + bi) * KV + kv) * d, d * sizeof(float));
             memcpy(values + at * d, v_new + ((t * b + bi) * KV + kv) * d, d * sizeof(float));
         }

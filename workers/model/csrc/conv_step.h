@@ -35,4 +35,20 @@ static inline void conv_block_steps(float *window, const float *w, const float *
     }
 }
 
+/* The conv of b rows, as an orphaned `omp for` over rows × channel blocks (call it inside a parallel region): row
+ * r's channel inputs start at in + r · in_row and its outputs at out + r · Cd (tokens stride / out_stride apart),
+ * its windows at window + r · Cd · (W-1); counts[r] tokens per row, or `count` for every row when counts is NULL. */
+static inline void conv_rows(float *window, const float *w, const float *bias, const float *in, int64_t in_row,
+                             int64_t stride, float *out, int64_t out_stride, int64_t count, const int64_t *counts,
+                             int64_t b, int64_t Cd, int64_t W, int advance) {
+    const int64_t blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < b * blocks; ++item) {
+        const int64_t r = item / blocks, c = item % blocks * CONV_BLOCK;
+        conv_block_steps(window + (r * Cd + c) * (W - 1), w + c * W, bias ? bias + c : NULL, in + r * in_row + c,
+                         stride, out + r * Cd + c, out_stride, counts ? counts[r] : count,
+                         Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, advance);
+    }
+}
+
 #endif

@@ -95,17 +95,10 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
                      const float *A_log, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                      int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
         /* 1. Causal conv over the window [state, new input], shift the window. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
-                             proj + bi * row_len + c, 0, qkv + bi * Cd + c, 0, 1,
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
-        }
+        conv_rows(conv_state, conv_w, NULL, proj, row_len, 0, qkv, 0, 1, NULL, b, Cd, W, 1);
         /* 2. silu; l2-normalise each key head of q (then scale by DK^-0.5) and of k. */
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < b; ++bi) activate_qkv(qkv + bi * Cd, Cd, HK, DK);
@@ -132,16 +125,10 @@ void gdn_verify(const float *proj, const float *conv_state, const float *conv_w,
                 const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                 int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps((float *)conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
-                             proj + bi * row_len + c, b * row_len, qkv + bi * Cd + c, b * Cd, l,
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 0);
-        }
+        conv_rows((float *)conv_state, conv_w, NULL, proj, row_len, b * row_len, qkv, b * Cd, l, NULL, b, Cd, W,
+                  0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r) activate_qkv(qkv + r * Cd, Cd, HK, DK);
         float *state = malloc(DK * DV * sizeof(float)), *delta = malloc(DV * sizeof(float));
@@ -172,16 +159,9 @@ void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const f
               float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
               int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, NULL,
-                             proj + bi * row_len + c, b * row_len, qkv + bi * Cd + c, b * Cd, accepted[bi],
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
-        }
+        conv_rows(conv_state, conv_w, NULL, proj, row_len, b * row_len, qkv, b * Cd, 0, accepted, b, Cd, W, 1);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r)
             if (r / b < accepted[r % b]) activate_qkv(qkv + r * Cd, Cd, HK, DK);

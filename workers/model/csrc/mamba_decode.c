@@ -50,8 +50,9 @@ static inline float head_dt(float dt_raw, float bias, float dt_min, float dt_max
 /* One token through one head: state [P, N] ← decay · state + dt x ⊗ B; y[p] = state[p] · C + D x[p].
  * Not inlined: the decode step, the verification and the keep below call this one compiled body, so that the
  * vectorised reduction adds in one order everywhere and their states and outputs agree bit for bit. */
-static __attribute__((noinline, noclone)) void ssm_head_step(float *state, const float *x, const float *B, const float *C, float dt, float decay,
-                                 float D, float *y, int64_t P, int64_t N) {
+static __attribute__((noinline, noclone)) void ssm_head_step(float *state, const float *x, const float *B,
+                                                             const float *C, float dt, float decay, float D, float *y,
+                                                             int64_t P, int64_t N) {
     for (int64_t p = 0; p < P; ++p) {
         const float xdt = x[p] * dt;
         float *s = state + p * N;
@@ -67,7 +68,8 @@ static __attribute__((noinline, noclone)) void ssm_head_step(float *state, const
 }
 
 /* y ← rmsnorm(y · silu(z)) · w over one group of n channels, in place (one compiled body, as ssm_head_step). */
-static __attribute__((noinline, noclone)) void gated_norm_group(const float *z, float *y, const float *w, float eps, int64_t n) {
+static __attribute__((noinline, noclone)) void gated_norm_group(const float *z, float *y, const float *w, float eps,
+                                                                int64_t n) {
     silu_mul_row(z, y, y, n);
     float sq = 0.0f;
     for (int64_t i = 0; i < n; ++i) sq += y[i] * y[i];
@@ -81,19 +83,12 @@ void mamba2_decode_step(const float *proj, float *conv_state, const float *conv_
                         float *out, int64_t b, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
                         int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
     const int64_t group_size = I / norm_groups;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
         /* 1. Causal conv over the window [state, new input], shift the window, silu. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                             proj + bi * row_len + I + c, 0, xbc + bi * Cd + c, 0, 1,
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
-        }
+        conv_rows(conv_state, conv_w, conv_b, proj + I, row_len, 0, xbc, 0, 1, NULL, b, Cd, W, 1);
 #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < b; ++bi) silu_inplace(xbc + bi * Cd, Cd);
         /* 2. SSM: h = exp(dt A) h + dt x ⊗ B;  y = h · C + D x. */
@@ -126,18 +121,12 @@ void mamba2_verify(const float *proj, const float *conv_state, const float *conv
                    float *out, int64_t b, int64_t l, int64_t H, int64_t P, int64_t G, int64_t N, int64_t W,
                    int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
     const int64_t group_size = I / norm_groups;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps((float *)conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                             proj + bi * row_len + I + c, b * row_len, xbc + bi * Cd + c, b * Cd, l,
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 0);
-        }
+        conv_rows((float *)conv_state, conv_w, conv_b, proj + I, row_len, b * row_len, xbc, b * Cd, l, NULL, b, Cd,
+                  W, 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r) silu_inplace(xbc + r * Cd, Cd);
         float *state = malloc(P * N * sizeof(float));
@@ -170,17 +159,10 @@ void mamba2_keep(const float *proj, float *conv_state, const float *conv_w, cons
                  float *ssm_state, float *xbc, const int64_t *accepted, int64_t b, int64_t l, int64_t H, int64_t P,
                  int64_t G, int64_t N, int64_t W, int num_threads) {
     const int64_t I = H * P, Cd = I + 2 * G * N, row_len = I + Cd + H, heads_per_group = H / G;
-    const int64_t conv_blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
         flush_denormals();
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < b * conv_blocks; ++item) {
-            const int64_t bi = item / conv_blocks, c = item % conv_blocks * CONV_BLOCK;
-            conv_block_steps(conv_state + (bi * Cd + c) * (W - 1), conv_w + c * W, conv_b ? conv_b + c : NULL,
-                             proj + bi * row_len + I + c, b * row_len, xbc + bi * Cd + c, b * Cd, accepted[bi],
-                             Cd - c < CONV_BLOCK ? Cd - c : CONV_BLOCK, W, 1);
-        }
+        conv_rows(conv_state, conv_w, conv_b, proj + I, row_len, b * row_len, xbc, b * Cd, 0, accepted, b, Cd, W, 1);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < l * b; ++r)
             if (r / b < accepted[r % b]) silu_inplace(xbc + r * Cd, Cd);

@@ -129,7 +129,7 @@ def test_verification_and_keep_equal_plain_plan_steps_bit_for_bit(checkpoint_dir
         verify_plan.keep([0, 4, 1])
 
 
-@pytest.mark.parametrize("family", ["bamba", "nemotron_dense", "qwen3_5_text", "qwen3_next_dense"])  # Mamba2, GDN
+@pytest.mark.parametrize("family", [*PLANNED, "qwen3_5_text", "qwen3_next_dense"])  # Mamba2 (1 and 2 groups), GDN
 def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_count(checkpoint_dir, family):
     """16 rows, 5 tokens each, every count 1 … 5 among them: verification gives the logits and KV entries of 5 plain
     steps, reads the recurrent states (conv windows, SSM or delta-rule states) and leaves them as they were; keep then

@@ -24,14 +24,18 @@ def test_packed_linear_equals_f_linear():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_equals_f_linear_for_every_row_tiling(bias):
-    # Rows are covered by tiles of 8, 4, 2 and 1 in blocks of 64; inputs are walked in chunks of 64 and outputs in
-    # panels of 48: these shapes hit every tail (and an empty input).
+    # Rows are covered by tiles of 8, then one tile of the 1 … 7 left, in blocks of 64; inputs are walked in chunks
+    # of 64 and outputs in panels of 48: these shapes hit every tail (and an empty input). Each row's result is bit
+    # for bit the same whatever tile computed it (a verification's l rows equal l one-row decode steps).
     for in_features, out_features in [(37, 5), (200, 100), (512, 144)]:
         linear = torch.nn.Linear(in_features, out_features, bias=bias)
         native_linear = NativeLinear(linear)
-        for rows in (0, 1, 2, 3, 7, 8, 15, 64, 65, 131):
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 15, 64, 65, 131):
             x = torch.randn(rows, in_features)
             torch.testing.assert_close(native_linear(x), linear(x), atol=1e-4, rtol=1e-4)
+            if rows:
+                alone = torch.cat([native_linear(x[i : i + 1]) for i in range(rows)])
+                assert torch.equal(native_linear(x), alone), f"{rows} rows"
     x = torch.randn(2, 3, 37)  # leading dims are kept
     torch.testing.assert_close(NativeLinear(linear := torch.nn.Linear(37, 5))(x), linear(x), atol=1e-5, rtol=1e-5)
 

@@ -4,8 +4,8 @@
  * weight from memory; oneDNN and BLAS stream it at well under the bandwidth there and spend ~25 µs per call.
  * Here the weight is packed once at load into panels of PANEL output columns, [ceil(N / PANEL), K, PANEL]
  * (zero-padded; see `pack_panels` in native.py), so each thread reads its panels as one contiguous stream.
- * A panel is walked in chunks of K_CHUNK rows that stay in L1 while every block of 8 rows of x (then 4, 2, 1 for
- * what is left) is multiplied by them, and the next chunk in memory is prefetched meanwhile, spread evenly over
+ * A panel is walked in chunks of K_CHUNK rows that stay in L1 while every block of 8 rows of x (then the 1 … 7
+ * left, as one tile, so that a verification's 2 … 5 rows read the chunk once) is multiplied by them, and the next chunk in memory is prefetched meanwhile, spread evenly over
  * the row blocks' k steps so that memory streaming and arithmetic overlap (issuing it all in the first block left
  * the others waiting: 32 rows ran 11–16% slower). Micro-kernels hold a rows × PANEL tile of y in vector registers
  * (8 rows: 24 accumulators) and broadcast x; partial sums live in a small per-thread buffer between chunks.
@@ -73,6 +73,33 @@ static void tile8(TILE_ARGS) {
     SAVE(0); SAVE(1); SAVE(2); SAVE(3); SAVE(4); SAVE(5); SAVE(6); SAVE(7);
 }
 
+static void tile7(TILE_ARGS) {
+    DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4) DECLARE(5) DECLARE(6)
+    for (int64_t k = 0; k < chunk; ++k) {
+        LOAD_PANEL_ROW;
+        FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5); FMA(6);
+    }
+    SAVE(0); SAVE(1); SAVE(2); SAVE(3); SAVE(4); SAVE(5); SAVE(6);
+}
+
+static void tile6(TILE_ARGS) {
+    DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4) DECLARE(5)
+    for (int64_t k = 0; k < chunk; ++k) {
+        LOAD_PANEL_ROW;
+        FMA(0); FMA(1); FMA(2); FMA(3); FMA(4); FMA(5);
+    }
+    SAVE(0); SAVE(1); SAVE(2); SAVE(3); SAVE(4); SAVE(5);
+}
+
+static void tile5(TILE_ARGS) {
+    DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4)
+    for (int64_t k = 0; k < chunk; ++k) {
+        LOAD_PANEL_ROW;
+        FMA(0); FMA(1); FMA(2); FMA(3); FMA(4);
+    }
+    SAVE(0); SAVE(1); SAVE(2); SAVE(3); SAVE(4);
+}
+
 static void tile4(TILE_ARGS) {
     DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3)
     for (int64_t k = 0; k < chunk; ++k) {
@@ -80,6 +107,15 @@ static void tile4(TILE_ARGS) {
         FMA(0); FMA(1); FMA(2); FMA(3);
     }
     SAVE(0); SAVE(1); SAVE(2); SAVE(3);
+}
+
+static void tile3(TILE_ARGS) {
+    DECLARE(0) DECLARE(1) DECLARE(2)
+    for (int64_t k = 0; k < chunk; ++k) {
+        LOAD_PANEL_ROW;
+        FMA(0); FMA(1); FMA(2);
+    }
+    SAVE(0); SAVE(1); SAVE(2);
 }
 
 static void tile2(TILE_ARGS) {
@@ -114,7 +150,7 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
         const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
         /* The next chunk in memory (the next panel's first after the last) is fetched a share per row block. */
         const int64_t rows = end - begin, chunk_lines = K_CHUNK * PANEL / LANES;
-        const int64_t num_tiles = rows / 8 + (rows % 8 >= 4) + (rows % 4 >= 2) + (rows % 2);
+        const int64_t num_tiles = rows / 8 + (rows % 8 != 0);
         const int64_t share = (chunk_lines + num_tiles - 1) / num_tiles;
         for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
             const int64_t chunk = K - k0 < K_CHUNK ? K - k0 : K_CHUNK;
@@ -125,17 +161,15 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
 #define TILE(n) tile##n(x + m * K + k0, K, panel, chunk, acc + (m - begin) * PANEL, first, next, per_k)
             int64_t m = begin;
             for (; m + 8 <= end; m += 8, next += share * LANES) TILE(8);
-            if (m + 4 <= end) {
-                TILE(4);
-                m += 4;
-                next += share * LANES;
+            switch (end - m) { /* the last 1 … 7 rows as one tile: the panel chunk is read once for them */
+            case 7: TILE(7); break;
+            case 6: TILE(6); break;
+            case 5: TILE(5); break;
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            case 1: TILE(1); break;
             }
-            if (m + 2 <= end) {
-                TILE(2);
-                m += 2;
-                next += share * LANES;
-            }
-            if (m < end) TILE(1);
 #undef TILE
         }
         for (int64_t m = begin; m < end; ++m) {

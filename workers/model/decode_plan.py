@@ -70,12 +70,13 @@ class DecodePlan:
     """Decode steps of `model` for the requests in slots 0 … b-1 of `pool` (any b up to the pool's slot count).
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
-    per row — speculative verification: every linear once over all the tokens (the weights are read once),
-    attention token by token, and each Mamba2 / Gated DeltaNet layer walking the tokens on a cached copy of each
-    head's state, which it leaves in the pool as it was. `keep(num_accepted_tokens)` then advances each row's
-    recurrent states by its accepted tokens to the state after input num_accepted_tokens − 1. Verification and
-    keep run the decode step's arithmetic (the same compiled helpers), so logits and states are bit for bit those of
-    plain steps — greedy speculative output equals greedy plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
+    per row — speculative verification: every linear once over all the tokens (the weights are read once), each
+    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Gated DeltaNet layer
+    walking the tokens on a cached copy of each head's state, which it leaves in the pool as it was.
+    `keep(num_accepted_tokens)` then advances each row's recurrent states by its accepted tokens to the state after
+    input num_accepted_tokens − 1. Verification and keep run the decode step's arithmetic (the same compiled
+    helpers), so logits and states are bit for bit those of plain steps — greedy speculative output equals greedy
+    plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
     proposer drafts from them).
     """
 
@@ -268,8 +269,8 @@ class DecodePlan:
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config
-                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, g.num_key_heads,
-                                        g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel, length])  # fmt: skip
+                sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
                 continue
             m = mixer.config
             rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,

@@ -17,10 +17,11 @@ Each step it picks the k that maximises expected tokens per second,
 speculating only when that beats the plain step by a margin, and re-trying speculation now and then after
 choosing 0, so that it notices when acceptance rises (a free proposer — n-gram — reports acceptance on plain steps
 through shadow drafts instead). Where even perfect acceptance would not pay — a verification costs about as many
-plain steps as it has tokens, as in a large batch on a CPU — it does not re-try at all. This is the goodput rule of SmartSpec (Liu et al., 2024, "Optimizing Speculative
-Decoding for Serving Large Language Models Using Goodput") with the cost model measured in the run instead of
-profiled beforehand. The choice never changes what greedy decoding produces, and rejection sampling keeps the
-sampled distribution exact for any k chosen before the drafts are drawn.
+plain steps as it has tokens, as in a large batch on a CPU — it does not re-try at all. This is the goodput rule of
+SmartSpec (Liu et al., 2024, "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput")
+with the cost model measured in the run instead of profiled beforehand. The choice never changes what greedy
+decoding produces, and rejection sampling keeps the sampled distribution exact for any k chosen before the drafts
+are drawn.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class AdaptivePolicy:
         self.decay, self.free_drafts, self.margin = decay, free_drafts, margin
         self.seconds: dict[tuple[int, int], float] = {}  # (batch bucket, k) → median of the recent step seconds
         self.times: dict[tuple[int, int], deque[float]] = {}  # (batch bucket, k) → recent step seconds
+        self._lines: dict[int, tuple[float, float] | None] = {}  # batch bucket → `_line`, until its times change
         self.tried: Counter[tuple[int, int]] = Counter()  # widths asked for to measure them
         self.samples: Counter[tuple[int, int]] = Counter()  # steps measured per (bucket, width)
         self.batch = _Acceptance()
@@ -165,9 +167,9 @@ class AdaptivePolicy:
         # 1. Measure first, three times each (the first is not kept, see `observe`): the plain step, then the two
         #    narrowest verifications with every request drafting — the cheapest ones, and they give the line that
         #    wider widths are extrapolated on (they are measured when chosen); the second is skipped when even the
-        #    widest could not pay at the first one's cost. Skipped when a
-        #    batch no larger already found speculation unprofitable (a verification costs relatively more at larger
-        #    batches), or the next larger one found it hopeless (a batch shrinking as its requests finish: the
+        #    widest could not pay at the first one's cost. Verification is skipped when a batch no larger already
+        #    found speculation unprofitable (a verification costs relatively more at larger batches), or the next
+        #    larger one found it hopeless (a batch shrinking as its requests finish: the
         #    first verification would catch a costly proposer up on every request's whole context for the few
         #    tokens left): the line then comes from the nearest bucket.
         for k in (0, 1, 2):
@@ -248,7 +250,14 @@ class AdaptivePolicy:
         """(a, s) of a verification's seconds ≈ a + s·k at this bucket, or None with too little measured. Through
         the verification widths (k ≥ 1) when two are measured: a verification step has costs of its own whatever k
         (the proposer's call, acceptance, the shift), so the plain step is not on its line. Through the plain step
-        and the one measured width otherwise. Least squares (weights: `_weight`), the slope at least 0: a width measured a little fast by chance must not look cheaper than a narrower one."""
+        and the one measured width otherwise. Least squares (weights: `_weight`), the slope at least 0: a width
+        measured a little fast by chance must not look cheaper than a narrower one. Cached until the bucket's step
+        times change (every decision asks for it several times)."""
+        if bucket not in self._lines:
+            self._lines[bucket] = self._fit_line(bucket)
+        return self._lines[bucket]
+
+    def _fit_line(self, bucket: int) -> tuple[float, float] | None:
         points = [(k, t, self._weight(bucket, k)) for (b, k), t in self.seconds.items() if b == bucket and k]
         if len(points) < 2:
             plain = self.seconds.get((bucket, 0))
@@ -284,7 +293,7 @@ class AdaptivePolicy:
         if own is not None:
             return own
         plain = self.seconds.get((bucket, 0))
-        measured = [b for b, _ in self.seconds if self._line(b) is not None and (b, 0) in self.seconds]
+        measured = {b for b, _ in self.seconds if (b, 0) in self.seconds and self._line(b) is not None}
         other = min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b), default=None)
         if other is None:
             return 1.0 if plain is None else plain
@@ -307,6 +316,7 @@ class AdaptivePolicy:
                 times = self.times.setdefault(key, deque(maxlen=TIMING_WINDOW))
                 times.append(seconds)
                 self.seconds[key] = statistics.median(times)
+                self._lines.pop(key[0], None)
         self.steps += 1  # every step, drafted or not, old evidence fades, so a lull gets re-tried
         self.batch.fade_to(self.steps, self.decay)
         for rid, k, accepted in zip(request_ids, num_drafts, num_accepted_drafts):

@@ -18,6 +18,7 @@ import torch
 
 from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.state import DEFAULT_BLOCK_SIZE
+from workers.spec_decode.mtp import pending_bytes
 
 CPU_DEFAULT_FRACTION = 0.8
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -109,13 +110,21 @@ def plan_memory(
     used = in_use(models[0], device) if device.type == "cuda" else sum(in_use(m, device) for m in models)
     needed = used + activation_bytes(config, max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1))
     needed += sum(state_bytes_per_slot(m.config, dtype) for m in models) * max_num_seqs
+    if mtp:  # the target hidden states the MTP proposer holds until its head consumes them
+        needed += pending_bytes(config.hidden_size, dtype, max_num_seqs, num_speculative_tokens, max_num_batched_tokens)
     per_token = sum(kv_bytes_per_token(m.config, dtype) for m in models)
     per_token += kv_bytes_per_token(config, dtype, num_layers=config.mtp_block_kinds.count(ATTENTION)) if mtp else 0
     per_block = per_token * DEFAULT_BLOCK_SIZE
-    if per_token == 0:  # no attention layer: nothing grows with the sequence
+    limit = "gpu_memory_utilization" if device.type == "cuda" else "max_memory"
+    if per_token == 0:  # no attention layer: nothing grows with the sequence, but the rest must fit
+        if needed > budget:
+            raise ValueError(
+                f"{limit} is too small: the budget is {budget / 2**30:.2f} GiB, weights + state slots + "
+                f"activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; raise "
+                f"{limit} or lower max_num_batched_tokens / max_num_seqs"
+            )
         return MemoryPlan(budget, needed, per_block, 1 << 40)
     if budget - needed < per_block:
-        limit = "gpu_memory_utilization" if device.type == "cuda" else "max_memory"
         raise ValueError(
             f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
             f"slots + activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "

@@ -44,6 +44,11 @@ class Workspace:
     executor: str  # "module", "native" or "graph" (see workers/executors.py)
     capture_failure: str | None = None  # why CUDA graph capture failed (the steps then run module by module)
 
+    def release(self) -> None:
+        """Free the slots' storage and drop the plan now (a larger workspace replaces this one)."""
+        self.pool.release()
+        self.plan = None
+
     def fits(self, num_slots: int, capacity: int, tokens_per_row: int, executor: str, num_blocks: int) -> bool:
         """Whether this workspace can serve a run needing these sizes with this executor."""
         return (
@@ -53,6 +58,17 @@ class Workspace:
             and self.executor == executor
             and (self.plan is None or self.plan.tokens_per_row >= tokens_per_row)
         )
+
+
+def _grown(workspace: Workspace, num_slots: int, capacity: int, num_blocks: int) -> tuple[int, int, int]:
+    """Sizes of the workspace replacing `workspace`: what this run needs, and never less than the old one had (runs
+    that alternate between two shapes then rebuild at most once)."""
+    old = workspace.pool
+    return (
+        max(num_slots, old.num_slots - extra_slots(workspace.executor)),
+        max(capacity, old.capacity),
+        max(num_blocks, old.blocks.num_blocks),
+    )
 
 
 class Scheduler:
@@ -94,6 +110,11 @@ class Scheduler:
         executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
         tokens_per_row = self.num_speculative_tokens + 1
         if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, executor, num_blocks):
+            if workspace is not None:  # grow: free the old storage first, so at most one workspace is ever held
+                num_slots, capacity, num_blocks = _grown(workspace, num_slots, capacity, num_blocks)
+                workspace.release()
+                if proposer is not None and hasattr(proposer, "release"):
+                    proposer.release()
             total = num_slots + extra_slots(executor)  # the graph plan's null slot: no request ever holds it
             blocks = BlockTable(total, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
             pool = StatePool(model.config, total, capacity, self.device, param.dtype, blocks)

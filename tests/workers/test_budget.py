@@ -56,6 +56,28 @@ def test_blocks_follow_each_slot_and_come_back():
         table.ensure(1, 48)  # 2 more, 1 free
 
 
+def test_the_free_list_stays_bounded_over_a_workers_life():
+    """10-block requests in a 40-block cache, 1,000 of them one after another, then in pairs, each growing block by
+    block as decoding does: blocks taken as the next of a run are not left behind in the free heap, which holds at
+    most one entry per block, and `reset()` leaves exactly the free blocks."""
+    blocks = BlockTable(2, 160, 41, 16, torch.device("cpu"))
+    for _ in range(1000):
+        for num_tokens in range(16, 161, 16):
+            blocks.ensure(0, num_tokens)
+        blocks.free_slot(0)
+        assert len(blocks._free) <= blocks.num_usable
+    for _ in range(100):
+        for num_tokens in range(16, 161, 16):
+            blocks.ensure(0, num_tokens)
+            blocks.ensure(1, num_tokens)
+        blocks.free_slot(1)
+        blocks.free_slot(0)
+        assert len(blocks._free) <= blocks.num_usable
+    blocks.ensure(0, 50)
+    blocks.reset()
+    assert sorted(blocks._free) == list(range(1, 41))
+
+
 def test_reservations_bound_admission_and_new_blocks_are_zeroed():
     table = BlockTable(num_slots=4, max_tokens_per_slot=64, num_blocks=6, block_size=4, device=torch.device("cpu"))
     storage = torch.full((2, 6 * 4, 3), float("nan"))
@@ -84,3 +106,32 @@ def test_memory_sizes_parse(text, expected):
 def test_bad_memory_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="max_memory"):
         parse_memory_size(bad)
+
+
+def test_an_attention_free_model_is_checked_against_the_budget_too(checkpoint_dir):
+    """No attention layer means no KV cache to size, but the weights, state slots and activations must still fit:
+    a budget below them is refused naming the flag (it used to plan an unbounded cache and start anyway)."""
+    import dataclasses
+
+    from workers.memory import plan_memory
+    from workers.model import load_checkpoint
+    from workers.model.config import MAMBA
+
+    model = load_checkpoint(str(checkpoint_dir("granite_dense"))).model
+    model.config = dataclasses.replace(model.config, block_kinds=(MAMBA,) * len(model.config.block_kinds))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(ValueError, match="max_memory is too small"):
+        plan_memory([model], torch.device("cpu"), torch.float32, weights // 2, 64, 4, 0)
+    plan = plan_memory([model], torch.device("cpu"), torch.float32, 100 * weights, 64, 4, 0)
+    assert plan.reserved_bytes > weights and plan.num_kv_blocks > 1
+
+
+def test_the_mtp_proposers_pending_hidden_states_are_in_the_plan(checkpoint_dir):
+    from workers.memory import plan_memory
+    from workers.model import load_checkpoint
+    from workers.spec_decode.mtp import pending_bytes
+
+    model = load_checkpoint(str(checkpoint_dir("qwen3_5")), mtp=True).model
+    args = ([model], torch.device("cpu"), torch.float32, 2**30, 256, 8, 3)
+    extra = plan_memory(*args, mtp=True).reserved_bytes - plan_memory(*args).reserved_bytes
+    assert extra == pending_bytes(model.config.hidden_size, torch.float32, 8, 3, 256) > 0

@@ -43,6 +43,10 @@ class BlockTable:
         self.owned: list[list[int]] = [[] for _ in range(num_slots)]
         self._free = list(range(1, num_blocks))  # a heap: the lowest free block first (long requests stay in runs)
         self._is_free = set(self._free)
+        # Blocks present in `_free`: a block taken out of turn (as the next of a run) stays there until popped, so
+        # freeing it again must not push a second entry (the heap stays within num_blocks entries for a worker's
+        # whole life).
+        self._in_heap = set(self._free)
         self.num_reserved = 0
         self.on_allocate: list[Callable[[torch.Tensor], None]] = []  # storages zero the blocks they are handed
 
@@ -96,6 +100,8 @@ class BlockTable:
             if self.owned[slot]:
                 self.free_slot(slot)
         self.num_reserved = 0
+        self._free = sorted(self._is_free)  # a sorted list is a heap; drops entries of blocks taken out of turn
+        self._in_heap = set(self._free)
 
     def attach(self, storages: list[torch.Tensor]) -> None:
         """Page `storages` (KV tensors [..., num_blocks · block_size, head_dim]) over this table: the blocks in use
@@ -117,6 +123,7 @@ class BlockTable:
             return preferred
         while True:
             block = heapq.heappop(self._free)
+            self._in_heap.discard(block)
             if block in self._is_free:
                 self._is_free.remove(block)
                 return block
@@ -125,7 +132,9 @@ class BlockTable:
         """Return every block of `slot` to the free pool."""
         for block in self.owned[slot]:
             self._is_free.add(block)
-            heapq.heappush(self._free, block)
+            if block not in self._in_heap:
+                self._in_heap.add(block)
+                heapq.heappush(self._free, block)
         self.owned[slot] = []
         self.tables[slot] = NULL_BLOCK
 

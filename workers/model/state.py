@@ -127,6 +127,12 @@ class StatePool:
         if num_attention:
             blocks.attach([self.key, self.value])
 
+    def release(self) -> None:
+        """Free this pool's storage now, whoever still holds its tensors (before a larger pool is allocated: two
+        pools sized by the memory plan would exceed it). Nothing may run on the pool afterwards."""
+        for tensor in (self.conv, self.ssm, self.key, self.value):
+            free_storage(tensor)
+
     def kv_caches(self) -> list[KVCache]:
         """Views of each attention layer's buffers (writes go to the pool)."""
         return [KVCache(self.key[i], self.value[i], self.blocks) for i in range(self.key.shape[0])]
@@ -173,6 +179,11 @@ class StatePool:
         """Bytes of KV cache one position takes across this pool's attention layers."""
         layers, heads, _, head_dim = self.key.shape
         return 2 * layers * heads * head_dim * self.key.element_size()
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Free a tensor's memory in place: every view and holder of it sees an empty storage from now on."""
+    tensor.untyped_storage().resize_(0)
 
 
 def paged_kv_cache(blocks: BlockTable, config: HybridConfig, device: torch.device, dtype: torch.dtype) -> KVCache:

@@ -71,6 +71,12 @@ class DraftModelProposer:
         self.plan = DecodePlan(self.model, self.pool, self._plan_tokens) if self._plan_tokens else None
         self.chain = DraftChain(self.plan, self.num_speculative_tokens) if self.plan is not None else None
 
+    def release(self) -> None:
+        """Free the draft's state slots and plans now (the target's workspace is being replaced by a larger one)."""
+        if self.pool is not None:
+            self.pool.release()
+        self.pool, self.plan, self.chain = None, None, None
+
     def _fits(self, pool: StatePool) -> bool:
         """Whether the draft's pool covers every slot and position of the target's `pool`."""
         return self.pool.num_slots >= pool.num_slots and self.pool.capacity >= pool.capacity

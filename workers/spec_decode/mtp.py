@@ -22,9 +22,26 @@ import torch
 from workers.model import ForwardBatch, HybridModel, KVCache, StatePool, mtp_plan
 from workers.model.kv_blocks import BlockTable
 from workers.model.mtp_plan import MtpPlan
-from workers.model.state import paged_kv_cache
+from workers.model.state import free_storage, paged_kv_cache
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
+
+
+# A row's pending hidden states beyond this many positions are consumed at once (the head catches up on those whose
+# next token is known), so a long plain stretch or a long prompt never accumulates them: memory stays bounded by
+# `pending_bytes`, and the work is what the next proposal would do anyway.
+MAX_PENDING_POSITIONS = 64
+
+
+def pending_bytes(
+    hidden_size: int, dtype: torch.dtype, max_num_seqs: int, num_speculative_tokens: int, max_num_batched_tokens: int
+) -> int:
+    """An upper bound of the target hidden states an `MtpProposer` holds: per slot the bounded pending positions of
+    the steps they came from (a step's copy [b, k + 1, d] stays alive while any row still points into it), and one
+    prompt chunk's before its catch-up."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    steps = (MAX_PENDING_POSITIONS + 1) * max_num_seqs * (num_speculative_tokens + 1)
+    return (steps + max_num_batched_tokens) * hidden_size * element
 
 
 class MtpProposer:
@@ -60,6 +77,13 @@ class MtpProposer:
         self.max_chunk_tokens = max_chunk_tokens
         self.pending = {}
 
+    def release(self) -> None:
+        """Free the head's KV caches and plan now (the target's workspace is being replaced by a larger one)."""
+        for cache in self.caches:
+            free_storage(cache.key)
+            free_storage(cache.value)
+        self.caches, self.plan, self._blocks, self.pending = [], None, None, {}
+
     def move(self, source: int, target: int) -> None:
         """Follow a request to its new slot (its KV blocks move with the target's block table). What the target slot
         held belonged to a finished request; the moved one may have nothing pending yet (admitted, no chunk run)."""
@@ -89,6 +113,26 @@ class MtpProposer:
                 assert pending.start + pending.count == cache_lens[row], "target positions must follow on"
                 pending.pieces.append(new)
                 pending.count += new.shape[0]
+        over = [r for r in requests if self.pending[r.slot].count > MAX_PENDING_POSITIONS]
+        if over:
+            self._consume_known(over)
+
+    def _consume_known(self, requests: list[Request]) -> None:
+        """Catch the head up on the pending positions whose next token is already known (all but the latest ones),
+        keeping only the rest pending, as a copy: the big tensors they came from can go."""
+        rows, taken = [], []
+        for request in requests:
+            pending = self.pending[request.slot]
+            num_known = min(pending.count, request.num_tokens - 1 - pending.start)  # token t + 1 known for t < N-1
+            if num_known <= 0:
+                continue
+            hidden = pending.pieces[0] if len(pending.pieces) == 1 else torch.cat(pending.pieces)
+            rows.append(request)
+            taken.append(_Pending(pending.start, [hidden[:num_known]], num_known))
+            rest = hidden[num_known:].clone()
+            self.pending[request.slot] = _Pending(pending.start + num_known, [rest], rest.shape[0])
+        if rows:
+            self._catch_up(rows, taken)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:

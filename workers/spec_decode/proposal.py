@@ -65,7 +65,9 @@ class Proposer(Protocol):
     cache_lens, num_tokens)`, which the scheduler calls after every target forward with the final-norm hidden
     states and how many positions of each row were kept. A proposer whose drafts cost nothing (n-gram lookup) sets
     `drafts_cost_nothing = True` and has `lookup(requests, num_drafts) -> list[list[int]]` (the drafts as lists):
-    the scheduler then asks it for drafts it will not verify, to observe acceptance on plain steps.
+    the scheduler then asks it for drafts it will not verify, to observe acceptance on plain steps. A proposer with
+    storage of its own (state slots, KV caches) has `release()`, which frees it before the target's workspace is
+    replaced by a larger one (two of each would exceed the memory plan).
     """
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:

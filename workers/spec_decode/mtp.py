@@ -26,7 +26,6 @@ from workers.model.state import free_storage, paged_kv_cache
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 
-
 # A row's pending hidden states beyond this many positions are consumed at once (the head catches up on those whose
 # next token is known), so a long plain stretch or a long prompt never accumulates them: memory stays bounded by
 # `pending_bytes`, and the work is what the next proposal would do anyway.

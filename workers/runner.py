@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint,
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
-from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler, Workspace
+from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.mtp import MtpProposer
@@ -121,8 +122,11 @@ class ModelRunner:
         self._mtp_proposer: MtpProposer | None = None
         self.decode_plan = decode_plan
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        self._workspace: Workspace | None = None  # state slots (and plan) reused across generate calls
-        self._draft_proposer: DraftModelProposer | None = None  # likewise for the draft model's
+        self._scheduler: Scheduler | None = None  # one for the runner's life (`_engine`)
+        self._request_counter = itertools.count()
+        self._request_keys: dict[int, Hashable] = {}  # Request.index → the caller's request_id
+        self._unclaimed: list[tuple[Hashable, GenerationResult]] = []  # results the next `step` returns first
+        self._draft_proposer: DraftModelProposer | None = None  # kept with its slots and plans
         self._spec_stats = SpecStats()
         mtp = speculative is not None and speculative.method == "mtp"
         logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan, self.cuda_graphs, mtp))
@@ -231,21 +235,67 @@ class ModelRunner:
         prompt_token_ids: Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt; results in input order. A bad prompt fails only its own request."""
+        """Generate for every prompt; results in input order. A bad prompt fails only its own request.
+
+        A thin loop over the streaming form (`add_request`, `step`): requests other callers added are served in
+        the same batches, and their results stay for those callers' `step`s."""
         params = self._per_prompt(prompt_token_ids, sampling)
-        results: list[GenerationResult | None] = [None] * len(prompt_token_ids)
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompt_token_ids, params)):
-            problem = self._check_prompt(prompt, generating=True)
-            if problem:
-                results[i] = GenerationResult([], "error", problem, None, 0)
-                continue
-            stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-            generator = make_generator(p, self.device, self._seed_source.getrandbits(63))
-            requests.append(Request(i, [int(t) for t in prompt], p, stop_ids, generator, self.max_model_len))
-        for request in self._run(requests):
-            results[request.index] = request.result(self.tokenizer)
-        return results  # type: ignore[return-value]
+        keys = [object() for _ in prompt_token_ids]
+        for key, prompt, p in zip(keys, prompt_token_ids, params):
+            self.add_request(key, prompt, p)
+        mine, results, others = set(keys), {}, []
+        while len(results) < len(keys):
+            for key, result in self.step():
+                if key in mine:
+                    results[key] = result
+                else:
+                    others.append((key, result))
+        self._unclaimed += others
+        return [results[key] for key in keys]
+
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Queue one prompt (vLLM's `LLMEngine.add_request`); it enters the running batch as soon as a slot and KV
+        room are free, beside whatever runs already. Its result comes back from `step` under `request_id`. A bad
+        prompt is answered by the next `step` with an error result."""
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        problem = self._check_prompt(prompt_token_ids, generating=True)
+        if problem:
+            self._unclaimed.append((request_id, GenerationResult([], "error", problem, None, 0)))
+            return
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
+        generator = make_generator(sampling, self.device, self._seed_source.getrandbits(63))
+        index = next(self._request_counter)  # unique over the runner's life (the policy keys its evidence by it)
+        self._request_keys[index] = request_id
+        prompt = [int(t) for t in prompt_token_ids]
+        self._engine().add([Request(index, prompt, sampling, stop_ids, generator, self.max_model_len)])
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any added request has not been returned by `step` yet (vLLM's name)."""
+        return bool(self._unclaimed) or (self._scheduler is not None and self._scheduler.has_work())
+
+    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+        """One scheduler step (admit, prefill chunks, one decode or verification step); returns the requests that
+        finished, as (request_id, result)."""
+        done, self._unclaimed = self._unclaimed, []
+        scheduler = self._scheduler
+        if scheduler is None or not scheduler.has_work():
+            return done
+        scheduler.step()
+        self._check_capture(scheduler)
+        for request in scheduler.take_finished():
+            self._spec_stats.merge(request.spec)
+            done.append((self._request_keys.pop(request.index), request.result(self.tokenizer)))
+        return done
+
+    def scheduler_stats(self) -> dict[str, float]:
+        """Steps run and slots they filled over the runner's life: `num_steps`, `mean_occupancy` (live requests
+        per step over `max_num_seqs`)."""
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.num_steps == 0:
+            return {"num_steps": 0, "mean_occupancy": 0.0}
+        return {"num_steps": scheduler.num_steps,
+                "mean_occupancy": scheduler.num_slot_steps / (scheduler.num_steps * self.max_num_seqs)}  # fmt: skip
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:
         if sampling is None:
@@ -276,26 +326,22 @@ class ModelRunner:
             return f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
         return None
 
-    def _run(self, requests: list[Request]) -> list[Request]:
-        """Run requests to completion with continuous batching (and speculation when configured)."""
-        if not requests:
-            return []
-        proposer = self._make_proposer() if self.speculative else None
-        k = self.speculative.num_speculative_tokens if self.speculative else 0
-        scheduler = Scheduler(self.model, requests, self.max_num_seqs, self.tokenizer, proposer, k, self.decode_plan,
-                              self._workspace, self._policy, self.max_num_batched_tokens, self.num_kv_blocks,
-                              self.cuda_graphs)  # fmt: skip
-        self._workspace = scheduler.workspace
-        if self.cuda_graphs and scheduler.workspace.capture_failure is not None:
-            logger.warning(
-                "CUDA graph capture failed, decode steps run eagerly: %s", scheduler.workspace.capture_failure
-            )
-            self.cuda_graphs = False  # once per runner: later runs do not try again
-        while scheduler.has_work():
-            scheduler.step()
-        for request in scheduler.finished:
-            self._spec_stats.merge(request.spec)
-        return scheduler.finished
+    def _engine(self) -> Scheduler:
+        """The runner's one scheduler, made on first use: slots, plans and proposer state live as long as it."""
+        if self._scheduler is None:
+            proposer = self._make_proposer() if self.speculative else None
+            k = self.speculative.num_speculative_tokens if self.speculative else 0
+            self._scheduler = Scheduler(self.model, [], self.max_num_seqs, self.tokenizer, proposer, k,
+                                        self.decode_plan, None, self._policy, self.max_num_batched_tokens,
+                                        self.num_kv_blocks, self.cuda_graphs)  # fmt: skip
+        return self._scheduler
+
+    def _check_capture(self, scheduler: Scheduler) -> None:
+        """Say once when CUDA graph capture failed (the steps then run eagerly)."""
+        workspace = scheduler.workspace
+        if self.cuda_graphs and workspace is not None and workspace.capture_failure is not None:
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", workspace.capture_failure)
+            self.cuda_graphs = False  # once per runner
 
     # -------------------------------------------------------------------------------------------------- score
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import bisect
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,14 @@ class Workspace:
         )
 
 
-def _grown(workspace: Workspace, num_slots: int, capacity: int, num_blocks: int) -> tuple[int, int, int]:
-    """Sizes of the workspace replacing `workspace`: what this run needs, and never less than the old one had (runs
-    that alternate between two shapes then rebuild at most once)."""
+def _grown(
+    workspace: Workspace, num_slots: int, capacity: int, num_blocks: int, max_capacity: int
+) -> tuple[int, int, int]:
+    """Sizes of the workspace replacing `workspace`: what the waiting requests need, never less than the old one had
+    (runs that alternate between two shapes rebuild at most once), positions at most `max_capacity` unless needed."""
     old = workspace.pool
+    if capacity > old.capacity:  # at least doubled: a stream of ever longer requests drains the batch rarely
+        capacity = max(capacity, min(2 * old.capacity, max_capacity))
     return (
         max(num_slots, old.num_slots - extra_slots(workspace.executor)),
         max(capacity, old.capacity),
@@ -72,12 +77,13 @@ def _grown(workspace: Workspace, num_slots: int, capacity: int, num_blocks: int)
 
 
 class Scheduler:
-    """Runs a fixed list of requests to completion, one `step()` at a time."""
+    """Continuous batching over a worker's life: requests are added at any time (`add`), run one `step()` at a time,
+    and leave through `take_finished()`. Slots, KV blocks, plans and proposer state are kept between requests."""
 
     def __init__(
         self,
         model: HybridModel,
-        requests: list[Request],
+        requests: Sequence[Request],
         max_num_seqs: int,
         tokenizer: object | None = None,
         proposer: Proposer | None = None,
@@ -89,48 +95,77 @@ class Scheduler:
         num_kv_blocks: int | None = None,
         cuda_graphs: bool = False,
     ):
-        """Set up slots for `requests`; `workspace` (from an earlier scheduler's `.workspace`) is reused when it fits.
-        `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
+        """`requests`: the first to queue (more come with `add`). `workspace` (an earlier scheduler's `.workspace`) is
+        reused when it fits. `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
         `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
         (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
-        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` /
-        `cuda_graphs`: execute decode and verification steps through the CPU decode plan / the CUDA graph plan
-        where the model allows (`workers/executors.py`)."""
+        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` / `cuda_graphs`: execute decode and verification steps
+        through the CPU decode plan / the CUDA graph plan where the model allows (`workers/executors.py`)."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()
         self.budget = TokenBudget(max_num_batched_tokens)
         self.rejection_sampler = RejectionSampler()
-        param = model.embed_tokens.weight
-        self.device = param.device
-        capacity = max((self._positions_needed(r) for r in requests), default=1)
-        num_slots = max(1, min(max_num_seqs, len(requests), max_num_batched_tokens))
-        max_blocks = 1 + num_slots * math.ceil(capacity / DEFAULT_BLOCK_SIZE)
-        num_blocks = max_blocks if num_kv_blocks is None else max(2, min(num_kv_blocks, max_blocks))
-        executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
-        tokens_per_row = self.num_speculative_tokens + 1
-        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, executor, num_blocks):
-            if workspace is not None:  # grow: free the old storage first, so at most one workspace is ever held
-                num_slots, capacity, num_blocks = _grown(workspace, num_slots, capacity, num_blocks)
-                workspace.release()
-                if proposer is not None and hasattr(proposer, "release"):
-                    proposer.release()
-            total = num_slots + extra_slots(executor)  # the graph plan's null slot: no request ever holds it
-            blocks = BlockTable(total, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
-            pool = StatePool(model.config, total, capacity, self.device, param.dtype, blocks)
-            plan, failure = build_plan(executor, model, pool, tokens_per_row)
-            workspace = Workspace(pool, plan, MODULE if failure else executor, failure)
-        self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
-        self.blocks = self.pool.blocks
-        self.blocks.reset()
-        if proposer is not None:
-            proposer.start(self.pool, max_num_batched_tokens)
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.waiting: deque[Request] = deque(requests)
+        self.device = model.embed_tokens.weight.device
+        self.max_num_seqs, self.num_kv_blocks = max_num_seqs, num_kv_blocks
+        self.executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
+        self.workspace = workspace
+        self.pool: StatePool | None = None  # set with `plan` and `blocks` for the first requests
+        self.plan: DecodePlan | GraphPlan | None = None
+        self.blocks: BlockTable | None = None
+        self.free_slots: list[int] = []
+        self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not fully in the state yet (in admission order)
         self.running: list[Request] = []  # generating: every token but the last is in the state
         self.finished: list[Request] = []
         self._retired: set[int] = set()  # request ids retired during this step
+        self.num_steps = 0  # steps run, and slots their live requests filled (occupancy = slot steps / steps)
+        self.num_slot_steps = 0
+        self.add(requests)
+        if self.waiting:
+            self._fit_workspace()
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Queue requests; they enter free slots in order, from the next step on."""
+        self.waiting.extend(requests)
+
+    def take_finished(self) -> list[Request]:
+        """The requests that finished since the last call (in the order they finished)."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def _fit_workspace(self) -> None:
+        """Before admitting into an idle scheduler: slots and KV for what waits, reusing the workspace when it fits,
+        else replacing it by one at least as large (the old storage freed first: one workspace at a time)."""
+        param = self.model.embed_tokens.weight
+        capacity = max(self._positions_needed(r) for r in self.waiting)
+        num_slots = max(1, min(self.max_num_seqs, len(self.waiting), self.budget.max_num_batched_tokens))
+        max_blocks = 1 + num_slots * math.ceil(capacity / DEFAULT_BLOCK_SIZE)
+        num_kv_blocks = self.num_kv_blocks
+        num_blocks = max_blocks if num_kv_blocks is None else max(2, min(num_kv_blocks, max_blocks))
+        tokens_per_row = self.num_speculative_tokens + 1
+        workspace, proposer = self.workspace, self.proposer
+        if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, self.executor, num_blocks):
+            if workspace is not None:
+                max_capacity = max(r.max_model_len for r in self.waiting) + self.num_speculative_tokens
+                num_slots, capacity, num_blocks = _grown(workspace, num_slots, capacity, num_blocks, max_capacity)
+                workspace.release()
+                if proposer is not None and hasattr(proposer, "release"):
+                    proposer.release()
+            total = num_slots + extra_slots(self.executor)  # the graph plan's null slot: no request ever holds it
+            blocks = BlockTable(total, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
+            pool = StatePool(self.model.config, total, capacity, self.device, param.dtype, blocks)
+            plan, failure = build_plan(self.executor, self.model, pool, tokens_per_row)
+            workspace = Workspace(pool, plan, MODULE if failure else self.executor, failure)
+        elif workspace is self.workspace and self.pool is workspace.pool:
+            return  # this scheduler's own workspace, as it left it
+        self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
+        self.blocks = self.pool.blocks
+        self.blocks.reset()
+        if proposer is not None:
+            proposer.start(self.pool, self.budget.max_num_batched_tokens)
+        usable = self.pool.num_slots - extra_slots(workspace.executor)
+        self.free_slots = list(range(usable - 1, -1, -1))
 
     def _positions_needed(self, request: Request) -> int:
         """KV positions a request may use: prompt + max_tokens (within max_model_len) + drafts."""
@@ -146,7 +181,11 @@ class Scheduler:
         """decide (admit within slots and KV room; this step's prefill chunks) → execute (one prefill forward, one
         decode or verification forward of the requests already generating) → apply (retire finished requests)."""
         started = time.perf_counter()
+        if self.waiting and not (self.prefilling or self.running):
+            self._fit_workspace()
         self._admit()
+        self.num_steps += 1
+        self.num_slot_steps += len(self.prefilling) + len(self.running)
         chunks = self.budget.prefill_chunks(
             [len(r.prompt) - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
         )
@@ -177,16 +216,18 @@ class Scheduler:
         while self.waiting and self.free_slots:
             request = self.waiting[0]
             need = self._positions_needed(request)
-            if not self.blocks.can_ever_hold(need):
+            if self.num_kv_blocks is not None and self.blocks.blocks_for(need) > self.num_kv_blocks - 1:
                 self.waiting.popleft()
                 request.finish_reason = "error"
                 request.error = (
                     f"needs {need} KV cache positions (prompt + max_tokens + drafts), more than the KV cache holds "
-                    f"({self.blocks.num_usable * self.blocks.block_size} positions): raise max_memory / "
+                    f"({(self.num_kv_blocks - 1) * self.blocks.block_size} positions): raise max_memory / "
                     "gpu_memory_utilization, or lower max_tokens"
                 )
                 self.finished.append(request)
                 continue
+            if not self.blocks.can_ever_hold(need):
+                return  # longer than this workspace's slots: it grows when the running requests are done
             if not self.blocks.try_reserve(need):
                 return  # waits until running requests give their room back
             self.waiting.popleft()

@@ -1,7 +1,8 @@
 """The Ray actor: a plain class holding one `ModelRunner`; the driver wraps it with `ray.remote(...)`.
 
 It receives small typed values (a `WorkerSpec` once, then one `ShardTask` per shard) and returns an Arrow table
-plus the shard's counters. Nothing here depends on Ray, so tests build it directly.
+plus the shard's counters. Calls may overlap (the driver runs it as a threaded actor, shards streaming through one
+engine: `workers/stream.py`). Nothing here depends on Ray, so tests build it directly.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +21,12 @@ import pyarrow as pa
 import torch
 
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION
-from workers.rows import PromptSource, generate_shard
+from workers.rows import PromptSource, shard_prompts
 from workers.runner import ModelRunner
 from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from workers.scoring import score_shard
 from workers.spec_decode import SpeculativeConfig
+from workers.stream import ShardStream
 
 # Test hooks, unset in normal runs: {"kill_during_shard": N, "marker": path} makes the worker kill its own process
 # (SIGKILL) while it processes shard N, once (the marker file remembers); {"hang_during_shard": N, "marker": path}
@@ -81,6 +84,21 @@ def _python_rows(table: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
+def shard_stats(columns: dict[str, list[Any]]) -> dict[str, float]:
+    """A shard's counters for the manifest, summed over its rows (shards in flight together share the runner, so
+    its own counters cannot be split between them)."""
+    stats: dict[str, float] = {}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_draft_tokens"):
+        if key in columns:
+            stats[key] = sum(columns[key])
+    if "num_generated_tokens" in columns:
+        stats["generated_tokens"] = sum(columns["num_generated_tokens"])
+    for key in ("num_scored_tokens", "sum_logprob"):
+        if key in columns:
+            stats[key.replace("num_", "")] = sum(v for v in columns[key] if v is not None)
+    return stats
+
+
 def node_name() -> str:
     """Where this process runs: the Ray node id when inside Ray, and the host name."""
     try:
@@ -102,6 +120,8 @@ class ShardWorker:
 
     def __init__(self, spec: WorkerSpec):
         self.spec, self.runner, self.start_error = spec, None, None
+        self.stream: ShardStream | None = None
+        self._tokenizer_lock, self._score_lock = threading.Lock(), threading.Lock()
         try:
             if spec.num_threads:
                 torch.set_num_threads(spec.num_threads)
@@ -119,6 +139,7 @@ class ShardWorker:
             )
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
+            self.stream = ShardStream(self.runner)
         except Exception as error:  # reported by ready(); the driver decides
             self.start_error = f"{type(error).__name__}: {error}"
 
@@ -130,27 +151,22 @@ class ShardWorker:
         return {**info, "device": str(self.runner.device)}
 
     def process(self, task: ShardTask) -> ShardOutput:
-        """Generate (or score) every row of a shard."""
+        """Generate (or score) every row of a shard. Generation streams: the driver keeps more than one shard in
+        flight (a threaded actor), and each call's rows join the running batch as slots free up."""
         if self.runner is None:
             raise RuntimeError(f"this worker failed to start: {self.start_error}")
         start = time.perf_counter()
         rows = _python_rows(task.rows)
         self._maybe_inject_fault(task, rows)
-        before = self.runner.spec_stats()
         if self.spec.task == "generate":
-            columns = generate_shard(self.runner, rows, self.spec.prompt, self.spec.task_options, task.first_row)
+            with self._tokenizer_lock:  # a fast tokenizer is not meant to be shared between threads
+                prompts = shard_prompts(self.runner.tokenizer, rows, self.spec.prompt, self.spec.task_options,
+                                        task.first_row)  # fmt: skip
+            columns = prompts.columns(self.stream.submit(task.index, prompts.prompts, prompts.params).result())
         else:
-            columns = score_shard(self.runner, rows, self.spec.task_options)
-        after = self.runner.spec_stats()
-        stats = {
-            key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_draft_tokens")
-        }
-        if "num_generated_tokens" in columns:
-            stats["generated_tokens"] = sum(columns["num_generated_tokens"])
-        for key in ("num_scored_tokens", "sum_logprob"):
-            if key in columns:
-                stats[key.replace("num_", "")] = sum(v for v in columns[key] if v is not None)
-        return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
+            with self._score_lock:  # scoring is one batch at a time
+                columns = score_shard(self.runner, rows, self.spec.task_options)
+        return ShardOutput(task.index, columns, time.perf_counter() - start, shard_stats(columns))
 
     @staticmethod
     def _maybe_inject_fault(task: ShardTask, rows: list[dict[str, Any]]) -> None:

@@ -73,21 +73,43 @@ def generation_columns(results: list[GenerationResult | None], errors: list[str 
     return columns
 
 
+@dataclass
+class ShardPrompts:
+    """A shard's rows as prompts: the rows that tokenized, their prompts and sampling, and the others' errors."""
+
+    positions: list[int]  # row positions within the shard that run
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    errors: list[str | None]  # per row of the shard: why it does not run, or None
+
+    def columns(self, results: list[GenerationResult]) -> dict[str, list[Any]]:
+        """Output columns for the whole shard, given the results of `prompts` in order."""
+        by_row: list[GenerationResult | None] = [None] * len(self.errors)
+        for position, result in zip(self.positions, results):
+            by_row[position] = result
+        return generation_columns(by_row, self.errors)
+
+
+def shard_prompts(
+    tokenizer: Any, rows: list[dict[str, Any]], source: PromptSource, sampling: dict[str, Any], first_row: int
+) -> ShardPrompts:
+    """Tokenize a shard's rows; row i of the dataset samples with seed + i when a seed is set."""
+    prompts = ShardPrompts([], [], [], [None] * len(rows))
+    seed = sampling.get("seed")
+    for i, row in enumerate(rows):
+        try:
+            prompts.prompts.append(source.token_ids(row, tokenizer))
+        except (ValueError, TypeError) as error:
+            prompts.errors[i] = str(error)
+            continue
+        prompts.params.append(SamplingParams(**{**sampling, "seed": None if seed is None else seed + first_row + i}))
+        prompts.positions.append(i)
+    return prompts
+
+
 def generate_shard(
     runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: dict[str, Any], first_row: int
 ) -> dict[str, list[Any]]:
-    """Generate for every row of a shard; row i of the dataset samples with seed + i when a seed is set."""
-    prompts, params, positions, errors = [], [], [], [None] * len(rows)
-    for i, row in enumerate(rows):
-        try:
-            prompts.append(source.token_ids(row, runner.tokenizer))
-        except (ValueError, TypeError) as error:
-            errors[i] = str(error)
-            continue
-        seed = sampling.get("seed")
-        params.append(SamplingParams(**{**sampling, "seed": None if seed is None else seed + first_row + i}))
-        positions.append(i)
-    results: list[GenerationResult | None] = [None] * len(rows)
-    for position, result in zip(positions, runner.generate(prompts, params) if prompts else []):
-        results[position] = result
-    return generation_columns(results, errors)
+    """Generate for every row of a shard in one `generate` call (the streaming worker uses `shard_prompts`)."""
+    prompts = shard_prompts(runner.tokenizer, rows, source, sampling, first_row)
+    return prompts.columns(runner.generate(prompts.prompts, prompts.params) if prompts.prompts else [])

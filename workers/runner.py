@@ -288,6 +288,18 @@ class ModelRunner:
             done.append((self._request_keys.pop(request.index), request.result(self.tokenizer)))
         return done
 
+    def reset(self) -> None:
+        """Drop every request not returned yet and the engine's slots (after a failed step: the next request starts
+        on a fresh engine; what the runner learnt — policy, proposers — stays)."""
+        if self._scheduler is not None and self._scheduler.workspace is not None:
+            self._scheduler.workspace.release()
+            release = getattr(self._scheduler.proposer, "release", None)
+            if release is not None:
+                release()
+        self._scheduler = None
+        self._request_keys.clear()
+        self._unclaimed.clear()
+
     def scheduler_stats(self) -> dict[str, float]:
         """Steps run and slots they filled over the runner's life: `num_steps`, `mean_occupancy` (live requests
         per step over `max_num_seqs`)."""

@@ -2,6 +2,7 @@
 
 python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
 python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
+python jobs/benchmark.py --task shards --model examples/models/demo-target --batch-sizes 32   # streaming vs drains
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 """
@@ -33,6 +34,7 @@ from workers.benchmark import (
     roofline_share,
     timed,
 )
+from workers.job_benchmark import bench_shards
 from workers.model import cuda_graph
 from workers.model.decode_plan import unsupported_reason
 from workers.model.loader import DECODE_KERNELS
@@ -45,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--task", choices=["generate", "score"], default="generate", help="what to measure")
+    p.add_argument("--task", choices=["generate", "score", "shards"], default="generate",
+                   help="what to measure (shards: a job's rows streamed through one worker against one call per "
+                   "shard and one call over every row)")  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -85,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help=f"memory bandwidth for the batch-1 roofline share (default: {H200_BANDWIDTH_GBS:.0f}, an "
                    "H200's HBM, on CUDA; on CPU only when given)")  # fmt: skip
+    p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
+    p.add_argument("--shard-rows", type=int, default=None, help="--task shards: rows per shard (default: 2 × the "
+                   "largest --batch-sizes, which is max_num_seqs)")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -245,6 +252,13 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     return rows
 
 
+def _cell(value: Any) -> str:
+    """A table cell: floats with one decimal, or three significant digits below 10 (ratios, steps per token)."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+
+
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     """Rows as an aligned text table (nested eager and transformers numbers flattened with eager_ and tf_ prefixes)."""
     flat = []
@@ -255,7 +269,7 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         flat.append(item)
     keys = list(dict.fromkeys(k for item in flat for k in item))
     cells = [
-        [f"{item.get(k, ''):.1f}" if isinstance(item.get(k), float) else str(item.get(k, "")) for k in keys]
+        [_cell(item.get(k, "")) for k in keys]
         for item in flat
     ]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
@@ -285,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
                               "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
                               "args": vars(args)}  # fmt: skip
-    if args.task == "score":
+    if args.task == "shards":
+        shard_rows = args.shard_rows or 2 * max(args.batch_sizes)
+        result["shards"] = bench_shards(runner, args.num_rows, args.prompt_len, shard_rows, args.new_tokens,
+                                        args.repeats)  # fmt: skip
+        print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
+                    f"(mean {args.new_tokens}): streamed shards vs one call", result["shards"])  # fmt: skip
+    elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])
     elif args.speculative:

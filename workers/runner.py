@@ -301,13 +301,12 @@ class ModelRunner:
         self._unclaimed.clear()
 
     def scheduler_stats(self) -> dict[str, float]:
-        """Steps run and slots they filled over the runner's life: `num_steps`, `mean_occupancy` (live requests
-        per step over `max_num_seqs`)."""
-        scheduler = self._scheduler
-        if scheduler is None or scheduler.num_steps == 0:
-            return {"num_steps": 0, "mean_occupancy": 0.0}
-        return {"num_steps": scheduler.num_steps,
-                "mean_occupancy": scheduler.num_slot_steps / (scheduler.num_steps * self.max_num_seqs)}  # fmt: skip
+        """Steps over the runner's life: `num_steps`, `num_slot_steps` (live requests summed over steps) and
+        `mean_occupancy` (live requests per step over `max_num_seqs`)."""
+        steps = self._scheduler.num_steps if self._scheduler is not None else 0
+        slot_steps = self._scheduler.num_slot_steps if self._scheduler is not None else 0
+        occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
+        return {"num_steps": steps, "num_slot_steps": slot_steps, "mean_occupancy": occupancy}
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:
         if sampling is None:

@@ -1,0 +1,91 @@
+"""Job-throughput measurements: shards streamed through one worker against one call per shard and one call over
+every row (steps per generated token, slot occupancy, wall time). `jobs/benchmark.py --task shards` prints them."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from workers.benchmark import random_prompts
+from workers.runner import ModelRunner
+from workers.sampling import SamplingParams
+from workers.stream import ShardStream
+
+SHARDS_IN_FLIGHT = 2  # what the driver keeps per worker: the shard running and one queued behind it
+
+
+def lognormal_lengths(num_rows: int, mean: float, low: int, high: int, seed: int = 0, sigma: float = 0.8) -> list[int]:
+    """Output lengths drawn log-normally (about `mean` after clipping to [low, high]), as real completions vary."""
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    return [min(high, max(low, round(rng.lognormvariate(mu, sigma)))) for _ in range(num_rows)]
+
+
+def _one_call(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
+    return [r.token_ids for r in runner.generate(prompts, params)]
+
+
+def _call_per_shard(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
+    out = []
+    for start in range(0, len(prompts), shard_rows):
+        out += [r.token_ids for r in runner.generate(prompts[start : start + shard_rows],
+                                                     params[start : start + shard_rows])]  # fmt: skip
+    return out
+
+
+def _streamed(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
+    """What a streaming worker does: SHARDS_IN_FLIGHT shards submitted, the next one as soon as one returns."""
+    stream = ShardStream(runner)
+    starts = list(range(0, len(prompts), shard_rows))
+    in_flight: dict[Future, int] = {}
+    results: dict[int, list[list[int]]] = {}
+    for start in starts:
+        if len(in_flight) >= SHARDS_IN_FLIGHT:
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in done:
+                results[in_flight.pop(future)] = [r.token_ids for r in future.result()]
+        future = stream.submit(start, prompts[start : start + shard_rows], params[start : start + shard_rows])
+        in_flight[future] = start
+    for future, start in in_flight.items():
+        results[start] = [r.token_ids for r in future.result()]
+    return [ids for start in starts for ids in results[start]]
+
+
+MODES: dict[str, Callable] = {"one call": _one_call, "call per shard": _call_per_shard, "streamed": _streamed}
+
+
+def bench_shards(runner: ModelRunner, num_rows: int, prompt_len: int, shard_rows: int, mean_new_tokens: float,
+                 repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+    """Each mode over the same rows (greedy, log-normal output lengths): steps, steps per generated token, mean slot
+    occupancy and wall time, with ratios to one call. Raises if a mode's tokens differ from one call's."""
+    prompts = random_prompts(num_rows, prompt_len, runner.config.vocab_size, seed=1)
+    lengths = lognormal_lengths(num_rows, mean_new_tokens, 8, 256)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    runner.generate(prompts[: runner.max_num_seqs], params[: runner.max_num_seqs])  # warm-up: plans, policy
+    rows, reference = [], None
+    for name, mode in MODES.items():
+        walls = []
+        for _ in range(repeats):
+            before = runner.scheduler_stats()
+            started = time.perf_counter()
+            tokens = mode(runner, prompts, params, shard_rows)
+            walls.append(time.perf_counter() - started)
+            after = runner.scheduler_stats()
+        reference = reference or tokens
+        if tokens != reference:
+            raise AssertionError(f"{name}: tokens differ from one call's")
+        steps = after["num_steps"] - before["num_steps"]
+        slot_steps = after["num_slot_steps"] - before["num_slot_steps"]
+        generated = sum(len(t) for t in tokens)
+        rows.append({"mode": name, "rows": num_rows, "shard_rows": shard_rows if name != "one call" else num_rows,
+                     "steps": steps, "steps_per_token": steps / generated,
+                     "occupancy": slot_steps / (steps * runner.max_num_seqs), "wall_s": sorted(walls)[len(walls) // 2],
+                     "tokens_per_s": generated / sorted(walls)[len(walls) // 2]})  # fmt: skip
+    for row in rows:
+        row["steps_vs_one_call"] = row["steps"] / rows[0]["steps"]
+        row["wall_vs_one_call"] = row["wall_s"] / rows[0]["wall_s"]
+    return rows

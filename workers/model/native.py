@@ -130,6 +130,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
 
 
+def _declare_all(lib: ctypes.CDLL, path: Path) -> None:
+    """Bind every kernel `lib` must export (the only place symbols are looked up); NativeKernelError if one is
+    missing, so the PyTorch paths run instead."""
+    try:
+        _declare(lib)
+    except AttributeError as error:  # ctypes' "<file>: undefined symbol: <name>"
+        raise NativeKernelError(f"{path} lacks a kernel, a stale or foreign build ({error})") from error
+
+
 def load() -> ctypes.CDLL:
     """The compiled kernel library (built on first use); raises NativeKernelError when it cannot be."""
     global _LIBRARY, _LOAD_ERROR
@@ -141,8 +150,9 @@ def load() -> ctypes.CDLL:
         compiler = _compiler()
         if compiler is None:
             raise NativeKernelError("no C compiler found (set CC, or install gcc)")
-        lib = ctypes.CDLL(str(_build(SOURCES, compiler)))
-        _declare(lib)
+        path = _build(SOURCES, compiler)
+        lib = ctypes.CDLL(str(path))
+        _declare_all(lib, path)
     except (OSError, NativeKernelError) as error:
         _LOAD_ERROR = f"native kernels unavailable: {error}"
         raise NativeKernelError(_LOAD_ERROR) from error

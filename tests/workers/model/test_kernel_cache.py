@@ -1,4 +1,5 @@
-"""The native kernel library: one that cannot be used (a kernel missing) leaves the PyTorch paths.
+"""The native kernels' build cache: a private directory, only libraries this user built and whose bytes match the
+hash recorded when they were built are loaded, and a library that cannot be used leaves the PyTorch paths.
 
 Compiling the kernels takes seconds, so the real library is compiled once for the module and a stand-in compiler
 (`CC`) copies it (or a stub) wherever a build is asked for. The stub has no kernels and leaves a mark file when a
@@ -7,9 +8,12 @@ process loads it: a planted library must never run, so "not loaded" is checked b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -123,6 +127,107 @@ def _build_in_another_process(cache: Path, compiler: FakeCompiler, library: str)
     script = "from workers.model import native; native.available()"
     subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
     assert any(cache.glob("*.so")), "the other process left no library in the cache"
+
+
+def _replace_with(path: Path, source: Path) -> None:
+    """Put a copy of `source` at `path` as a new file (an in-place write would change a library a process maps)."""
+    partial = path.with_name(path.name + ".planting")
+    shutil.copyfile(source, partial)
+    os.replace(partial, path)
+
+
+def test_the_cache_directory_is_created_private(cache, compiler):
+    native.load()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+def test_a_build_is_reused_and_written_whole(cache, compiler, monkeypatch):
+    native.load()
+    _forget_the_library(monkeypatch)
+    assert native.load().linear_panel_width() > 0
+    assert compiler.runs == 1
+    (record,), (library,) = cache.glob("*.sha256"), cache.glob("*.so")  # no partial files left behind
+    assert sorted(p.name for p in cache.iterdir()) == sorted([record.name, library.name])
+    recorded = json.loads(record.read_text())["sha256"]
+    assert recorded == hashlib.sha256(library.read_bytes()).hexdigest() and recorded[:16] in library.name
+
+
+def test_a_record_of_another_build_is_not_trusted(cache, compiler, monkeypatch, caplog):
+    native.load()
+    (record,) = cache.glob("*.sha256")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "build_key": "0" * 64}))
+    _forget_the_library(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        assert native.load().linear_panel_width() > 0
+    assert compiler.runs == 2 and "records another build" in caplog.text
+
+
+def test_a_planted_library_that_does_not_match_its_recorded_hash_is_never_loaded(
+    cache, compiler, loaded_mark, prebuilt, caplog
+):
+    _build_in_another_process(cache, compiler, "real")
+    for library in cache.glob("*.so"):  # the name the cache would load, the planted bytes
+        _replace_with(library, prebuilt["stub"])
+    compiler.produce("real")
+    runs = compiler.runs
+    with caplog.at_level(logging.WARNING):
+        assert native.load().linear_panel_width() > 0  # rebuilt: the real kernels
+    assert not loaded_mark()
+    assert compiler.runs == runs + 1
+    assert "does not match" in caplog.text
+
+
+def _other_owner(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: path.stat().st_uid + 1)  # the cache now belongs to someone else
+
+
+@pytest.mark.parametrize(
+    "unsafe, reason",
+    [
+        (lambda path, _: path.chmod(0o770), "writable by group or others"),
+        (lambda path, _: path.chmod(0o707), "writable by group or others"),
+        (_other_owner, "owned by uid"),
+    ],
+    ids=["group-writable", "world-writable", "another user's"],
+)
+def test_an_unsafe_cache_directory_is_not_loaded_from(
+    cache, compiler, loaded_mark, caplog, monkeypatch, unsafe, reason
+):
+    _build_in_another_process(cache, compiler, "stub")  # a library that matches its recorded hash
+    before = sorted(p.name for p in cache.iterdir())
+    unsafe(cache, monkeypatch)
+    compiler.produce("real")
+    with caplog.at_level(logging.WARNING):
+        assert native.load().linear_panel_width() > 0  # built privately for this process
+    assert not loaded_mark()
+    assert f"{cache} refused" in caplog.text and reason in caplog.text
+    assert sorted(p.name for p in cache.iterdir()) == before  # nothing written there either
+
+
+def _chown_to_another_user(path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    os.chown(path, path.stat().st_uid + 1, -1)
+
+
+@pytest.mark.parametrize(
+    "unsafe, reason",
+    [
+        (lambda path: path.chmod(0o770), "writable by group or others"),
+        (lambda path: path.chmod(0o702), "writable by group or others"),
+        (_chown_to_another_user, "owned by uid"),
+    ],
+    ids=["group-writable", "world-writable", "another user's"],
+)
+def test_an_unsafe_library_file_is_not_loaded(cache, compiler, loaded_mark, caplog, unsafe, reason):
+    _build_in_another_process(cache, compiler, "stub")  # a library that matches its recorded hash
+    for library in cache.glob("*.so"):
+        unsafe(library)
+    compiler.produce("real")
+    with caplog.at_level(logging.WARNING):
+        assert native.load().linear_panel_width() > 0  # rebuilt in the cache
+    assert not loaded_mark()
+    assert reason in caplog.text
 
 
 PROMPTS = [[5, 9, 30, 31, 4, 77, 12], [8, 8, 8]]

@@ -16,25 +16,25 @@
 They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
 works without a compiler (slower).
 
-Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`), keyed by the source,
-the compiler command and the CPU's feature flags (the code is built with `-march=native`), and written
-atomically, so Ray actors sharing a node (or a home directory) never load a half-written or foreign build.
+Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`) by `kernel_cache.py`,
+which loads only a build this user made, unchanged since (see there). A library that loads but lacks a kernel (a
+stale or foreign build) counts as unavailable, like a missing compiler.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from workers.model import kernel_cache
+from workers.model.kernel_cache import NativeKernelError
 
 logger = logging.getLogger(__name__)
 
@@ -49,49 +49,11 @@ _LOAD_ERROR: str | None = None
 _WARNED = False
 
 
-class NativeKernelError(RuntimeError):
-    """The native kernels could not be built or loaded on this machine."""
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
     return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(sources: list[Path], compiler: str) -> Path:
-    """Compile `sources` into one shared library in the cache (or find it there); returns its path."""
-    digest = hashlib.sha256(" ".join([compiler, *CFLAGS, _cpu_flags()]).encode())
-    for source in [*sources, *HEADERS]:
-        digest.update(source.read_bytes())
-    cache = Path(os.environ.get("HYBRIDGEN_KERNEL_CACHE", Path.home() / ".cache" / "hybridgen" / "kernels"))
-    target = cache / f"hybridgen-kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
-    os.close(fd)
-    try:
-        command = [compiler, *CFLAGS, *map(str, sources), "-o", partial, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise NativeKernelError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
-    return target
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -130,6 +92,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
 
 
+def _declare_all(lib: ctypes.CDLL, path: Path) -> None:
+    """Bind every kernel `lib` must export (the only place symbols are looked up); NativeKernelError if one is
+    missing, so the PyTorch paths run instead."""
+    try:
+        _declare(lib)
+    except AttributeError as error:  # ctypes' "<file>: undefined symbol: <name>"
+        raise NativeKernelError(f"{path} lacks a kernel, a stale or foreign build ({error})") from error
+
+
 def load() -> ctypes.CDLL:
     """The compiled kernel library (built on first use); raises NativeKernelError when it cannot be."""
     global _LIBRARY, _LOAD_ERROR
@@ -141,8 +112,8 @@ def load() -> ctypes.CDLL:
         compiler = _compiler()
         if compiler is None:
             raise NativeKernelError("no C compiler found (set CC, or install gcc)")
-        lib = ctypes.CDLL(str(_build(SOURCES, compiler)))
-        _declare(lib)
+        lib, path = kernel_cache.open_library(SOURCES, HEADERS, compiler, CFLAGS)
+        _declare_all(lib, path)
     except (OSError, NativeKernelError) as error:
         _LOAD_ERROR = f"native kernels unavailable: {error}"
         raise NativeKernelError(_LOAD_ERROR) from error

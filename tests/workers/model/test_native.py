@@ -101,16 +101,6 @@ def test_kernel_choice_is_validated(checkpoint_dir):
     assert {m.decode_kernel for m in model.modules() if isinstance(m, Mamba2Mixer)} == {"torch"}
 
 
-def test_builds_are_cached_per_source_and_written_whole(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDGEN_KERNEL_CACHE", str(tmp_path))
-    compiler = native._compiler()
-    first = native._build(native.SOURCES, compiler)
-    assert first.parent == tmp_path and first.exists()
-    stamp = first.stat().st_mtime_ns
-    assert native._build(native.SOURCES, compiler) == first and first.stat().st_mtime_ns == stamp  # reused
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind
-
-
 def test_without_a_compiler_auto_falls_back_and_native_says_why(checkpoint_dir, monkeypatch):
     monkeypatch.setattr(native, "_LIBRARY", None)
     monkeypatch.setattr(native, "_LOAD_ERROR", None)

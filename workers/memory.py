@@ -21,6 +21,8 @@ from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
 
 CPU_DEFAULT_FRACTION = 0.8
+PREFIX_CHECKPOINTS_PER_SEQ = 4  # prefix cache: recurrent state checkpoints per slot (templates, their variants)
+PREFIX_CHECKPOINT_SHARE = 0.1  # … at most this share of the memory the weights and slots leave
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3,
           "ti": 1024**4}  # fmt: skip
@@ -34,6 +36,7 @@ class MemoryPlan:
     reserved_bytes: int  # weights + state slots + one forward's activations
     bytes_per_block: int  # one KV block across every cache that pages over it (target, draft, MTP head)
     num_kv_blocks: int  # the null block included
+    num_prefix_checkpoints: int = 0  # recurrent state checkpoints of the prefix cache (inside reserved_bytes)
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -102,9 +105,12 @@ def plan_memory(
     max_num_seqs: int,
     num_speculative_tokens: int,
     mtp: bool = False,
+    prefix_caching: bool = False,
 ) -> MemoryPlan:
     """The KV blocks `budget` bytes leave after the weights (target, draft), the state slots and one forward's
     activations; `mtp` adds the MTP head's KV layers (one per attention block of its layer) to every block.
+    `prefix_caching` sets aside state checkpoints for the prefix cache: `PREFIX_CHECKPOINTS_PER_SEQ` per slot, within
+    `PREFIX_CHECKPOINT_SHARE` of what the weights and slots leave (its shared KV blocks are the KV cache's own).
     Raises when not even one block is left."""
     config = models[0].config
     used = in_use(models[0], device) if device.type == "cuda" else sum(in_use(m, device) for m in models)
@@ -112,6 +118,12 @@ def plan_memory(
     needed += sum(state_bytes_per_slot(m.config, dtype) for m in models) * max_num_seqs
     if mtp:  # the target hidden states the MTP proposer holds until its head consumes them
         needed += pending_bytes(config.hidden_size, dtype, max_num_seqs, num_speculative_tokens, max_num_batched_tokens)
+    checkpoints = 0
+    state_bytes = state_bytes_per_slot(config, dtype)
+    if prefix_caching and state_bytes:
+        room = int(PREFIX_CHECKPOINT_SHARE * max(0, budget - needed)) // state_bytes
+        checkpoints = max(0, min(PREFIX_CHECKPOINTS_PER_SEQ * max_num_seqs, room))
+        needed += checkpoints * state_bytes
     per_token = sum(kv_bytes_per_token(m.config, dtype) for m in models)
     per_token += kv_bytes_per_token(config, dtype, num_layers=config.mtp_block_kinds.count(ATTENTION)) if mtp else 0
     per_block = per_token * DEFAULT_BLOCK_SIZE
@@ -123,14 +135,14 @@ def plan_memory(
                 f"activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; raise "
                 f"{limit} or lower max_num_batched_tokens / max_num_seqs"
             )
-        return MemoryPlan(budget, needed, per_block, 1 << 40)
+        return MemoryPlan(budget, needed, per_block, 1 << 40, checkpoints)
     if budget - needed < per_block:
         raise ValueError(
             f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
             f"slots + activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
             f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
         )
-    return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block))
+    return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block), checkpoints)
 
 
 def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:

@@ -25,6 +25,7 @@ class GenerationResult:
     num_drafts: int = 0  # speculative verification steps with at least one draft
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache restored (vLLM's name)
 
 
 @dataclass
@@ -51,6 +52,10 @@ class Request:
     text: str | None = None
     num_computed: int = 0  # prompt tokens already in the state (chunked prefill)
     num_reserved: int = 0  # KV positions reserved at admission
+    num_reserved_blocks: int = 0  # KV blocks of its own it still has reserved (shared cached blocks are not)
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
+    prefill_stops: list[int] = field(default_factory=list)  # positions where its prefill stops to checkpoint
+    prefix_chain: list[Any] = field(default_factory=list)  # the cached prompt blocks it uses (`CachedBlock`s)
     error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
@@ -59,6 +64,10 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt) + len(self.output)
+
+    def next_prefill_stop(self) -> int:
+        """Where the next prefill chunk ends at the latest: a checkpoint position ahead, else the prompt's end."""
+        return next((stop for stop in self.prefill_stops if stop > self.num_computed), len(self.prompt))
 
     @property
     def last_token(self) -> int:
@@ -103,4 +112,5 @@ class Request:
         return GenerationResult(
             list(self.output), self.finish_reason or "length", self.error, text, len(self.prompt),
             self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
+            self.num_cached_tokens,
         )  # fmt: skip

@@ -82,6 +82,7 @@ class ModelRunner:
         max_memory: int | str | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool | None = None,
+        enable_prefix_caching: bool = True,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
 
@@ -95,7 +96,9 @@ class ModelRunner:
         memory) bound weights + activations + KV cache; requests wait for KV room, and one that can never fit
         gets an error result. See `workers/memory.py`. `cuda_graphs`: run decode and verification steps as CUDA
         graphs (`workers/model/cuda_graph.py`; None: on for CUDA devices, off elsewhere; True on CPU runs the graph
-        steps' eager form). A capture that fails is logged once and the steps run eagerly.
+        steps' eager form). A capture that fails is logged once and the steps run eagerly. `enable_prefix_caching`
+        (vLLM's name): requests sharing a prompt prefix compute it once (`workers/prefix_cache.py`; not with a draft
+        model or MTP, whose own states are not cached yet).
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
@@ -161,6 +164,7 @@ class ModelRunner:
             [model] + ([draft_model] if draft_model is not None else []), self.device, self.dtype,
             runner_budget(self.device, max_memory, gpu_memory_utilization), self.max_num_batched_tokens,
             max_num_seqs, k, mtp=speculative is not None and speculative.method == "mtp",
+            prefix_caching=enable_prefix_caching and (speculative is None or speculative.method == "ngram"),
         )  # fmt: skip
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
 
@@ -180,6 +184,7 @@ class ModelRunner:
         max_memory: int | str | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
 
@@ -189,7 +194,7 @@ class ModelRunner:
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
         reference path). `decode_plan`, `max_num_batched_tokens`, `max_memory`, `gpu_memory_utilization`,
-        `cuda_graphs`: see `__init__`.
+        `cuda_graphs`, `enable_prefix_caching`: see `__init__`.
         """
         mtp = speculative is not None and speculative.method == "mtp"
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp)
@@ -206,7 +211,8 @@ class ModelRunner:
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,
                    decode_plan=decode_plan, max_num_batched_tokens=max_num_batched_tokens, max_memory=max_memory,
-                   gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs)  # fmt: skip
+                   gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs,
+                   enable_prefix_caching=enable_prefix_caching)  # fmt: skip
 
     def _make_proposer(self) -> Proposer:
         if self._proposer_override is not None:
@@ -301,12 +307,15 @@ class ModelRunner:
         self._unclaimed.clear()
 
     def scheduler_stats(self) -> dict[str, float]:
-        """Steps over the runner's life: `num_steps`, `num_slot_steps` (live requests summed over steps) and
-        `mean_occupancy` (live requests per step over `max_num_seqs`)."""
-        steps = self._scheduler.num_steps if self._scheduler is not None else 0
-        slot_steps = self._scheduler.num_slot_steps if self._scheduler is not None else 0
+        """Steps over the runner's life: `num_steps`, `num_slot_steps` (live requests summed over steps),
+        `mean_occupancy` (live requests per step over `max_num_seqs`) and `prefix_cache_hit_tokens`."""
+        scheduler = self._scheduler
+        steps = scheduler.num_steps if scheduler is not None else 0
+        slot_steps = scheduler.num_slot_steps if scheduler is not None else 0
         occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
-        return {"num_steps": steps, "num_slot_steps": slot_steps, "mean_occupancy": occupancy}
+        hits = scheduler.num_prefix_hit_tokens if scheduler is not None else 0
+        return {"num_steps": steps, "num_slot_steps": slot_steps, "mean_occupancy": occupancy,
+                "prefix_cache_hit_tokens": hits}  # fmt: skip
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:
         if sampling is None:
@@ -344,7 +353,8 @@ class ModelRunner:
             k = self.speculative.num_speculative_tokens if self.speculative else 0
             self._scheduler = Scheduler(self.model, [], self.max_num_seqs, self.tokenizer, proposer, k,
                                         self.decode_plan, None, self._policy, self.max_num_batched_tokens,
-                                        self.num_kv_blocks, self.cuda_graphs)  # fmt: skip
+                                        self.num_kv_blocks, self.cuda_graphs,
+                                        self.memory_plan.num_prefix_checkpoints)  # fmt: skip
         return self._scheduler
 
     def _check_capture(self, scheduler: Scheduler) -> None:

@@ -9,6 +9,7 @@ which is the next model input. A speculative step keeps that invariant through s
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import time
 from collections import deque
@@ -24,6 +25,14 @@ from workers.model.cuda_graph import GraphPlan
 from workers.model.decode_plan import DecodePlan
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE
+from workers.prefix_cache import (
+    CHECKPOINT_MULTIPLE,
+    MIN_PREFILL_REST,
+    CheckpointStore,
+    PrefixCache,
+    PrefixHit,
+    common_prefix_length,
+)
 from workers.requests import Request
 from workers.sampling import sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
@@ -31,6 +40,7 @@ from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+UPCOMING_PROMPTS = 64  # waiting prompts an admitted request's checkpoints are planned against
 
 
 @dataclass
@@ -94,13 +104,16 @@ class Scheduler:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         num_kv_blocks: int | None = None,
         cuda_graphs: bool = False,
+        num_prefix_checkpoints: int = 0,
     ):
         """`requests`: the first to queue (more come with `add`). `workspace` (an earlier scheduler's `.workspace`) is
         reused when it fits. `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
         `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
         (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
         request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` / `cuda_graphs`: execute decode and verification steps
-        through the CPU decode plan / the CUDA graph plan where the model allows (`workers/executors.py`)."""
+        through the CPU decode plan / the CUDA graph plan where the model allows (`workers/executors.py`).
+        `num_prefix_checkpoints` > 0 turns on prefix caching (`workers/prefix_cache.py`) with that many state
+        checkpoints, unless the proposer keeps states or KV of its own (draft models and MTP heads: not cached)."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()
@@ -108,6 +121,8 @@ class Scheduler:
         self.rejection_sampler = RejectionSampler()
         self.device = model.embed_tokens.weight.device
         self.max_num_seqs, self.num_kv_blocks = max_num_seqs, num_kv_blocks
+        self.num_prefix_checkpoints = num_prefix_checkpoints if prefix_caching_supported(proposer) else 0
+        self.prefix_cache: PrefixCache | None = None  # made with each workspace
         self.executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
         self.workspace = workspace
         self.pool: StatePool | None = None  # set with `plan` and `blocks` for the first requests
@@ -121,6 +136,7 @@ class Scheduler:
         self._retired: set[int] = set()  # request ids retired during this step
         self.num_steps = 0  # steps run, and slots their live requests filled (occupancy = slot steps / steps)
         self.num_slot_steps = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens restored from the prefix cache
         self.add(requests)
         if self.waiting:
             self._fit_workspace()
@@ -162,6 +178,10 @@ class Scheduler:
         self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
         self.blocks = self.pool.blocks
         self.blocks.reset()
+        self.prefix_cache = None
+        if self.num_prefix_checkpoints:
+            store = CheckpointStore(self.pool, self.num_prefix_checkpoints)
+            self.prefix_cache = PrefixCache(self.blocks, store, max(CHECKPOINT_MULTIPLE, _scan_chunk(self.model)))
         if proposer is not None:
             proposer.start(self.pool, self.budget.max_num_batched_tokens)
         usable = self.pool.num_slots - extra_slots(workspace.executor)
@@ -187,7 +207,7 @@ class Scheduler:
         self.num_steps += 1
         self.num_slot_steps += len(self.prefilling) + len(self.running)
         chunks = self.budget.prefill_chunks(
-            [len(r.prompt) - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
+            [r.next_prefill_stop() - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
         )
         generating = list(self.running)
         if chunks:
@@ -228,18 +248,67 @@ class Scheduler:
                 continue
             if not self.blocks.can_ever_hold(need):
                 return  # longer than this workspace's slots: it grows when the running requests are done
-            if not self.blocks.try_reserve(need):
+            hit = PrefixHit()
+            if self.prefix_cache is not None:
+                hit = self.prefix_cache.lookup(request.prompt)
+                if self._prefix_in_flight(request, hit.num_tokens):
+                    return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
+            newly_pinned = sum(entry.refs == 0 for entry in hit.chain)
+            reserved = self.blocks.try_reserve(need, len(hit.chain), newly_pinned)
+            if reserved is None:
                 return  # waits until running requests give their room back
             self.waiting.popleft()
-            request.slot, request.num_reserved = self.free_slots.pop(), need
+            request.slot, request.num_reserved, request.num_reserved_blocks = self.free_slots.pop(), need, reserved
             if self.proposer is not None:
                 self.proposer.admit([request])
+            if self.prefix_cache is not None:
+                self._start_from_cache(request, hit)
             self.prefilling.append(request)
+
+    def _prefix_in_flight(self, request: Request, num_cached: int) -> bool:
+        """Whether a request now prefilling will checkpoint a longer prefix of `request`'s prompt than the cache
+        holds (rows of one template admitted together: the first computes the template, the others wait for it)."""
+        for other in self.prefilling:
+            for stop in other.prefill_stops:
+                if num_cached < stop and other.num_computed < stop <= len(request.prompt) - MIN_PREFILL_REST:
+                    if common_prefix_length(request.prompt, other.prompt) >= stop:
+                        return True
+        return False
+
+    def _start_from_cache(self, request: Request, hit: PrefixHit) -> None:
+        """Share the hit's KV blocks, restore its states, and plan where this prefill stops to checkpoint."""
+        cache = self.prefix_cache
+        cache.acquire(hit.chain)
+        request.prefix_chain = list(hit.chain)
+        self.blocks.share(request.slot, [entry.block for entry in hit.chain])
+        if hit.num_tokens:
+            cache.store.restore(hit.checkpoint, self.pool, request.slot)
+            request.num_computed = request.num_cached_tokens = hit.num_tokens
+            self.num_prefix_hit_tokens += hit.num_tokens
+        upcoming = [r.prompt for r in itertools.islice(self.waiting, UPCOMING_PROMPTS)]
+        stops = cache.checkpoint_positions(request.prompt, upcoming + [r.prompt for r in self.prefilling])
+        request.prefill_stops = [stop for stop in stops if stop > hit.num_tokens]
+
+    def _cache_prefill(self, requests: list[Request]) -> None:
+        """After a prefill forward: cache the prompt blocks computed, checkpoint states where a prefill stopped."""
+        cache = self.prefix_cache
+        for request in requests:
+            taken = cache.insert(request.prompt, request.slot, request.prefix_chain, request.num_computed)
+            request.num_reserved_blocks -= taken  # the cache's (pinned) now
+            self.blocks.release(taken)
+            chain = request.prefix_chain
+            if request.num_computed in request.prefill_stops and len(chain) * self.blocks.block_size == (
+                request.num_computed
+            ):
+                cache.save_checkpoint(chain[-1], self.pool, request.slot)
 
     def _retire(self, request: Request) -> None:
         self._retired.add(request.index)  # the policy forgets it once it has learnt from this step
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request.prefix_chain)
+            request.prefix_chain = []
         self.blocks.free_slot(request.slot)
-        self.blocks.release(request.num_reserved)
+        self.blocks.release(request.num_reserved_blocks)
         self.free_slots.append(request.slot)
         self.finished.append(request)
 
@@ -278,6 +347,8 @@ class Scheduler:
         self._observe(requests, out.hidden, starts, chunks)
         for r, n in zip(requests, chunks):
             r.num_computed += n
+        if self.prefix_cache is not None:
+            self._cache_prefill(requests)
         done = [row for row, r in enumerate(requests) if r.num_computed == len(r.prompt)]
         if done:
             rows = torch.tensor(done, device=self.device)
@@ -420,6 +491,20 @@ class Scheduler:
         if rows:
             accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
             self.policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)
+
+
+def prefix_caching_supported(proposer: Proposer | None) -> bool:
+    """Prefix caching covers the target's states and KV; a proposer with storage of its own (a draft model's slots,
+    an MTP head's KV) would have to restore its own prefix too, which it cannot yet: no caching with those."""
+    return proposer is None or not hasattr(proposer, "release")
+
+
+def _scan_chunk(model: HybridModel) -> int:
+    """The recurrent layers' prefill chunk: a continued prefill computes what one forward does only from its
+    multiples (the chunked scans' grids start at each forward's first token)."""
+    config = model.config
+    chunks = [c.chunk_size for c in (config.mamba, config.gdn) if c is not None]
+    return max(chunks, default=1)
 
 
 def _slot(request: Request) -> int:

@@ -83,13 +83,13 @@ def test_reservations_bound_admission_and_new_blocks_are_zeroed():
     storage = torch.full((2, 6 * 4, 3), float("nan"))
     table.attach([storage])
     assert torch.equal(storage[:, :4], torch.zeros(2, 4, 3))  # the null block
-    assert table.try_reserve(12) and table.try_reserve(8)  # 3 + 2 of 5 usable blocks
-    assert not table.try_reserve(1)
+    assert table.try_reserve(12) == 3 and table.try_reserve(8) == 2  # 3 + 2 of 5 usable blocks
+    assert table.try_reserve(1) is None
     assert not table.can_ever_hold(21) and table.can_ever_hold(20)
     table.ensure(2, 5)
     assert not torch.isnan(storage[:, table.owned[2][0] * 4 : (table.owned[2][1] + 1) * 4]).any()
-    table.release(8)
-    assert table.try_reserve(8)
+    table.release(2)
+    assert table.try_reserve(8) == 2
     table.reset()
     assert table.num_reserved == 0 and all(not owned for owned in table.owned)
 

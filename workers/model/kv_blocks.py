@@ -49,6 +49,12 @@ class BlockTable:
         self._in_heap = set(self._free)
         self.num_reserved = 0
         self.on_allocate: list[Callable[[torch.Tensor], None]] = []  # storages zero the blocks they are handed
+        # Prefix caching (`workers/prefix_cache.py`): blocks the cache owns (shared between slots, never freed with
+        # a slot), how many of them live requests use (`num_pinned`: not evictable, so not available), and the
+        # cache's hook that evicts unused ones when the free pool runs short.
+        self.cached: set[int] = set()
+        self.num_pinned = 0
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def num_usable(self) -> int:
@@ -63,18 +69,38 @@ class BlockTable:
         """Whether one request of `num_tokens` positions fits at all (in an otherwise empty cache)."""
         return self.blocks_for(num_tokens) <= min(self.num_usable, self.max_blocks_per_slot)
 
-    def try_reserve(self, num_tokens: int) -> bool:
-        """Reserve room for a request of up to `num_tokens` positions; False (nothing reserved) when it does not fit."""
-        need = self.blocks_for(num_tokens)
-        if self.num_reserved + need > self.num_usable or need > self.max_blocks_per_slot:
-            return False
+    def try_reserve(self, num_tokens: int, num_shared: int = 0, num_newly_pinned: int = 0) -> int | None:
+        """Reserve room for a request of up to `num_tokens` positions whose first `num_shared` blocks are cached
+        ones it shares (`num_newly_pinned` of them unused until now); returns the blocks reserved, or None (nothing
+        reserved) when it does not fit. Unused cached blocks count as available: the cache evicts them on demand."""
+        total = self.blocks_for(num_tokens)
+        need = total - num_shared
+        if self.num_reserved + need + self.num_pinned + num_newly_pinned > self.num_usable:
+            return None
+        if total > self.max_blocks_per_slot:
+            return None
         self.num_reserved += need
-        return True
+        return need
 
-    def release(self, num_tokens: int) -> None:
-        """Give back a reservation made with `try_reserve(num_tokens)`."""
-        self.num_reserved -= self.blocks_for(num_tokens)
+    def release(self, num_blocks: int) -> None:
+        """Give back `num_blocks` of a reservation made with `try_reserve`."""
+        self.num_reserved -= num_blocks
         assert self.num_reserved >= 0, "released more than was reserved"
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Give the empty `slot` the cached `blocks` as its first blocks (positions 0 … len · block_size − 1)."""
+        assert not self.owned[slot], "sharing into a slot that holds blocks"
+        self.owned[slot] = list(blocks)
+        if blocks:
+            self.tables[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    def free_block(self, block: int) -> None:
+        """Return one block the cache gave up to the free pool."""
+        self.cached.discard(block)
+        self._is_free.add(block)
+        if block not in self._in_heap:
+            self._in_heap.add(block)
+            heapq.heappush(self._free, block)
 
     def ensure(self, slot: int, num_tokens: int) -> None:
         """Assign blocks so positions 0 … num_tokens-1 of `slot` have a place (new blocks are zeroed)."""
@@ -84,6 +110,8 @@ class BlockTable:
             return
         if len(owned) + need > self.max_blocks_per_slot:
             raise RuntimeError(f"slot {slot} asked for {num_tokens} positions, more than a slot holds")
+        if need > len(self._is_free) and self.reclaim is not None:
+            self.reclaim(need - len(self._is_free))
         if need > len(self._is_free):
             raise RuntimeError(f"KV cache exhausted: slot {slot} needs {need} more blocks, {len(self._is_free)} free")
         new = [self._take(owned[-1] + 1 if owned else None) for _ in range(need)]
@@ -96,6 +124,9 @@ class BlockTable:
 
     def reset(self) -> None:
         """Free every slot's blocks and every reservation (a new run over a reused pool)."""
+        for block in list(self.cached):
+            self.free_block(block)
+        self.num_pinned = 0
         for slot in range(self.num_slots):
             if self.owned[slot]:
                 self.free_slot(slot)
@@ -129,8 +160,10 @@ class BlockTable:
                 return block
 
     def free_slot(self, slot: int) -> None:
-        """Return every block of `slot` to the free pool."""
+        """Return every block of `slot` to the free pool (but the cached ones, which the cache owns)."""
         for block in self.owned[slot]:
+            if block in self.cached:
+                continue
             self._is_free.add(block)
             if block not in self._in_heap:
                 self._in_heap.add(block)

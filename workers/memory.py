@@ -36,7 +36,8 @@ class MemoryPlan:
     reserved_bytes: int  # weights + state slots + one forward's activations
     bytes_per_block: int  # one KV block across every cache that pages over it (target, draft, MTP head)
     num_kv_blocks: int  # the null block included
-    num_prefix_checkpoints: int = 0  # recurrent state checkpoints of the prefix cache (inside reserved_bytes)
+    num_prefix_checkpoints: int = 0  # recurrent state checkpoints of the prefix cache …
+    prefix_checkpoint_bytes: int = 0  # … and their bytes (inside reserved_bytes)
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -120,9 +121,9 @@ def plan_memory(
         needed += pending_bytes(config.hidden_size, dtype, max_num_seqs, num_speculative_tokens, max_num_batched_tokens)
     checkpoints = 0
     state_bytes = state_bytes_per_slot(config, dtype)
-    if prefix_caching and state_bytes:
-        room = int(PREFIX_CHECKPOINT_SHARE * max(0, budget - needed)) // state_bytes
-        checkpoints = max(0, min(PREFIX_CHECKPOINTS_PER_SEQ * max_num_seqs, room))
+    if prefix_caching:  # an attention-only model's checkpoints are empty: as many as wanted
+        room = int(PREFIX_CHECKPOINT_SHARE * max(0, budget - needed)) // max(1, state_bytes)
+        checkpoints = max(0, min(PREFIX_CHECKPOINTS_PER_SEQ * max_num_seqs, room if state_bytes else 1 << 30))
         needed += checkpoints * state_bytes
     per_token = sum(kv_bytes_per_token(m.config, dtype) for m in models)
     per_token += kv_bytes_per_token(config, dtype, num_layers=config.mtp_block_kinds.count(ATTENTION)) if mtp else 0
@@ -135,14 +136,15 @@ def plan_memory(
                 f"activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; raise "
                 f"{limit} or lower max_num_batched_tokens / max_num_seqs"
             )
-        return MemoryPlan(budget, needed, per_block, 1 << 40, checkpoints)
+        return MemoryPlan(budget, needed, per_block, 1 << 40, checkpoints, checkpoints * state_bytes)
     if budget - needed < per_block:
         raise ValueError(
             f"{limit} leaves no room for a KV cache: the budget is {budget / 2**30:.2f} GiB, weights + state "
             f"slots + activations of {max_num_batched_tokens} batched tokens need {needed / 2**30:.2f} GiB; "
             f"raise {limit} or lower max_num_batched_tokens / max_num_seqs"
         )
-    return MemoryPlan(budget, needed, per_block, num_kv_blocks(budget - needed, per_block), checkpoints)
+    blocks = num_kv_blocks(budget - needed, per_block)
+    return MemoryPlan(budget, needed, per_block, blocks, checkpoints, checkpoints * state_bytes)
 
 
 def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:

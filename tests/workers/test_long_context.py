@@ -111,16 +111,17 @@ def test_no_forward_sees_more_tokens_than_the_budget(method, checkpoint_dir, mon
 
 
 def _memory_for_blocks(runner: ModelRunner, num_blocks: int) -> int:
-    """A `max_memory` that leaves exactly `num_blocks` usable KV blocks after what the runner needs besides."""
+    """A `max_memory` that leaves exactly `num_blocks` usable KV blocks after what the runner needs besides (for a
+    runner without prefix caching, whose checkpoints take a share of the memory left)."""
     plan = runner.memory_plan
-    return plan.reserved_bytes + num_blocks * plan.bytes_per_block
+    return plan.reserved_bytes - plan.prefix_checkpoint_bytes + num_blocks * plan.bytes_per_block
 
 
 def test_a_small_kv_budget_runs_fewer_requests_at_a_time_with_the_same_results(checkpoint_dir, monkeypatch):
     runner = ModelRunner.from_pretrained(str(checkpoint_dir("bamba")), max_num_seqs=8)
     prompts = _prompts(runner.config.vocab_size, long=False)  # 8 … 14 tokens + 6 generated: 1–2 blocks of 16
     expected = [r.token_ids for r in runner.generate(prompts, GREEDY)]
-    small = _runner_like(runner, max_memory=_memory_for_blocks(runner, 3))
+    small = _runner_like(runner, max_memory=_memory_for_blocks(runner, 3), enable_prefix_caching=False)
     assert small.num_kv_blocks == 4
     live: list[int] = []
     admit = Scheduler._admit
@@ -138,7 +139,7 @@ def test_a_small_kv_budget_runs_fewer_requests_at_a_time_with_the_same_results(c
 def test_a_request_that_can_never_fit_gets_an_error_and_the_rest_run(checkpoint_dir):
     runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_moe")), max_num_seqs=4)
     prompts = _prompts(runner.config.vocab_size)  # the last has 66 tokens: 72 positions, 5 blocks
-    small = _runner_like(runner, max_memory=_memory_for_blocks(runner, 4))
+    small = _runner_like(runner, max_memory=_memory_for_blocks(runner, 4), enable_prefix_caching=False)
     results = small.generate(prompts, GREEDY)
     expected = runner.generate(prompts[:-1], GREEDY)
     assert [r.token_ids for r in results[:-1]] == [r.token_ids for r in expected]

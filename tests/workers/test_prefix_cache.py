@@ -1,0 +1,96 @@
+"""Prefix state caching: rows sharing a prompt prefix restore its states and share its KV blocks, with the same
+tokens as without the cache, on every family, with and without n-gram speculation, under chunked prefill and a
+tight KV budget; what the cache holds returns to unused when the run ends."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.tiny_models import FAMILIES
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.prefix_cache import common_prefix_length
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# Shared prefixes: shorter than a KV block, exactly one, and several blocks plus a tail (past a checkpoint, 64).
+PREFIXES = {"short": 10, "one block": 16, "blocks and a tail": 149}
+
+
+def _templated(prefix_len: int, num_rows: int = 8, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(4, 120) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(4, 120) for _ in range(rng.randrange(3, 40))] for _ in range(num_rows)]
+
+
+def _run(path: str, prompts: list[list[int]], caching: bool, **kwargs) -> tuple[list[list[int]], ModelRunner, list]:
+    runner = ModelRunner.from_pretrained(path, max_num_seqs=4, enable_prefix_caching=caching, **kwargs)
+    results = runner.generate(prompts, GREEDY)
+    return [r.token_ids for r in results], runner, results
+
+
+def _assert_nothing_held(runner: ModelRunner) -> None:
+    """After the run: no cached block in use, no reservation left."""
+    scheduler = runner._scheduler
+    cache = scheduler.prefix_cache
+    assert all(entry.refs == 0 for entry in cache.entries.values())
+    assert scheduler.blocks.num_pinned == 0 and scheduler.blocks.num_reserved == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("prefix", list(PREFIXES))
+def test_cache_on_gives_the_tokens_of_cache_off(family, prefix, checkpoint_dir):
+    """Chunked prefill at a small token budget (64) too: chunks, checkpoint stops and restored rows interleave."""
+    path, prompts = str(checkpoint_dir(family)), _templated(PREFIXES[prefix])
+    off, _, _ = _run(path, prompts, False, max_num_batched_tokens=64)
+    on, runner, results = _run(path, prompts, True, max_num_batched_tokens=64)
+    assert on == off
+    hits = [r.num_cached_tokens for r in results]
+    if PREFIXES[prefix] >= 64 + 9:  # a checkpoint fits in the shared prefix: every row after the first restores it
+        assert hits[0] == 0 and all(h == 128 for h in hits[1:])
+    else:
+        assert hits == [0] * len(prompts)
+    assert runner.scheduler_stats()["prefix_cache_hit_tokens"] == sum(hits)
+    _assert_nothing_held(runner)
+
+
+@pytest.mark.parametrize("family", ["granite_moe", "nemotron_dense", "qwen3_5"])
+def test_cache_with_ngram_speculation_gives_the_tokens_of_cache_off(family, checkpoint_dir):
+    path = str(checkpoint_dir(family))
+    prompts = _templated(149, seed=1)
+    speculative = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, policy="fixed")
+    off, _, _ = _run(path, prompts, False, speculative=speculative)
+    on, runner, results = _run(path, prompts, True, speculative=speculative)
+    assert on == off and sum(r.num_cached_tokens for r in results) > 0
+    assert runner.spec_stats()["num_draft_tokens"] > 0
+    _assert_nothing_held(runner)
+
+
+def test_a_tight_kv_budget_evicts_unused_entries_and_admission_never_waits_on_them(checkpoint_dir):
+    """Three templates one after another through a cache too small to keep them all: older templates are evicted
+    (leaves first), every row runs, and the tokens stay those of cache off."""
+    path = str(checkpoint_dir("bamba"))
+    prompts = _templated(149, 4, seed=2) + _templated(149, 4, seed=3) + _templated(149, 4, seed=4)
+    probe = ModelRunner.from_pretrained(path, max_num_seqs=4)
+    plan = probe.memory_plan
+    small = plan.reserved_bytes + 60 * plan.bytes_per_block  # room for about 4 rows of ~12 blocks and a little
+    off, _, _ = _run(path, prompts, False, max_memory=small)
+    on, runner, results = _run(path, prompts, True, max_memory=small)
+    assert on == off and all(r.finish_reason == "length" for r in results)
+    cache = runner._scheduler.prefix_cache
+    assert len(cache.entries) < sum(len(p) // 16 for p in prompts)  # something was evicted
+    _assert_nothing_held(runner)
+
+
+def test_rows_of_one_template_admitted_together_wait_for_the_first_to_checkpoint_it(checkpoint_dir):
+    path = str(checkpoint_dir("qwen3_5"))
+    prompts = _templated(200, 4, seed=5)
+    _, runner, results = _run(path, prompts, True)
+    assert [r.num_cached_tokens for r in results] == [0, 192, 192, 192]
+
+
+def test_common_prefix_length():
+    a = list(range(200))
+    assert common_prefix_length(a, a[:150] + [0]) == 150
+    assert common_prefix_length(a, a) == 200 and common_prefix_length(a, []) == 0
+    assert common_prefix_length(a, a[:64] + [-1] + a[65:]) == 64

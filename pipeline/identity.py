@@ -1,15 +1,16 @@
-"""Identities of what decides a job's output — the model, its tokenizer, a draft model, the input rows — cheap
-enough to compute on the driver for 100 GB checkpoints and billion-row inputs.
+"""Identities of what decides a job's output — the model, its tokenizer, a draft model, the input rows — computed
+on the driver before any worker starts.
 
 A rerun on the same `--output` resumes only when these are unchanged (they are part of the resume fingerprint,
 so a mismatch names what changed). Weights are fingerprinted by each safetensors file's size, a hash of its header
 (tensor names, dtypes, shapes, offsets) and hashes of blocks sampled evenly through its data: a retrained,
-re-quantised or truncated checkpoint changes them, while reading them costs a few seeks per file.
+re-quantised or truncated checkpoint changes them, while reading them costs a few seeks per file. Input files are
+hashed whole (every row decides the output; reading them is cheap next to generating from them), a hub dataset
+is identified by its commit.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -17,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import pyarrow as pa
 
+from pipeline.inputs import input_files
 from pipeline.preflight import weight_files
 
 # Files besides the weights that change what a model generates.
@@ -27,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")  # fmt: skip
 NUM_SAMPLED_BLOCKS = 16
 BLOCK_BYTES = 64 * 1024
-NUM_SAMPLED_ROWS = 1024
+HASH_CHUNK_BYTES = 8 << 20
 
 
 def _sha256(data: bytes) -> str:
@@ -97,27 +98,26 @@ def model_identity(model: str) -> dict[str, Any]:
     return {"model": model, **_hub_model_identity(model)}
 
 
-def _local_files(source: str) -> list[str]:
-    """The local data files behind an input argument (empty for hub datasets)."""
-    path = Path(source)
-    if path.is_file():
-        return [source]
-    if path.is_dir():
-        return sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    return sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-
-
-def input_identity(rows: datasets.Dataset, source: str) -> dict[str, Any]:
-    """Row count, schema, a hash of up to NUM_SAMPLED_ROWS rows spread over the dataset, and local file sizes."""
-    num_rows = len(rows)
-    step = max(1, num_rows // NUM_SAMPLED_ROWS)
-    sample: pa.Table = rows.with_format("arrow")[list(range(0, num_rows, step))[:NUM_SAMPLED_ROWS]]
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's whole content, read in blocks of HASH_CHUNK_BYTES."""
     digest = hashlib.sha256()
-    for batch in sample.to_batches():
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        digest.update(sink.getvalue().to_pybytes())
-    files = {name: os.path.getsize(name) for name in _local_files(source)}
-    return {"num_rows": num_rows, "features": str(rows.features), "rows_sha256_sampled": digest.hexdigest(),
-            "file_bytes": files}  # fmt: skip
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_key(path: str, source: str) -> str:
+    """A data file's name in the identity: relative to a directory input (so a remote input's copy, in a new
+    temporary directory each run, keeps its names), the file name of a one-file input, a glob's match as is."""
+    if os.path.isdir(source):
+        return os.path.relpath(path, source)
+    return os.path.basename(path) if os.path.isfile(source) else path
+
+
+def input_identity(rows: datasets.Dataset, source: str, revision: str | None = None) -> dict[str, Any]:
+    """Row count, features and what the rows were read from: the size and whole-content sha256 of each local data
+    file (`source` local: a remote input's copy), or the commit `revision` of a hub dataset."""
+    files = {_file_key(name, source): {"bytes": os.path.getsize(name), "sha256": file_sha256(name)}
+             for name in input_files(source) or []}  # fmt: skip
+    return {"num_rows": len(rows), "features": str(rows.features), "files": files, "revision": revision}

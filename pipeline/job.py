@@ -63,6 +63,19 @@ def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec
                       **task_fields)  # fmt: skip
 
 
+def read_input(source: str, split: str) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The input rows and their identity, from the same bytes: a remote input is copied once, a hub dataset is
+    read at the commit its branch points to now."""
+    from pipeline.identity import input_identity
+    from pipeline.inputs import hub_dataset_revision, input_files, load_rows
+    from pipeline.remote import is_remote, local_copy
+
+    local = local_copy(source) if is_remote(source) else source
+    revision = hub_dataset_revision(local) if input_files(local) is None else None
+    rows = load_rows(local, split, revision)
+    return rows, input_identity(rows, local, revision)
+
+
 def build_job(
     name: str,
     config: Any,
@@ -77,11 +90,11 @@ def build_job(
     `config` is the job's config dataclass (with `model`, `scaling` and `output` sections); `source` is
     (input, split); `columns` maps each column flag to the column it names.
     """
-    from pipeline.identity import input_identity, model_identity
-    from pipeline.inputs import check_columns, load_rows
+    from pipeline.identity import model_identity
+    from pipeline.inputs import check_columns
     from pipeline.sharding import plan_shards
 
-    rows = load_rows(*source)
+    rows, input_identity = read_input(*source)
     if id_column is None and "id" in rows.column_names:
         id_column = "id"  # an input `id` column is the output `id` unless --id-column names another
     reserved = ("id",) * (id_column != "id") + tuple(f.name for f in task_fields)
@@ -102,7 +115,7 @@ def build_job(
     fingerprint["model_identity"] = model_identity(worker.model)
     if worker.speculative is not None and worker.speculative.draft_model:
         fingerprint["draft_model_identity"] = model_identity(worker.speculative.draft_model)
-    fingerprint["input_identity"] = input_identity(rows, source[0])
+    fingerprint["input_identity"] = input_identity
     return Job(
         name=name,
         rows=rows,

@@ -4,6 +4,7 @@ python jobs/benchmark.py                                  # bench model (hidden 
 python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
+python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipeline.benchmark import bench_resume
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.benchmark import (
     PRESETS,
@@ -45,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--task", choices=["generate", "score"], default="generate", help="what to measure")
+    p.add_argument("--task", choices=["generate", "score", "resume"], default="generate",
+                   help="what to measure (resume: the driver's shard bookkeeping, no model)")  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
                    help=f"memory bandwidth for the batch-1 roofline share (default: {H200_BANDWIDTH_GBS:.0f}, an "
                    "H200's HBM, on CUDA; on CPU only when given)")  # fmt: skip
+    p.add_argument("--num-shards", type=int, nargs="+", default=[100_000],
+                   help="--task resume: shards in the plan (one row each)")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -245,6 +250,15 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     return rows
 
 
+def bench_bookkeeping(args: argparse.Namespace) -> int:
+    """The driver's plan, resume and finalize bookkeeping for each --num-shards (no model): printed and saved."""
+    with tempfile.TemporaryDirectory(prefix="hybridgen-resume-") as scratch:
+        rows = [bench_resume(n, Path(scratch) / f"output-{n}") for n in args.num_shards]
+    print_table("shard bookkeeping (milliseconds)", rows)
+    Path(args.json).write_text(json.dumps({"resume": rows, "args": vars(args)}, indent=2))
+    return 0
+
+
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     """Rows as an aligned text table (nested eager and transformers numbers flattened with eager_ and tf_ prefixes)."""
     flat = []
@@ -268,6 +282,8 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Build or load the model, run the requested measurements, print and save them."""
     args = parse_args(argv)
+    if args.task == "resume":
+        return bench_bookkeeping(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")

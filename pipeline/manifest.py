@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -62,7 +63,10 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
     the directory's hybridgen files first.
     """
     out.remove_temporaries()
-    fingerprint = json.loads(json.dumps({**job.fingerprint, "plan": _plan(job)}))
+    plan = _plan(job)
+    # The plan by its hash: the manifest lists it once, and comparing two 100,000-shard plans is one string compare.
+    plan_sha256 = hashlib.sha256(json.dumps(plan).encode()).hexdigest()
+    fingerprint = json.loads(json.dumps({**job.fingerprint, "plan_sha256": plan_sha256}))
     parts = [n for n in out.names() if n.startswith("part-") and n.endswith(".parquet")]
     old = out.read_json(MANIFEST) if out.exists(MANIFEST) else None
     if old is not None:
@@ -76,7 +80,8 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         for name in parts + [MANIFEST, SUCCESS]:
             out.delete(name)
         parts, old = [], None
-    done = {s.index for s in job.plan if s.file_name in set(parts)}
+    finished = set(parts)
+    done = {s.index for s in job.plan if s.file_name in finished}
     seed = _sampling_seed(job, old)
     runs = (old or {}).get("runs", [])
     runs.append({"started_at": _now(), "finished_at": None, "shards_already_done": len(done)})
@@ -87,7 +92,7 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         "model": job.fingerprint.get("model_identity"),
         "fingerprint": fingerprint,
         "num_rows": len(job.rows),
-        "plan": _plan(job),
+        "plan": plan,
         "started_at": (old or {}).get("started_at", runs[-1]["started_at"]),
         "runs": runs,
     }

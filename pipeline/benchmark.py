@@ -65,13 +65,13 @@ def bench_resume(num_shards: int, directory: Path) -> dict[str, Any]:
     out = OutputDir(str(directory))
     row["prepare_ms"], first = _milliseconds(lambda: prepare_output(out, job, overwrite=False))
     row["write_ms"], _ = _milliseconds(lambda: write_finished_shards(out, job.plan))
-    written = {shard.index for shard in job.plan}
+    written = {shard.index: shard_stats(shard) for shard in job.plan}
     row["finalize_own_ms"], _ = _milliseconds(lambda: finalize_output(out, job, 1.0, written))
     row["resume_ms"], resumed = _milliseconds(lambda: prepare_output(out, job, overwrite=False))
     if first.done or len(resumed.done) != num_shards:
         raise RuntimeError(f"prepare_output found {len(first.done)} then {len(resumed.done)} finished shards, "
                            f"expected 0 then {num_shards}")  # fmt: skip
-    row["finalize_resumed_ms"], totals = _milliseconds(lambda: finalize_output(out, job, 1.0, set()))
+    row["finalize_resumed_ms"], totals = _milliseconds(lambda: finalize_output(out, job, 1.0, {}))
     if totals["rows"] != num_shards:
         raise RuntimeError(f"finalize_output counted {totals['rows']} rows, expected {num_shards}")
     row["resume_us_per_shard"] = row["resume_ms"] / num_shards * 1e3

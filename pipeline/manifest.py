@@ -122,17 +122,20 @@ def _throughput(counts: dict[str, float], wall_seconds: float) -> dict[str, floa
             for tokens in ("generated_tokens", "scored_tokens") if tokens in counts}  # fmt: skip
 
 
-def finalize_output(out: OutputDir, job: Job, wall_seconds: float, computed: set[int]) -> dict[str, Any]:
+def finalize_output(
+    out: OutputDir, job: Job, wall_seconds: float, written: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
     """Check every row is present exactly once, write totals into the manifest and `_SUCCESS`; return the totals.
 
-    `computed`: the shards this run wrote (its throughput counts only their tokens over its own wall time). The
-    totals' throughput covers every run whose wall time is known; shards written by a run that crashed count in
-    the totals' rows and tokens but not in their throughput (`untimed_shards`).
+    `written`: shard index → the stats this run wrote into that shard's file (its throughput counts only their
+    tokens over its own wall time); only the files of shards from earlier runs are read back. The totals'
+    throughput covers every run whose wall time is known; shards written by a run that crashed count in the
+    totals' rows and tokens but not in their throughput (`untimed_shards`).
     """
     manifest = out.read_json(MANIFEST)
     shards = {}
     for shard in job.plan:
-        info = out.shard_info(shard.file_name)
+        info = written[shard.index] if shard.index in written else out.shard_info(shard.file_name)
         if info.get("rows") != shard.num_rows or info.get("start") != shard.start:
             raise RuntimeError(f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
                                f"expected {shard.num_rows} from {shard.start}")  # fmt: skip
@@ -141,10 +144,10 @@ def finalize_output(out: OutputDir, job: Job, wall_seconds: float, computed: set
     if totals["rows"] != len(job.rows):
         raise RuntimeError(f"output holds {totals['rows']} rows, input has {len(job.rows)}")
     token_keys = [k for k in ("generated_tokens", "scored_tokens") if k in totals]
-    this_run = _sum_counts([shards[str(i)] for i in sorted(computed)])
+    this_run = _sum_counts(list(written.values()))
     this_run = {"rows": this_run.get("rows", 0), **{k: this_run.get(k, 0) for k in token_keys}}
     run = manifest["runs"][-1]
-    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(computed), **this_run,
+    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(written), **this_run,
                **_throughput(this_run, wall_seconds))  # fmt: skip
     timed = [r for r in manifest["runs"] if r.get("wall_seconds") is not None]
     timed_counts = _sum_counts([{k: r.get(k, 0) for k in token_keys} for r in timed])

@@ -73,29 +73,31 @@ def _local_model_identity(directory: Path) -> dict[str, Any]:
     return {"model_type": config.get("model_type"), "files": files}
 
 
-def _hub_model_identity(repo_id: str) -> dict[str, Any]:
-    """A hub repo: its commit and every relevant file's content hash, as the hub reports them (no download)."""
+def _hub_model_identity(repo_id: str, revision: str | None) -> dict[str, Any]:
+    """A hub repo at `revision`: the content hash of every file the loader reads, as the hub reports them (no
+    download). Not the commit: a push that changes only other files (a README) leaves the output as it was."""
     from huggingface_hub import HfApi
 
-    info = HfApi().model_info(repo_id, files_metadata=True)
+    info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     relevant = (*MODEL_TEXT_FILES, *TOKENIZER_FILES)
     files = {}
     for sibling in info.siblings or []:
         name = sibling.rfilename
-        if name.endswith(".safetensors") or name in relevant:
+        if (name.endswith(".safetensors") and "/" not in name) or name in relevant:  # the loader reads the top level
             lfs = sibling.lfs
             files[name] = {"bytes": sibling.size, "sha256": lfs.sha256 if lfs else None, "blob_id": sibling.blob_id}
     model_type = (info.config or {}).get("model_type") if isinstance(info.config, dict) else None
-    return {"model_type": model_type, "revision": info.sha, "files": files}
+    return {"model_type": model_type, "files": files}
 
 
-def model_identity(model: str) -> dict[str, Any]:
-    """What identifies a model's output: config, generation config, tokenizer files and weights (see module doc)."""
+def model_identity(model: str, revision: str | None = None) -> dict[str, Any]:
+    """What identifies a model's output: config, generation config, tokenizer files and weights (see module doc);
+    a hub repo's at `revision` (the commit the driver pinned)."""
     if os.path.isdir(model):
         return {"model": model, **_local_model_identity(Path(model))}
     if os.path.exists(model) or model.count("/") != 1:
         raise ValueError(f"model {model!r} is neither a model directory nor a hub repo id ('org/name')")
-    return {"model": model, **_hub_model_identity(model)}
+    return {"model": model, **_hub_model_identity(model, revision)}
 
 
 def file_sha256(path: str | Path) -> str:

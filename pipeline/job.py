@@ -54,9 +54,10 @@ class Job:
         return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec:
-    """The `WorkerSpec` of a job's workers: the model section plus task-specific fields."""
-    return WorkerSpec(task=task, model=model.model, device=model.device, dtype=model.dtype,
+def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **task_fields: Any) -> WorkerSpec:
+    """The `WorkerSpec` of a job's workers: the model section (a hub model at the commit `revision`, resolved by
+    the driver) plus task-specific fields."""
+    return WorkerSpec(task=task, model=model.model, revision=revision, device=model.device, dtype=model.dtype,
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
                       max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
                       gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,
@@ -102,6 +103,7 @@ def build_job(
     fingerprint = config.to_dict()
     fingerprint.pop("output")
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
+    fingerprint["model"].pop("revision")  # the files at the commit it resolved to are in model_identity
     for performance_only in (
         "device",
         "max_num_seqs",
@@ -112,9 +114,10 @@ def build_job(
     ):
         fingerprint["model"].pop(performance_only)
     # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.
-    fingerprint["model_identity"] = model_identity(worker.model)
+    fingerprint["model_identity"] = model_identity(worker.model, worker.revision)
     if worker.speculative is not None and worker.speculative.draft_model:
-        fingerprint["draft_model_identity"] = model_identity(worker.speculative.draft_model)
+        draft = worker.speculative
+        fingerprint["draft_model_identity"] = model_identity(draft.draft_model, draft.draft_revision)
     fingerprint["input_identity"] = input_identity
     return Job(
         name=name,

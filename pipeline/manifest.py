@@ -90,6 +90,9 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         "status": "running",
         "config": job.config,
         "model": job.fingerprint.get("model_identity"),
+        # The hub commits this run's workers load (None: a local directory); not compared on resume.
+        "model_revision": job.worker.revision,
+        "draft_model_revision": getattr(job.worker.speculative, "draft_revision", None),
         "fingerprint": fingerprint,
         "num_rows": len(job.rows),
         "plan": plan,

@@ -5,6 +5,7 @@ python jobs/benchmark.py --task score                     # scored tokens/s vs t
 python jobs/benchmark.py --task shards --model examples/models/demo-target --batch-sizes 32   # streaming vs drains
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
+python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pipeline.benchmark import bench_resume
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.benchmark import (
     PRESETS,
@@ -47,9 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--task", choices=["generate", "score", "shards"], default="generate",
+    p.add_argument("--task", choices=["generate", "score", "shards", "resume"], default="generate",
                    help="what to measure (shards: a job's rows streamed through one worker against one call per "
-                   "shard and one call over every row)")  # fmt: skip
+                   "shard and one call over every row; resume: the driver's shard bookkeeping, no model)")  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -92,6 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
     p.add_argument("--shard-rows", type=int, default=None, help="--task shards: rows per shard (default: 2 × the "
                    "largest --batch-sizes, which is max_num_seqs)")  # fmt: skip
+    p.add_argument("--num-shards", type=int, nargs="+", default=[100_000],
+                   help="--task resume: shards in the plan (one row each)")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -252,6 +256,15 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
     return rows
 
 
+def bench_bookkeeping(args: argparse.Namespace) -> int:
+    """The driver's plan, resume and finalize bookkeeping for each --num-shards (no model): printed and saved."""
+    with tempfile.TemporaryDirectory(prefix="hybridgen-resume-") as scratch:
+        rows = [bench_resume(n, Path(scratch) / f"output-{n}") for n in args.num_shards]
+    print_table("shard bookkeeping (milliseconds)", rows)
+    Path(args.json).write_text(json.dumps({"resume": rows, "args": vars(args)}, indent=2))
+    return 0
+
+
 def _cell(value: Any) -> str:
     """A table cell: floats with one decimal, or three significant digits below 10 (ratios, steps per token)."""
     if not isinstance(value, float):
@@ -282,6 +295,8 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Build or load the model, run the requested measurements, print and save them."""
     args = parse_args(argv)
+    if args.task == "resume":
+        return bench_bookkeeping(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")

@@ -48,6 +48,9 @@ class ModelConfig:
     """Which model each worker loads and how."""
 
     model: str = _doc("local HF model directory or hub repo id (safetensors only)", default="")
+    revision: str | None = _doc("hub repo ids: the branch, tag or commit to load (vLLM's name); the driver resolves it "
+                                "to a commit once and every worker loads that commit (default: main)",
+                                default=None)  # fmt: skip
     device: str = _doc(f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)",
                        default="auto")  # fmt: skip
     dtype: str = _doc(
@@ -68,6 +71,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             _fail("ModelConfig", "model", self.model, "give a model directory or hub repo id")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            _fail("ModelConfig", "revision", self.revision, "give a branch, tag or commit of the hub repo")
         if self.device not in DEVICES:
             _fail("ModelConfig", "device", self.device, f"must be one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:

@@ -136,7 +136,8 @@ class ShardLoop:
         self.idle: list[Any] = []
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
         self.attempts: Counter[int] = Counter()
-        self.num_ready, self.num_written, self.num_start_failures = 0, 0, 0  # num_ready: alive and ready now
+        self.num_ready, self.num_start_failures = 0, 0  # num_ready: alive and ready now
+        self.written: dict[int, dict[str, Any]] = {}  # shard index → the stats written into its file
         self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
         self.fleet_requested = False  # an autoscaler request is outstanding
         self.counts = Counter()  # generated tokens, drafts … for the progress bar
@@ -227,11 +228,11 @@ class ShardLoop:
             self.out.write_table(shard.file_name, table, info)
         except OSError as error:  # full disk, lost credentials …: what is written stays; a rerun resumes
             raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
-                            f"the {self.num_written} shard files written by this run are kept: rerun the same "
+                            f"the {len(self.written)} shard files written by this run are kept: rerun the same "
                             "command to resume") from error  # fmt: skip
         self._show(table.num_rows, value.stats)
-        self.num_written += 1
-        _maybe_kill_driver(self.num_written)
+        self.written[shard.index] = info
+        _maybe_kill_driver(len(self.written))
 
     def _lost_worker(self, shard: Shard, error: Exception, preempted: bool) -> None:
         """A ready worker died while it held `shard`: requeue the shard (a preemption uses up no retry)."""
@@ -302,8 +303,11 @@ def run(job: Job) -> dict[str, Any]:
     todo = [shard for shard in job.plan if shard.index not in resume.done]
     start = time.perf_counter()
     done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
+    written: dict[int, dict[str, Any]] = {}
     with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
         if todo:
             connect(job.scaling.ray_address)
-            ShardLoop(job, out, todo, progress).run()
-    return finalize_output(out, job, time.perf_counter() - start, {shard.index for shard in todo})
+            loop = ShardLoop(job, out, todo, progress)
+            loop.run()
+            written = loop.written
+    return finalize_output(out, job, time.perf_counter() - start, written)

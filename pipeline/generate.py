@@ -12,8 +12,9 @@ from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
 
-def speculative_config(config: GenerateJobConfig) -> SpeculativeConfig | None:
-    """The workers' `SpeculativeConfig`, or None for plain decoding."""
+def speculative_config(config: GenerateJobConfig, draft_revision: str | None = None) -> SpeculativeConfig | None:
+    """The workers' `SpeculativeConfig` (a hub draft model at the commit `draft_revision`), or None for plain
+    decoding."""
     options = config.speculative
     if options.speculative == "none":
         return None
@@ -21,6 +22,7 @@ def speculative_config(config: GenerateJobConfig) -> SpeculativeConfig | None:
         method=options.speculative,
         num_speculative_tokens=options.num_speculative_tokens,
         draft_model=options.draft_model if options.speculative == "draft" else None,
+        draft_revision=draft_revision,
         prompt_lookup_min=options.prompt_lookup_min,
         prompt_lookup_max=options.prompt_lookup_max,
         policy=options.speculative_policy,
@@ -31,14 +33,18 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     sampling = dataclasses.asdict(config.sampling)
     SamplingParams(**sampling)  # the same validation the workers apply, now
-    check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp")
+    # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
+    revision = check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp",
+                           revision=config.model.revision)  # fmt: skip
+    draft_revision = None
     if config.speculative.speculative == "draft":
-        check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
+        draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input
     worker = worker_spec(
         "generate",
         model,
-        speculative=speculative_config(config),
+        revision=revision,
+        speculative=speculative_config(config, draft_revision),
         prompt=PromptSource(columns.prompt_column, columns.messages_column),
         task_options=sampling,
     )

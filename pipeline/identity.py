@@ -1,15 +1,16 @@
-"""Identities of what decides a job's output — the model, its tokenizer, a draft model, the input rows — cheap
-enough to compute on the driver for 100 GB checkpoints and billion-row inputs.
+"""Identities of what decides a job's output — the model, its tokenizer, a draft model, the input rows — computed
+on the driver before any worker starts.
 
 A rerun on the same `--output` resumes only when these are unchanged (they are part of the resume fingerprint,
 so a mismatch names what changed). Weights are fingerprinted by each safetensors file's size, a hash of its header
 (tensor names, dtypes, shapes, offsets) and hashes of blocks sampled evenly through its data: a retrained,
-re-quantised or truncated checkpoint changes them, while reading them costs a few seeks per file.
+re-quantised or truncated checkpoint changes them, while reading them costs a few seeks per file. Input files are
+hashed whole (every row decides the output; reading them is cheap next to generating from them), a hub dataset
+is identified by its commit.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -17,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import pyarrow as pa
 
+from pipeline.inputs import input_files
 from pipeline.preflight import weight_files
 
 # Files besides the weights that change what a model generates.
@@ -27,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")  # fmt: skip
 NUM_SAMPLED_BLOCKS = 16
 BLOCK_BYTES = 64 * 1024
-NUM_SAMPLED_ROWS = 1024
+HASH_CHUNK_BYTES = 8 << 20
 
 
 def _sha256(data: bytes) -> str:
@@ -72,52 +73,53 @@ def _local_model_identity(directory: Path) -> dict[str, Any]:
     return {"model_type": config.get("model_type"), "files": files}
 
 
-def _hub_model_identity(repo_id: str) -> dict[str, Any]:
-    """A hub repo: its commit and every relevant file's content hash, as the hub reports them (no download)."""
+def _hub_model_identity(repo_id: str, revision: str | None) -> dict[str, Any]:
+    """A hub repo at `revision`: the content hash of every file the loader reads, as the hub reports them (no
+    download). Not the commit: a push that changes only other files (a README) leaves the output as it was."""
     from huggingface_hub import HfApi
 
-    info = HfApi().model_info(repo_id, files_metadata=True)
+    info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     relevant = (*MODEL_TEXT_FILES, *TOKENIZER_FILES)
     files = {}
     for sibling in info.siblings or []:
         name = sibling.rfilename
-        if name.endswith(".safetensors") or name in relevant:
+        if (name.endswith(".safetensors") and "/" not in name) or name in relevant:  # the loader reads the top level
             lfs = sibling.lfs
             files[name] = {"bytes": sibling.size, "sha256": lfs.sha256 if lfs else None, "blob_id": sibling.blob_id}
     model_type = (info.config or {}).get("model_type") if isinstance(info.config, dict) else None
-    return {"model_type": model_type, "revision": info.sha, "files": files}
+    return {"model_type": model_type, "files": files}
 
 
-def model_identity(model: str) -> dict[str, Any]:
-    """What identifies a model's output: config, generation config, tokenizer files and weights (see module doc)."""
+def model_identity(model: str, revision: str | None = None) -> dict[str, Any]:
+    """What identifies a model's output: config, generation config, tokenizer files and weights (see module doc);
+    a hub repo's at `revision` (the commit the driver pinned)."""
     if os.path.isdir(model):
         return {"model": model, **_local_model_identity(Path(model))}
     if os.path.exists(model) or model.count("/") != 1:
         raise ValueError(f"model {model!r} is neither a model directory nor a hub repo id ('org/name')")
-    return {"model": model, **_hub_model_identity(model)}
+    return {"model": model, **_hub_model_identity(model, revision)}
 
 
-def _local_files(source: str) -> list[str]:
-    """The local data files behind an input argument (empty for hub datasets)."""
-    path = Path(source)
-    if path.is_file():
-        return [source]
-    if path.is_dir():
-        return sorted(str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    return sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-
-
-def input_identity(rows: datasets.Dataset, source: str) -> dict[str, Any]:
-    """Row count, schema, a hash of up to NUM_SAMPLED_ROWS rows spread over the dataset, and local file sizes."""
-    num_rows = len(rows)
-    step = max(1, num_rows // NUM_SAMPLED_ROWS)
-    sample: pa.Table = rows.with_format("arrow")[list(range(0, num_rows, step))[:NUM_SAMPLED_ROWS]]
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's whole content, read in blocks of HASH_CHUNK_BYTES."""
     digest = hashlib.sha256()
-    for batch in sample.to_batches():
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        digest.update(sink.getvalue().to_pybytes())
-    files = {name: os.path.getsize(name) for name in _local_files(source)}
-    return {"num_rows": num_rows, "features": str(rows.features), "rows_sha256_sampled": digest.hexdigest(),
-            "file_bytes": files}  # fmt: skip
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_key(path: str, source: str) -> str:
+    """A data file's name in the identity: relative to a directory input (so a remote input's copy, in a new
+    temporary directory each run, keeps its names), the file name of a one-file input, a glob's match as is."""
+    if os.path.isdir(source):
+        return os.path.relpath(path, source)
+    return os.path.basename(path) if os.path.isfile(source) else path
+
+
+def input_identity(rows: datasets.Dataset, source: str, revision: str | None = None) -> dict[str, Any]:
+    """Row count, features and what the rows were read from: the size and whole-content sha256 of each local data
+    file (`source` local: a remote input's copy), or the commit `revision` of a hub dataset."""
+    files = {_file_key(name, source): {"bytes": os.path.getsize(name), "sha256": file_sha256(name)}
+             for name in input_files(source) or []}  # fmt: skip
+    return {"num_rows": len(rows), "features": str(rows.features), "files": files, "revision": revision}

@@ -54,13 +54,27 @@ class Job:
         return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def worker_spec(task: str, model: ModelConfig, **task_fields: Any) -> WorkerSpec:
-    """The `WorkerSpec` of a job's workers: the model section plus task-specific fields."""
-    return WorkerSpec(task=task, model=model.model, device=model.device, dtype=model.dtype,
+def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **task_fields: Any) -> WorkerSpec:
+    """The `WorkerSpec` of a job's workers: the model section (a hub model at the commit `revision`, resolved by
+    the driver) plus task-specific fields."""
+    return WorkerSpec(task=task, model=model.model, revision=revision, device=model.device, dtype=model.dtype,
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
                       max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
                       gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,
                       **task_fields)  # fmt: skip
+
+
+def read_input(source: str, split: str) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The input rows and their identity, from the same bytes: a remote input is copied once, a hub dataset is
+    read at the commit its branch points to now."""
+    from pipeline.identity import input_identity
+    from pipeline.inputs import hub_dataset_revision, input_files, load_rows
+    from pipeline.remote import is_remote, local_copy
+
+    local = local_copy(source) if is_remote(source) else source
+    revision = hub_dataset_revision(local) if input_files(local) is None else None
+    rows = load_rows(local, split, revision)
+    return rows, input_identity(rows, local, revision)
 
 
 def build_job(
@@ -77,11 +91,11 @@ def build_job(
     `config` is the job's config dataclass (with `model`, `scaling` and `output` sections); `source` is
     (input, split); `columns` maps each column flag to the column it names.
     """
-    from pipeline.identity import input_identity, model_identity
-    from pipeline.inputs import check_columns, load_rows
+    from pipeline.identity import model_identity
+    from pipeline.inputs import check_columns
     from pipeline.sharding import plan_shards
 
-    rows = load_rows(*source)
+    rows, input_identity = read_input(*source)
     if id_column is None and "id" in rows.column_names:
         id_column = "id"  # an input `id` column is the output `id` unless --id-column names another
     reserved = ("id",) * (id_column != "id") + tuple(f.name for f in task_fields)
@@ -89,6 +103,7 @@ def build_job(
     fingerprint = config.to_dict()
     fingerprint.pop("output")
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
+    fingerprint["model"].pop("revision")  # the files at the commit it resolved to are in model_identity
     for performance_only in (
         "device",
         "max_num_seqs",
@@ -99,10 +114,11 @@ def build_job(
     ):
         fingerprint["model"].pop(performance_only)
     # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.
-    fingerprint["model_identity"] = model_identity(worker.model)
+    fingerprint["model_identity"] = model_identity(worker.model, worker.revision)
     if worker.speculative is not None and worker.speculative.draft_model:
-        fingerprint["draft_model_identity"] = model_identity(worker.speculative.draft_model)
-    fingerprint["input_identity"] = input_identity(rows, source[0])
+        draft = worker.speculative
+        fingerprint["draft_model_identity"] = model_identity(draft.draft_model, draft.draft_revision)
+    fingerprint["input_identity"] = input_identity
     return Job(
         name=name,
         rows=rows,

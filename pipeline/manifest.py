@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -62,7 +63,10 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
     the directory's hybridgen files first.
     """
     out.remove_temporaries()
-    fingerprint = json.loads(json.dumps({**job.fingerprint, "plan": _plan(job)}))
+    plan = _plan(job)
+    # The plan by its hash: the manifest lists it once, and comparing two 100,000-shard plans is one string compare.
+    plan_sha256 = hashlib.sha256(json.dumps(plan).encode()).hexdigest()
+    fingerprint = json.loads(json.dumps({**job.fingerprint, "plan_sha256": plan_sha256}))
     parts = [n for n in out.names() if n.startswith("part-") and n.endswith(".parquet")]
     old = out.read_json(MANIFEST) if out.exists(MANIFEST) else None
     if old is not None:
@@ -76,7 +80,8 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         for name in parts + [MANIFEST, SUCCESS]:
             out.delete(name)
         parts, old = [], None
-    done = {s.index for s in job.plan if s.file_name in set(parts)}
+    finished = set(parts)
+    done = {s.index for s in job.plan if s.file_name in finished}
     seed = _sampling_seed(job, old)
     runs = (old or {}).get("runs", [])
     runs.append({"started_at": _now(), "finished_at": None, "shards_already_done": len(done)})
@@ -85,9 +90,12 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         "status": "running",
         "config": job.config,
         "model": job.fingerprint.get("model_identity"),
+        # The hub commits this run's workers load (None: a local directory); not compared on resume.
+        "model_revision": job.worker.revision,
+        "draft_model_revision": getattr(job.worker.speculative, "draft_revision", None),
         "fingerprint": fingerprint,
         "num_rows": len(job.rows),
-        "plan": _plan(job),
+        "plan": plan,
         "started_at": (old or {}).get("started_at", runs[-1]["started_at"]),
         "runs": runs,
     }
@@ -117,17 +125,20 @@ def _throughput(counts: dict[str, float], wall_seconds: float) -> dict[str, floa
             for tokens in ("generated_tokens", "scored_tokens") if tokens in counts}  # fmt: skip
 
 
-def finalize_output(out: OutputDir, job: Job, wall_seconds: float, computed: set[int]) -> dict[str, Any]:
+def finalize_output(
+    out: OutputDir, job: Job, wall_seconds: float, written: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
     """Check every row is present exactly once, write totals into the manifest and `_SUCCESS`; return the totals.
 
-    `computed`: the shards this run wrote (its throughput counts only their tokens over its own wall time). The
-    totals' throughput covers every run whose wall time is known; shards written by a run that crashed count in
-    the totals' rows and tokens but not in their throughput (`untimed_shards`).
+    `written`: shard index → the stats this run wrote into that shard's file (its throughput counts only their
+    tokens over its own wall time); only the files of shards from earlier runs are read back. The totals'
+    throughput covers every run whose wall time is known; shards written by a run that crashed count in the
+    totals' rows and tokens but not in their throughput (`untimed_shards`).
     """
     manifest = out.read_json(MANIFEST)
     shards = {}
     for shard in job.plan:
-        info = out.shard_info(shard.file_name)
+        info = written[shard.index] if shard.index in written else out.shard_info(shard.file_name)
         if info.get("rows") != shard.num_rows or info.get("start") != shard.start:
             raise RuntimeError(f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
                                f"expected {shard.num_rows} from {shard.start}")  # fmt: skip
@@ -136,10 +147,10 @@ def finalize_output(out: OutputDir, job: Job, wall_seconds: float, computed: set
     if totals["rows"] != len(job.rows):
         raise RuntimeError(f"output holds {totals['rows']} rows, input has {len(job.rows)}")
     token_keys = [k for k in ("generated_tokens", "scored_tokens") if k in totals]
-    this_run = _sum_counts([shards[str(i)] for i in sorted(computed)])
+    this_run = _sum_counts(list(written.values()))
     this_run = {"rows": this_run.get("rows", 0), **{k: this_run.get(k, 0) for k in token_keys}}
     run = manifest["runs"][-1]
-    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(computed), **this_run,
+    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(written), **this_run,
                **_throughput(this_run, wall_seconds))  # fmt: skip
     timed = [r for r in manifest["runs"] if r.get("wall_seconds") is not None]
     timed_counts = _sum_counts([{k: r.get(k, 0) for k in token_keys} for r in timed])

@@ -21,14 +21,20 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON heade
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def check_model(model: str, role: str = "model", need_tokenizer: bool = True, need_mtp: bool = False) -> None:
+def check_model(
+    model: str, role: str = "model", need_tokenizer: bool = True, need_mtp: bool = False, revision: str | None = None
+) -> str | None:
     """Check a local model directory or hub repo id; `ValueError` with one line naming `role` and the problem.
-    `need_mtp`: the checkpoint must also carry a multi-token-prediction head (`--speculative mtp`)."""
+    `need_mtp`: the checkpoint must also carry a multi-token-prediction head (`--speculative mtp`). A hub repo is
+    checked at the commit `revision` (branch, tag or commit; default main) points to now, which is returned, so
+    that every worker loads what was checked; a local directory returns None."""
     try:
-        if _looks_local(model):
-            _check_directory(Path(model).expanduser(), need_tokenizer, need_mtp)
-        else:
-            _check_hub_repo(model, need_mtp)
+        if not _looks_local(model):
+            return _check_hub_repo(model, need_mtp, revision)
+        if revision is not None:
+            raise ValueError(f"--revision {revision!r} is for hub repo ids, not a local model directory")
+        _check_directory(Path(model).expanduser(), need_tokenizer, need_mtp)
+        return None
     except ValueError as error:
         raise ValueError(f"{role} {model!r}: {_one_line(str(error))}") from None
 
@@ -153,14 +159,16 @@ def _check_tensors(config: HybridConfig, shapes: dict[str, tuple[int, ...]]) -> 
     match_weights(model, shapes)
 
 
-def _check_hub_repo(repo: str, need_mtp: bool) -> None:
-    """A hub repo: config.json and the safetensors headers, fetched without downloading any weights."""
+def _check_hub_repo(repo: str, need_mtp: bool, revision: str | None) -> str:
+    """A hub repo at the commit `revision` resolves to (returned): config.json and the safetensors headers, fetched
+    without downloading any weights."""
     import huggingface_hub
 
     try:
-        raw = json.loads(Path(huggingface_hub.hf_hub_download(repo, "config.json")).read_text())
+        commit = huggingface_hub.HfApi().model_info(repo, revision=revision).sha
+        raw = json.loads(Path(huggingface_hub.hf_hub_download(repo, "config.json", revision=commit)).read_text())
         config = _hybrid_config(raw)
-        metadata = huggingface_hub.get_safetensors_metadata(repo)
+        metadata = huggingface_hub.get_safetensors_metadata(repo, revision=commit)
     except ValueError:
         raise
     except Exception as error:  # network, auth, missing repo or file: all reported the same way
@@ -174,3 +182,4 @@ def _check_hub_repo(repo: str, need_mtp: bool) -> None:
         from workers.model.loader import check_mtp_head
 
         check_mtp_head(config, shapes, repo)
+    return commit

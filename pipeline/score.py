@@ -13,7 +13,7 @@ from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
 def build_score_job(config: ScoreJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     columns, model = config.input, config.model
-    check_model(model.model)
+    revision = check_model(model.model, revision=model.revision)  # the hub commit every worker loads
     spec = ScoreSpec(
         text_column=columns.text_column,
         prompt_column=columns.prompt_column,
@@ -21,7 +21,7 @@ def build_score_job(config: ScoreJobConfig) -> Job:
         messages_column=columns.messages_column,
         **dataclasses.asdict(config.scoring),
     )
-    worker = worker_spec("score", model, task_options=dataclasses.asdict(spec))
+    worker = worker_spec("score", model, revision=revision, task_options=dataclasses.asdict(spec))
     flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
              "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip

@@ -40,6 +40,7 @@ class WorkerSpec:
 
     task: str  # "generate" | "score"
     model: str
+    revision: str | None = None  # a hub model's commit, resolved once by the driver (None: a local directory)
     device: str = "cpu"
     dtype: str = "auto"
     max_num_seqs: int = 64
@@ -136,6 +137,7 @@ class ShardWorker:
                 max_memory=spec.max_memory,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
                 cuda_graphs=False if spec.enforce_eager else None,
+                revision=spec.revision,
             )
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")

@@ -185,11 +185,14 @@ class ModelRunner:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool | None = None,
         enable_prefix_caching: bool = True,
+        revision: str | None = None,
     ) -> ModelRunner:
-        """Load a local HF model directory or hub repo id (safetensors only) onto `device` ('cpu', 'cuda', 'auto').
+        """Load a local HF model directory or hub repo id (safetensors only; a hub repo at `revision`, a branch, tag
+        or commit, default main) onto `device` ('cpu', 'cuda', 'auto').
 
         With `speculative=SpeculativeConfig(method="draft", draft_model=...)` the draft model is loaded too, on the
-        same device and dtype, and must have the same vocabulary and tokenizer. `linear_backend`: "auto" (the native
+        same device and dtype (a hub draft at `speculative.draft_revision`), and must have the same vocabulary and
+        tokenizer. `linear_backend`: "auto" (the native
         panel kernel on CPU float32, oneDNN without a C compiler, torch elsewhere), "native", "onednn" or "torch"
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
@@ -197,7 +200,7 @@ class ModelRunner:
         `cuda_graphs`, `enable_prefix_caching`: see `__init__`.
         """
         mtp = speculative is not None and speculative.method == "mtp"
-        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp)
+        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp, revision)
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -206,7 +209,8 @@ class ModelRunner:
         draft_model = None
         if speculative is not None and speculative.method == "draft":
             device_used = checkpoint.model.embed_tokens.weight.device
-            draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel)
+            draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel,
+                                    revision=speculative.draft_revision)  # fmt: skip
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,

@@ -122,3 +122,14 @@ def test_benchmark_gdn_preset_runs_both_engines(tmp_path, monkeypatch):
     assert [row["batch"] for row in result["generate"]] == [1, 2]
     assert all(row["ratio_to_transformers"] > 0 for row in result["generate"])
     assert result["decode_plan"] == "on"  # GDN and gated attention blocks run as one native call
+
+
+def test_benchmark_resume_bookkeeping_without_a_model(tmp_path, capsys):
+    """`--task resume` plans, prepares, resumes and finalizes synthetic jobs of each size; no model is built."""
+    out = tmp_path / "resume.json"
+    assert main(["--task", "resume", "--num-shards", "10", "30", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["resume"]
+    assert [row["num_shards"] for row in rows] == [10, 30]
+    steps = ("plan_ms", "prepare_ms", "write_ms", "finalize_own_ms", "resume_ms", "finalize_resumed_ms")
+    assert all(row[step] > 0 for row in rows for step in steps)
+    assert "shard bookkeeping (milliseconds)" in capsys.readouterr().out

@@ -75,3 +75,23 @@ def test_input_and_output_on_s3_with_resume(s3, checkpoint_dir, dataset, tmp_pat
     assert "out/part-00002.parquet" in after
     rows = pads.dataset(path, filesystem=remote_fs, format="parquet").to_table().to_pylist()
     assert sorted(rows, key=lambda row: row["id"]) == expected
+
+
+def test_an_input_edited_on_s3_is_a_different_job(s3, checkpoint_dir, tmp_path):
+    """A remote input is identified by the content of the files copied from it, whatever their names locally:
+    unchanged it resumes; one row edited (same size, past the first 1,024) is refused."""
+    from pipeline.manifest import prepare_output
+    from pipeline.output import OutputDir
+
+    def upload(changed_row: int | None) -> None:
+        lines = [f'{{"key": "row-{i:04d}", "text": "{"cat" if i == changed_row else "dog"}"}}' for i in range(2000)]
+        s3.put_object(Bucket=BUCKET, Key="animals/prompts.jsonl", Body=("\n".join(lines) + "\n").encode())
+
+    upload(None)
+    out = OutputDir(str(tmp_path / "out"))
+    config = job_config(checkpoint_dir("granite_moe"), f"s3://{BUCKET}/animals/", tmp_path / "out")
+    prepare_output(out, build_generate_job(config), overwrite=False)
+    assert prepare_output(out, build_generate_job(config), overwrite=False).done == set()  # a fresh copy: resumes
+    upload(1500)
+    with pytest.raises(ValueError, match=r"different job \(input_identity\.files\.prompts\.jsonl\.sha256"):
+        prepare_output(out, build_generate_job(config), overwrite=False)

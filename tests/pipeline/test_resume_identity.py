@@ -49,7 +49,7 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
          "model_identity.files.tokenizer.json"),
         (lambda m, d, data: _flip_byte(d / "model.safetensors", 5000), "draft_model_identity.files.model.safetensors"),
         (lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
-         "input_identity.rows_sha256_sampled"),
+         "input_identity.files.prompts.jsonl.sha256"),
         (lambda m, d, data: write_dataset(data, num_rows=49), "input_identity.num_rows"),
     ],
     ids=["weights", "config", "tokenizer", "draft", "input-contents", "input-rows"],
@@ -93,3 +93,49 @@ def test_enforce_eager_reaches_the_workers_and_a_job_resumes_across_it(setup, mo
     assert arguments["cuda_graphs"] is False
     ShardWorker(worker_spec("generate", ModelConfig(model=str(model))))
     assert arguments["cuda_graphs"] is None  # the runner's default: graphs on CUDA only
+
+
+def _write_animals(path: Path, changed_row: int | None = None) -> Path:
+    """2,000 JSONL rows of "dog"; `changed_row` says "cat" instead (the file keeps its byte size)."""
+    lines = [json.dumps({"key": f"row-{i:04d}", "text": "cat" if i == changed_row else "dog"}) for i in range(2000)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_row_edited_anywhere_in_the_input_is_refused(checkpoint_dir, tmp_path):
+    """Every row counts, not a sample: row 1,500 of 2,000 edited, same byte size, is a different job."""
+    data, out = _write_animals(tmp_path / "prompts.jsonl"), tmp_path / "out"
+    config = job_config(checkpoint_dir("granite_moe"), data, out)
+    prepare_output(OutputDir(str(out)), build_generate_job(config), overwrite=False)
+    size = data.stat().st_size
+    _write_animals(data, changed_row=1500)
+    assert data.stat().st_size == size
+    with pytest.raises(ValueError, match=r"different job \(input_identity\.files\.prompts\.jsonl\.sha256"):
+        prepare_output(OutputDir(str(out)), build_generate_job(config), overwrite=False)
+
+
+def test_a_hub_dataset_is_read_at_the_commit_its_identity_records(checkpoint_dir, tmp_path, monkeypatch):
+    """The driver resolves a hub dataset's commit once, reads the rows at that commit and records it: a push to
+    the dataset between two runs is a different job."""
+    from types import SimpleNamespace
+
+    import datasets
+    import huggingface_hub
+
+    commits, loaded = ["a" * 40], []
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, **k: SimpleNamespace(sha=commits[-1]))
+
+    def load_dataset(name, split, revision=None, **kwargs):
+        loaded.append((name, split, revision))
+        return datasets.Dataset.from_dict({"key": ["a", "b"], "text": ["the cat", "a dog"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    out = tmp_path / "out"
+    config = job_config(checkpoint_dir("granite_moe"), "org/prompts", out)
+    job = build_generate_job(config)
+    assert loaded == [("org/prompts", "train", "a" * 40)]
+    assert job.fingerprint["input_identity"]["revision"] == "a" * 40
+    prepare_output(OutputDir(str(out)), job, overwrite=False)
+    commits.append("b" * 40)
+    with pytest.raises(ValueError, match=r"different job \(input_identity\.revision: 'aaa"):
+        prepare_output(OutputDir(str(out)), build_generate_job(config), overwrite=False)

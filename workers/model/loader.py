@@ -226,6 +226,7 @@ def load_checkpoint(
     linear_backend: str = "auto",
     decode_kernel: str = "auto",
     mtp: bool = False,
+    revision: str | None = None,
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
@@ -233,8 +234,9 @@ def load_checkpoint(
     `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
     "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`. `mtp`: also load the checkpoint's
     multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
+    `revision`: a hub repo's branch, tag or commit (default main).
     """
-    directory = resolve_model_dir(path_or_repo)
+    directory = resolve_model_dir(path_or_repo, revision)
     config_path = directory / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {directory}")

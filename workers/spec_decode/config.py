@@ -27,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     policy: str = "adaptive"
+    draft_revision: str | None = None  # a hub draft model's branch, tag or commit (the driver pins a commit)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

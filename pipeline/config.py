@@ -58,8 +58,10 @@ class ModelConfig:
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "
                                        "and long rows scored in chunks of this many", default=4096)  # fmt: skip
     max_memory: str | None = _doc("CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
-                                  "8GB or 8GiB (default: 80 percent of the memory available when it starts); rows wait "
-                                  "for KV room, a row that can never fit gets an error", default=None)  # fmt: skip
+                                  "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
+                                  "divided among the workers its CPUs hold; 80 percent of the memory available when "
+                                  "the worker starts if no node was up to measure); rows wait for KV room, a row that "
+                                  "can never fit gets an error", default=None)  # fmt: skip
     gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
                                          "name and meaning)", default=0.9)  # fmt: skip
     enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "

@@ -97,12 +97,14 @@ class Fleet:
     """Starts, tracks and releases worker actors."""
 
     def __init__(self, job: Job, num_workers: int):
-        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers)
+        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers,
+                                        job.worker.max_memory)  # fmt: skip
         options: dict[str, Any] = self.placement.actor_options()
         if FAULT_INJECTION_ENV in os.environ:  # crash tests: hand the hook to the workers
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
         self.spec = dataclasses.replace(job.worker, device=self.placement.device,
-                                        num_threads=self.placement.num_threads)  # fmt: skip
+                                        num_threads=self.placement.num_threads,
+                                        max_memory=self.placement.memory or job.worker.max_memory)  # fmt: skip
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **options)
 
     def start(self) -> Any:

@@ -42,7 +42,7 @@ class WorkerSpec:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_memory: str | None = None
+    max_memory: int | str | None = None  # bytes or a size like 8GB; the driver gives CPU workers their share
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
     num_threads: int | None = None  # CPU workers: torch threads

@@ -159,7 +159,7 @@ class ScalingConfig:
         default=None,
     )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
-    max_shard_retries: int = _doc("times a shard is retried after its worker dies", default=3)
+    max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised or died)", default=3)
     max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",
                                           default=3)  # fmt: skip
     ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "

@@ -27,7 +27,10 @@ from workers.spec_decode import SpeculativeConfig
 
 # Test hooks, unset in normal runs: {"kill_during_shard": N, "marker": path} makes the worker kill its own process
 # (SIGKILL) while it processes shard N, once (the marker file remembers); {"hang_during_shard": N, "marker": path}
-# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away.
+# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away;
+# {"break_during_shard": N, "marker": path} makes the first worker that gets
+# shard N write its process id into the marker and raise on shard N and on every shard after it, as a worker with
+# a broken CUDA context does.
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 
@@ -162,6 +165,10 @@ class ShardWorker:
         if task.index == plan.get("kill_during_shard") and not marker.exists():
             marker.write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)
+        if task.index == plan.get("break_during_shard") and not marker.exists():
+            marker.write_text(str(os.getpid()))
+        if "break_during_shard" in plan and marker.exists() and marker.read_text() == str(os.getpid()):
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected, shard {task.index})")
         if task.index == plan.get("hang_during_shard") and not marker.exists():
             import ray
 

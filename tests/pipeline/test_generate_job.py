@@ -92,6 +92,24 @@ def test_killed_worker_shard_is_retried_and_output_identical(
     assert read_output(tmp_path / "out") == undisturbed
 
 
+def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
+    model, dataset, tmp_path, undisturbed, ray_session, monkeypatch, capfd
+):
+    # The first worker to get shard 2 raises on it and on every later shard (a broken CUDA context). Before, the
+    # failed shard went back to that worker until its retries ran out and the job failed. Now the retry goes to the
+    # other worker when it is ready (else to the same one once more), and the broken worker is replaced after its
+    # second failure. (Which worker a retry may take: tests/pipeline/test_retry.py.)
+    marker = tmp_path / "broken"
+    monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"break_during_shard": 2, "marker": str(marker)}))
+    run(build_generate_job(job_config(model, dataset, tmp_path / "out")))
+    assert marker.exists()
+    assert read_output(tmp_path / "out") == undisturbed
+    err = capfd.readouterr().err
+    assert "shard 2 requeued (1 of at most 3 retries): RuntimeError: CUDA error" in err
+    assert err.count("a worker failed 2 shards: replacing it") == 1
+    assert "(3 of at most 3 retries)" not in err
+
+
 def test_chat_messages_column(model, tmp_path, ray_session):
     rows = [{"messages": [{"role": "user", "content": "the cat sat"}]},
             {"messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "a dog"},

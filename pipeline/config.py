@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.retry import FIRST_SHARD_TIMEOUT_S, MIN_SHARD_TIMEOUT_S, SHARD_TIMEOUT_FACTOR
+
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
@@ -159,7 +161,14 @@ class ScalingConfig:
         default=None,
     )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
-    max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised or died)", default=3)
+    max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised, died or passed the "
+                                  "shard's deadline)", default=3)  # fmt: skip
+    shard_timeout_s: float | None = _doc(
+        "seconds a shard may take before its worker counts as hung, is stopped and the shard retried; 0 = no "
+        f"deadline (default: {SHARD_TIMEOUT_FACTOR:g} times the time this run's finished shards took for as many "
+        f"rows, at least {MIN_SHARD_TIMEOUT_S:g}; {FIRST_SHARD_TIMEOUT_S:g} until a shard has finished)",
+        default=None,
+    )
     max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",
                                           default=3)  # fmt: skip
     ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
@@ -186,6 +195,11 @@ class ScalingConfig:
             _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")
         if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
             _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
+        if self.shard_timeout_s is not None and (
+            not isinstance(self.shard_timeout_s, (int, float)) or isinstance(self.shard_timeout_s, bool)
+            or self.shard_timeout_s < 0
+        ):  # fmt: skip
+            _fail("ScalingConfig", "shard_timeout_s", self.shard_timeout_s, "must be a number ≥ 0 (0 = no deadline)")
         if not isinstance(self.max_worker_start_failures, int) or self.max_worker_start_failures < 1:
             _fail(
                 "ScalingConfig", "max_worker_start_failures", self.max_worker_start_failures, "must be an integer ≥ 1"

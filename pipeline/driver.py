@@ -2,9 +2,10 @@
 
 The only pipeline module that imports ray. Scheduling is a `ray.wait` loop over a dict ref → (kind, actor, shard):
 a worker that dies (actor died or unavailable, node lost, spot preemption) sends its shard back to the queue and
-is replaced. A shard that raised is retried on another worker when there is one, and a worker that failed
-`MAX_WORKER_FAILURES` shards is replaced; a shard that keeps failing ends the job with a message naming it
-(`pipeline/retry.py` decides). Actors are requested up to
+is replaced; so does a worker that holds a shard past its deadline (alive but hung: it is killed). A shard that
+raised is retried on another worker when there is one, and a worker that failed `MAX_WORKER_FAILURES` shards is
+replaced; a shard that keeps failing ends the job with a message naming it (`pipeline/retry.py` decides). Actors
+are requested up to
 --max-workers (pending actors let the cluster launcher add nodes) and released as soon as the queue drains. Work
 starts as soon as one worker is ready; while workers wait for room the driver says what they wait for.
 """
@@ -29,7 +30,7 @@ from pipeline.job import Job
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
 from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
-from pipeline.retry import Failure, RetryPolicy
+from pipeline.retry import Failure, RetryPolicy, ShardDeadline
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 
@@ -140,8 +141,10 @@ class ShardLoop:
         self.queue: deque[Shard] = deque(todo)
         self.idle: list[Any] = []
         self.ready: set[Any] = set()  # workers alive and ready now, idle or busy
-        self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
+        # ref → (kind, actor, shard, rows, started): started is when the shard was handed out (or the worker started)
+        self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
         self.retries = RetryPolicy(job.scaling.max_shard_retries)
+        self.deadlines = ShardDeadline(job.scaling.shard_timeout_s)
         self.num_written, self.num_start_failures = 0, 0
         self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
         self.fleet_requested = False  # an autoscaler request is outstanding
@@ -157,8 +160,9 @@ class ShardLoop:
         interval = min(timeout / 3, MAX_REPORT_INTERVAL_S)
         next_report = time.monotonic() + interval
         while self.queue or any(kind == "shard" for kind, *_ in self.in_flight.values()):
+            self._stop_overdue()
             self._dispatch()
-            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=min(10.0, interval / 2))
+            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self._wait_s(min(10.0, interval / 2)))
             if done:
                 self._collect(done[0])
                 continue
@@ -175,7 +179,7 @@ class ShardLoop:
 
     def _start_worker(self) -> None:
         actor = self.fleet.start()
-        self.in_flight[actor.ready.remote()] = ("ready", actor, None, None)
+        self.in_flight[actor.ready.remote()] = ("ready", actor, None, None, time.monotonic())
 
     def _dispatch(self) -> None:
         """Each idle worker takes the first queued shard it may run (not one that failed on it while another ready
@@ -188,9 +192,30 @@ class ShardLoop:
             del self.queue[position]
             self.idle.remove(actor)
             task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
-            self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows)
+            self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
         if not self.queue and (self.idle or self.fleet_requested):
             self._release_spare_workers()
+
+    def _wait_s(self, longest: float) -> float:
+        """How long `ray.wait` may block: `longest`, or less when a shard's deadline comes sooner."""
+        deadlines = [self.deadlines.deadline(shard.num_rows, started)
+                     for kind, _, shard, _, started in self.in_flight.values() if kind == "shard"]  # fmt: skip
+        soonest = min((d for d in deadlines if d is not None), default=None)
+        return longest if soonest is None else min(longest, max(0.0, soonest - time.monotonic()) + 0.05)
+
+    def _stop_overdue(self) -> None:
+        """Kill the worker of each shard past its deadline (alive but hung) and requeue the shard as a retry."""
+        now = time.monotonic()
+        for ref, (kind, actor, shard, _, started) in list(self.in_flight.items()):
+            deadline = self.deadlines.deadline(shard.num_rows, started) if kind == "shard" else None
+            if deadline is None or now <= deadline:
+                continue
+            del self.in_flight[ref]
+            self._remove_worker(actor)
+            timeout = self.deadlines.timeout_for(shard.num_rows)
+            self._retry(shard, TimeoutError(f"no result within {timeout:g} s ({self.deadlines.describe(shard.num_rows)}"
+                                            "); its worker was stopped"), None)  # fmt: skip
+            self._start_worker()
 
     def _remove_worker(self, actor: Any) -> None:
         """Stop a worker and forget it; with no ready worker left the startup timeout applies again, from now."""
@@ -214,7 +239,7 @@ class ShardLoop:
             self.fleet_requested = False
 
     def _collect(self, ref: Any) -> None:
-        kind, actor, shard, rows = self.in_flight.pop(ref)
+        kind, actor, shard, rows, started = self.in_flight.pop(ref)
         try:
             value = ray.get(ref)
         except RayTaskError as error:  # the worker is alive but raised
@@ -247,6 +272,7 @@ class ShardLoop:
             self.idle.append(actor)
             return
         self.idle.append(actor)
+        self.deadlines.observe(shard.num_rows, time.monotonic() - started)
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,
                 "seconds": value.seconds, **value.stats}  # fmt: skip

@@ -2,8 +2,9 @@
 
 `RetryPolicy` counts each shard's failures (ending the job past `--max-shard-retries`), remembers which workers a
 shard failed on so that its retry goes elsewhere, and says when a worker has failed often enough to be replaced (a
-worker with a broken CUDA context fails every shard it gets). Workers are any hashable handles; nothing here
-assumes a worker holds one shard at a time.
+worker with a broken CUDA context fails every shard it gets). `ShardDeadline` says how long a shard may take before
+its worker counts as hung: `--shard-timeout-s`, or by default a generous multiple of the time this run's finished
+shards took per row. Workers are any hashable handles; nothing here assumes a worker holds one shard at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 MAX_WORKER_FAILURES = 2  # shards a worker may fail before it is replaced
+FIRST_SHARD_TIMEOUT_S = 3600.0  # auto deadline while no shard has finished to measure throughput
+MIN_SHARD_TIMEOUT_S = 600.0  # auto deadline: never less than this …
+SHARD_TIMEOUT_FACTOR = 10.0  # … nor less than this many times the expected time of the shard
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,46 @@ class RetryPolicy:
     def forget_worker(self, worker: Hashable) -> None:
         """A worker left the fleet: its failure count goes (the shards still avoid it; it is not ready any more)."""
         self.worker_failures.pop(worker, None)
+
+
+@dataclass
+class ShardDeadline:
+    """How long a shard may run before its worker counts as hung.
+
+    `timeout_s` is `--shard-timeout-s`: None = auto, 0 = never, > 0 = that many seconds for every shard. Auto is
+    `SHARD_TIMEOUT_FACTOR` × the shard's rows × the seconds per row this run's finished shards took, at least
+    `MIN_SHARD_TIMEOUT_S`; `FIRST_SHARD_TIMEOUT_S` until a shard has finished.
+    """
+
+    timeout_s: float | None = None
+    measured_rows: int = 0
+    measured_seconds: float = 0.0
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        """A shard of `num_rows` rows finished `seconds` after it started."""
+        self.measured_rows += num_rows
+        self.measured_seconds += seconds
+
+    def timeout_for(self, num_rows: int) -> float | None:
+        """Seconds a shard of `num_rows` rows may run; None: no deadline."""
+        if self.timeout_s is not None:
+            return self.timeout_s or None
+        if not self.measured_rows:
+            return FIRST_SHARD_TIMEOUT_S
+        expected = num_rows * self.measured_seconds / self.measured_rows
+        return max(MIN_SHARD_TIMEOUT_S, SHARD_TIMEOUT_FACTOR * expected)
+
+    def describe(self, num_rows: int) -> str:
+        """Where the timeout of a shard of `num_rows` rows comes from, for messages."""
+        if self.timeout_s is not None:
+            return "--shard-timeout-s"
+        if not self.measured_rows:
+            return "auto: no shard has finished yet to measure throughput; --shard-timeout-s sets it"
+        expected = num_rows * self.measured_seconds / self.measured_rows
+        return (f"auto: {SHARD_TIMEOUT_FACTOR:g} × the {expected:.0f} s this run's shards took for as many rows, "
+                f"at least {MIN_SHARD_TIMEOUT_S:g} s; --shard-timeout-s sets it")  # fmt: skip
+
+    def deadline(self, num_rows: int, started: float) -> float | None:
+        """The clock time (same clock as `started`) by which a shard started at `started` must be done."""
+        timeout = self.timeout_for(num_rows)
+        return None if timeout is None else started + timeout

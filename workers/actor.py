@@ -27,8 +27,8 @@ from workers.spec_decode import SpeculativeConfig
 
 # Test hooks, unset in normal runs: {"kill_during_shard": N, "marker": path} makes the worker kill its own process
 # (SIGKILL) while it processes shard N, once (the marker file remembers); {"hang_during_shard": N, "marker": path}
-# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away;
-# {"break_during_shard": N, "marker": path} makes the first worker that gets
+# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away (or the
+# driver's shard deadline kill it); {"break_during_shard": N, "marker": path} makes the first worker that gets
 # shard N write its process id into the marker and raise on shard N and on every shard after it, as a worker with
 # a broken CUDA context does.
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"

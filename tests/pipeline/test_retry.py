@@ -1,9 +1,20 @@
 """The driver's failure decisions against scripted events, without Ray: where a failed shard may run next, when a
-worker is replaced."""
+worker is replaced, when a shard's deadline passes."""
 
 from __future__ import annotations
 
-from pipeline.retry import RetryPolicy
+import pytest
+
+from jobs.generate import SECTIONS
+from pipeline.cli import parse_sections
+from pipeline.config import ScalingConfig
+from pipeline.retry import (
+    FIRST_SHARD_TIMEOUT_S,
+    MIN_SHARD_TIMEOUT_S,
+    SHARD_TIMEOUT_FACTOR,
+    RetryPolicy,
+    ShardDeadline,
+)
 
 
 def test_failed_shard_goes_to_another_ready_worker_and_the_failed_one_takes_other_work():
@@ -36,3 +47,31 @@ def test_worker_failing_twice_is_replaced_and_shard_retries_are_bounded():
     assert (lost.retry, lost.replace_worker, lost.attempts) == (True, False, 1)
     policy.forget_worker("a")
     assert policy.worker_failures["a"] == 0
+
+
+def test_fixed_and_disabled_shard_timeouts():
+    assert ShardDeadline(timeout_s=30.0).deadline(num_rows=8, started=100.0) == 130.0
+    assert ShardDeadline(timeout_s=0.0).deadline(num_rows=8, started=100.0) is None  # 0 = no deadline
+    assert ShardDeadline(timeout_s=30.0).describe(8) == "--shard-timeout-s"
+
+
+def test_automatic_timeout_follows_measured_throughput_with_floors():
+    deadline = ShardDeadline()
+    assert deadline.timeout_for(1000) == FIRST_SHARD_TIMEOUT_S  # nothing measured yet: the generous first floor
+    assert "no shard has finished yet" in deadline.describe(1000)
+    deadline.observe(num_rows=100, seconds=10.0)
+    deadline.observe(num_rows=300, seconds=70.0)  # 0.2 s per row over both
+    assert deadline.timeout_for(10_000) == pytest.approx(SHARD_TIMEOUT_FACTOR * 10_000 * 0.2)  # 20,000 s
+    assert deadline.timeout_for(10) == MIN_SHARD_TIMEOUT_S  # a small shard: the floor
+    assert deadline.deadline(10_000, started=5.0) == pytest.approx(5.0 + 20_000)
+    assert "10 × the 2000 s this run's shards took for as many rows" in deadline.describe(10_000)
+
+
+def test_shard_timeout_flag_is_parsed_and_validated():
+    assert ScalingConfig().shard_timeout_s is None  # auto
+    base = ["--model", "m", "--input", "d.jsonl", "--prompt-column", "text"]
+    assert parse_sections("t", SECTIONS, [*base, "--shard-timeout-s", "0"])["scaling"].shard_timeout_s == 0
+    assert parse_sections("t", SECTIONS, [*base, "--shard-timeout-s", "90"])["scaling"].shard_timeout_s == 90.0
+    for bad in (-1, "10", True):
+        with pytest.raises(ValueError, match=r"--shard-timeout-s \(ScalingConfig.shard_timeout_s\)"):
+            ScalingConfig(shard_timeout_s=bad)

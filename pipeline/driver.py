@@ -132,7 +132,7 @@ class Fleet:
 
 
 class ShardLoop:
-    """Hands shards to ready actors, writes results as they come back, replaces dead workers."""
+    """Hands shards to ready actors, writes results as they come back, replaces dead, hung and broken workers."""
 
     def __init__(self, job: Job, out: OutputDir, todo: list[Shard], progress: tqdm):
         self.job, self.out, self.progress = job, out, progress

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.retry import FIRST_SHARD_TIMEOUT_S, MIN_SHARD_TIMEOUT_S, SHARD_TIMEOUT_FACTOR
+
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
@@ -61,8 +63,10 @@ class ModelConfig:
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "
                                        "and long rows scored in chunks of this many", default=4096)  # fmt: skip
     max_memory: str | None = _doc("CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
-                                  "8GB or 8GiB (default: 80 percent of the memory available when it starts); rows wait "
-                                  "for KV room, a row that can never fit gets an error", default=None)  # fmt: skip
+                                  "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
+                                  "divided among the workers its CPUs hold; 80 percent of the memory available when "
+                                  "the worker starts if no node was up to measure); rows wait for KV room, a row that "
+                                  "can never fit gets an error", default=None)  # fmt: skip
     gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
                                          "name and meaning)", default=0.9)  # fmt: skip
     enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
@@ -162,7 +166,14 @@ class ScalingConfig:
         default=None,
     )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
-    max_shard_retries: int = _doc("times a shard is retried after its worker dies", default=3)
+    max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised, died or passed the "
+                                  "shard's deadline)", default=3)  # fmt: skip
+    shard_timeout_s: float | None = _doc(
+        "seconds a shard may take before its worker counts as hung, is stopped and the shard retried; 0 = no "
+        f"deadline (default: {SHARD_TIMEOUT_FACTOR:g} times the time this run's finished shards took for as many "
+        f"rows, at least {MIN_SHARD_TIMEOUT_S:g}; {FIRST_SHARD_TIMEOUT_S:g} until a shard has finished)",
+        default=None,
+    )
     max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",
                                           default=3)  # fmt: skip
     ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
@@ -189,6 +200,11 @@ class ScalingConfig:
             _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")
         if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
             _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
+        if self.shard_timeout_s is not None and (
+            not isinstance(self.shard_timeout_s, (int, float)) or isinstance(self.shard_timeout_s, bool)
+            or self.shard_timeout_s < 0
+        ):  # fmt: skip
+            _fail("ScalingConfig", "shard_timeout_s", self.shard_timeout_s, "must be a number ≥ 0 (0 = no deadline)")
         if not isinstance(self.max_worker_start_failures, int) or self.max_worker_start_failures < 1:
             _fail(
                 "ScalingConfig", "max_worker_start_failures", self.max_worker_start_failures, "must be an integer ≥ 1"

@@ -2,7 +2,10 @@
 
 The only pipeline module that imports ray. Scheduling is a `ray.wait` loop over a dict ref → (kind, actor, shard):
 a worker that dies (actor died or unavailable, node lost, spot preemption) sends its shard back to the queue and
-is replaced; a shard that keeps failing ends the job with a message naming it. Actors are requested up to
+is replaced; so does a worker that holds a shard past its deadline (alive but hung: it is killed). A shard that
+raised is retried on another worker when there is one, and a worker that failed `MAX_WORKER_FAILURES` shards is
+replaced; a shard that keeps failing ends the job with a message naming it (`pipeline/retry.py` decides). Actors
+are requested up to
 --max-workers (pending actors let the cluster launcher add nodes) and released as soon as the queue drains. Work
 starts as soon as one worker is ready; while workers wait for room the driver says what they wait for.
 """
@@ -27,6 +30,7 @@ from pipeline.job import Job
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
 from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
+from pipeline.retry import Failure, RetryPolicy, ShardDeadline
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 
@@ -97,12 +101,14 @@ class Fleet:
     """Starts, tracks and releases worker actors."""
 
     def __init__(self, job: Job, num_workers: int):
-        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers)
+        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers,
+                                        job.worker.max_memory)  # fmt: skip
         options: dict[str, Any] = self.placement.actor_options()
         if FAULT_INJECTION_ENV in os.environ:  # crash tests: hand the hook to the workers
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
         self.spec = dataclasses.replace(job.worker, device=self.placement.device,
-                                        num_threads=self.placement.num_threads)  # fmt: skip
+                                        num_threads=self.placement.num_threads,
+                                        max_memory=self.placement.memory or job.worker.max_memory)  # fmt: skip
         self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **options)
 
     def start(self) -> Any:
@@ -126,7 +132,7 @@ class Fleet:
 
 
 class ShardLoop:
-    """Hands shards to ready actors, writes results as they come back, replaces dead workers."""
+    """Hands shards to ready actors, writes results as they come back, replaces dead, hung and broken workers."""
 
     def __init__(self, job: Job, out: OutputDir, todo: list[Shard], progress: tqdm):
         self.job, self.out, self.progress = job, out, progress
@@ -134,9 +140,12 @@ class ShardLoop:
         self.fleet = Fleet(job, self.num_workers)
         self.queue: deque[Shard] = deque(todo)
         self.idle: list[Any] = []
-        self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any]] = {}  # ref → (kind, actor, shard, rows)
-        self.attempts: Counter[int] = Counter()
-        self.num_ready, self.num_start_failures = 0, 0  # num_ready: alive and ready now
+        self.ready: set[Any] = set()  # workers alive and ready now, idle or busy
+        # ref → (kind, actor, shard, rows, started): started is when the shard was handed out (or the worker started)
+        self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
+        self.retries = RetryPolicy(job.scaling.max_shard_retries)
+        self.deadlines = ShardDeadline(job.scaling.shard_timeout_s)
+        self.num_start_failures = 0
         self.written: dict[int, dict[str, Any]] = {}  # shard index → the stats written into its file
         self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
         self.fleet_requested = False  # an autoscaler request is outstanding
@@ -152,38 +161,77 @@ class ShardLoop:
         interval = min(timeout / 3, MAX_REPORT_INTERVAL_S)
         next_report = time.monotonic() + interval
         while self.queue or any(kind == "shard" for kind, *_ in self.in_flight.values()):
+            self._stop_overdue()
             self._dispatch()
-            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=min(10.0, interval / 2))
+            done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self._wait_s(min(10.0, interval / 2)))
             if done:
                 self._collect(done[0])
                 continue
             num_pending = sum(kind == "ready" for kind, *_ in self.in_flight.values())
             now = time.monotonic()
-            if self.num_ready == 0 and now > self.idle_since + timeout:
+            if not self.ready and now > self.idle_since + timeout:
                 what = "replaced the lost ones" if self.had_workers else "started"
                 raise JobFailed(f"no worker {what} within {timeout:g} s: {self.fleet.why_pending(num_pending)}")
             if num_pending and now > next_report:
-                _say(f"waiting for workers ({self.num_ready} ready): {self.fleet.why_pending(num_pending)}")
+                _say(f"waiting for workers ({len(self.ready)} ready): {self.fleet.why_pending(num_pending)}")
                 interval = min(2 * interval, MAX_REPORT_INTERVAL_S)
                 next_report = now + interval
         self._release_spare_workers()
 
     def _start_worker(self) -> None:
         actor = self.fleet.start()
-        self.in_flight[actor.ready.remote()] = ("ready", actor, None, None)
+        self.in_flight[actor.ready.remote()] = ("ready", actor, None, None, time.monotonic())
 
     def _dispatch(self) -> None:
-        while self.idle and self.queue:
-            actor, shard = self.idle.pop(), self.queue.popleft()
+        """Each idle worker takes the first queued shard it may run (not one that failed on it while another ready
+        worker can take it; that shard waits for one)."""
+        for actor in list(self.idle):
+            position = self.retries.next_shard(actor, [shard.index for shard in self.queue], self.ready)
+            if position is None:
+                continue
+            shard = self.queue[position]
+            del self.queue[position]
+            self.idle.remove(actor)
             task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
-            self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows)
+            self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
         if not self.queue and (self.idle or self.fleet_requested):
             self._release_spare_workers()
+
+    def _wait_s(self, longest: float) -> float:
+        """How long `ray.wait` may block: `longest`, or less when a shard's deadline comes sooner."""
+        deadlines = [self.deadlines.deadline(shard.num_rows, started)
+                     for kind, _, shard, _, started in self.in_flight.values() if kind == "shard"]  # fmt: skip
+        soonest = min((d for d in deadlines if d is not None), default=None)
+        return longest if soonest is None else min(longest, max(0.0, soonest - time.monotonic()) + 0.05)
+
+    def _stop_overdue(self) -> None:
+        """Kill the worker of each shard past its deadline (alive but hung) and requeue the shard as a retry."""
+        now = time.monotonic()
+        for ref, (kind, actor, shard, _, started) in list(self.in_flight.items()):
+            deadline = self.deadlines.deadline(shard.num_rows, started) if kind == "shard" else None
+            if deadline is None or now <= deadline:
+                continue
+            del self.in_flight[ref]
+            self._remove_worker(actor)
+            timeout = self.deadlines.timeout_for(shard.num_rows)
+            self._retry(shard, TimeoutError(f"no result within {timeout:g} s ({self.deadlines.describe(shard.num_rows)}"
+                                            "); its worker was stopped"), None)  # fmt: skip
+            self._start_worker()
+
+    def _remove_worker(self, actor: Any) -> None:
+        """Stop a worker and forget it; with no ready worker left the startup timeout applies again, from now."""
+        self.fleet.release(actor)
+        self.retries.forget_worker(actor)
+        if actor in self.ready:
+            self.ready.discard(actor)
+            if not self.ready:
+                self.idle_since = time.monotonic()
 
     def _release_spare_workers(self) -> None:
         """Nothing left to hand out: stop idle and still-starting workers so their nodes can go."""
         for actor in self.idle:
             self.fleet.release(actor)
+            self.ready.discard(actor)
         self.idle = []
         for ref in [r for r, (kind, *_) in self.in_flight.items() if kind == "ready"]:
             self.fleet.release(self.in_flight.pop(ref)[1])
@@ -192,18 +240,22 @@ class ShardLoop:
             self.fleet_requested = False
 
     def _collect(self, ref: Any) -> None:
-        kind, actor, shard, rows = self.in_flight.pop(ref)
+        kind, actor, shard, rows, started = self.in_flight.pop(ref)
         try:
             value = ray.get(ref)
         except RayTaskError as error:  # the worker is alive but raised
             if kind == "ready":
                 self.fleet.release(actor)
                 return self._start_failed(f"{type(error.cause).__name__}: {error.cause}", "?")
-            self._retry(shard, error)
-            self.idle.append(actor)
+            if self._retry(shard, error, actor).replace_worker:
+                _say(f"a worker failed {self.retries.max_worker_failures} shards: replacing it")
+                self._remove_worker(actor)
+                self._start_worker()
+            else:
+                self.idle.append(actor)
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
-            self.fleet.release(actor)
+            self._remove_worker(actor)
             preempted = getattr(error, "preempted", False)
             if kind == "ready" and not preempted:  # it died while loading its model
                 return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
@@ -216,11 +268,12 @@ class ShardLoop:
             if "error" in value:
                 self.fleet.release(actor)
                 return self._start_failed(value["error"], value["node"])
-            self.num_ready += 1
+            self.ready.add(actor)
             self.had_workers = True
             self.idle.append(actor)
             return
         self.idle.append(actor)
+        self.deadlines.observe(shard.num_rows, time.monotonic() - started)
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,
                 "seconds": value.seconds, **value.stats}  # fmt: skip
@@ -236,14 +289,11 @@ class ShardLoop:
 
     def _lost_worker(self, shard: Shard, error: Exception, preempted: bool) -> None:
         """A ready worker died while it held `shard`: requeue the shard (a preemption uses up no retry)."""
-        self.num_ready -= 1
-        if not self.num_ready:
-            self.idle_since = time.monotonic()  # the startup timeout applies again, from now
         if preempted:  # a spot reclaim: not the shard's fault
             _say(f"shard {shard.index} requeued: its worker's node was preempted")
             self.queue.appendleft(shard)
         else:
-            self._retry(shard, error)
+            self._retry(shard, error, None)
 
     def _start_failed(self, error: str, node: str) -> None:
         """Print a worker's start failure; fail the job at --max-worker-start-failures, else start another."""
@@ -267,17 +317,20 @@ class ShardLoop:
         self.progress.set_postfix(postfix, refresh=False)
         self.progress.update(rows)
 
-    def _retry(self, shard: Shard, error: Exception) -> None:
-        self.attempts[shard.index] += 1
-        if self.attempts[shard.index] > self.job.scaling.max_shard_retries:
+    def _retry(self, shard: Shard, error: Exception, actor: Any | None) -> Failure:
+        """Requeue `shard` after it failed on `actor` (None: a worker that is gone), or fail the job."""
+        failure = self.retries.shard_failed(shard.index, actor)
+        if not failure.retry:
             raise JobFailed(
-                f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {self.attempts[shard.index]} "
+                f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {failure.attempts} "
                 f"times; last error: {type(error).__name__}: {error}"
             ) from error
-        first_line = (str(error).splitlines() or [""])[0]
-        _say(f"shard {shard.index} requeued ({self.attempts[shard.index]} of at most "
-             f"{self.job.scaling.max_shard_retries} retries): {type(error).__name__}: {first_line}")  # fmt: skip
+        cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+        first_line = (str(cause).splitlines() or [""])[0]
+        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {self.job.scaling.max_shard_retries} "
+             f"retries): {type(cause).__name__}: {first_line}")  # fmt: skip
         self.queue.appendleft(shard)
+        return failure
 
 
 def _node_ip(error: Exception) -> str:

@@ -1,4 +1,5 @@
-"""Where workers go: the Ray resources one worker asks for, how many CPUs it gets, what a pending worker waits for.
+"""Where workers go: the Ray resources one worker asks for, how many CPUs and how much memory it gets, what a pending
+worker waits for.
 
 Pure functions over plain values (each alive node's resource totals as a dict), so they are tested without a
 cluster; `pipeline/driver.py` feeds them `ray.nodes()` and turns the result into actor options.
@@ -23,26 +24,34 @@ class Placement:
     num_gpus: int
     resources: dict[str, float] = field(default_factory=dict)  # custom ones, accelerator_type:NAME included
     num_threads: int | None = None  # torch threads of a CPU worker
+    memory: int | None = None  # CPU workers: bytes asked of Ray's `memory` resource, and the worker's memory budget
 
     @property
     def bundle(self) -> dict[str, float]:
         """One worker's resources, as the autoscaler is asked for them."""
-        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}), **self.resources}
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}),
+                **({"memory": self.memory} if self.memory else {}), **self.resources}  # fmt: skip
 
     def actor_options(self) -> dict[str, object]:
         """Options for `ray.remote(...).options(...)`."""
         options: dict[str, object] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory:
+            options["memory"] = self.memory
         if self.resources:
             options["resources"] = dict(self.resources)
         return options
 
 
-def plan_placement(device: str, scaling: ScalingConfig, nodes: list[dict[str, float]], num_workers: int) -> Placement:
+def plan_placement(
+    device: str, scaling: ScalingConfig, nodes: list[dict[str, float]], num_workers: int, max_memory: str | None = None
+) -> Placement:
     """The placement of `num_workers` workers for `--device` on a cluster whose alive nodes have `nodes` resources.
 
     `auto` means GPU workers when some node has a GPU. CPU workers get `--cpus-per-worker`, or by default the most
     CPUs that let every worker fit on the nodes able to hold one (never more than one such node has; 1 when none is
-    up yet, e.g. on an autoscaling cluster that starts with no worker node).
+    up yet, e.g. on an autoscaling cluster that starts with no worker node). A CPU worker's memory budget is
+    `max_memory` (`--max-memory`), else its share of a node's Ray `memory` (see `memory_share`); it asks Ray for
+    that much `memory`, so Ray places no more workers on a node than its memory holds.
     """
     resources = dict(scaling.worker_resources or {})
     if scaling.accelerator_type:
@@ -52,7 +61,13 @@ def plan_placement(device: str, scaling: ScalingConfig, nodes: list[dict[str, fl
         return Placement("cuda", scaling.cpus_per_worker or 1, 1, resources)
     eligible = [node.get("CPU", 0) for node in nodes if _holds(node, resources)]
     cpus = scaling.cpus_per_worker or fitting_cpus(eligible, num_workers)
-    return Placement("cpu", cpus, 0, resources, num_threads=cpus)
+    if max_memory is not None:
+        from workers.memory import parse_memory_size  # the workers' own rule
+
+        memory = parse_memory_size(max_memory)
+    else:
+        memory = memory_share([node for node in nodes if _holds(node, resources)], cpus, num_workers)
+    return Placement("cpu", cpus, 0, resources, num_threads=cpus, memory=memory)
 
 
 def fitting_cpus(node_cpus: list[float], num_workers: int) -> int:
@@ -66,17 +81,32 @@ def fitting_cpus(node_cpus: list[float], num_workers: int) -> int:
     return 1
 
 
+def memory_share(nodes: list[dict[str, float]], cpus: int, num_workers: int) -> int | None:
+    """Bytes of Ray `memory` per CPU worker of `cpus` CPUs: on each node that holds one, its `memory` divided among
+    the workers its CPUs hold (at most `num_workers`); the smallest such share, so that it fits on every node. None
+    when no node that holds a worker reports its memory (none is up yet).
+
+    One 16 GiB node of 8 CPUs, 2 workers of 4 CPUs → 8 GiB each (not 80 % of the node each, which oversubscribes it).
+    """
+    shares = [
+        int(node["memory"] // min(int(node.get("CPU", 0) // cpus), num_workers))
+        for node in nodes
+        if node.get("memory", 0) > 0 and node.get("CPU", 0) >= cpus
+    ]
+    return min(shares, default=None)
+
+
 def _holds(node: dict[str, float], resources: dict[str, float]) -> bool:
     return all(node.get(name, 0) >= amount for name, amount in resources.items())
 
 
-def _amount(value: float) -> str:
-    return f"{value:g}"
+def _amount(name: str, value: float) -> str:
+    return f"{value / 2**30:.3g} GiB" if name in ("memory", "object_store_memory") else f"{value:g}"
 
 
 def describe_bundle(bundle: dict[str, float]) -> str:
-    """{CPU: 1, GPU: 1} as the messages show it."""
-    return "{" + ", ".join(f"{name}: {_amount(value)}" for name, value in bundle.items()) + "}"
+    """{CPU: 1, GPU: 1} as the messages show it (memory in GiB)."""
+    return "{" + ", ".join(f"{name}: {_amount(name, value)}" for name, value in bundle.items()) + "}"
 
 
 def pending_message(num_pending: int, bundle: dict[str, float], nodes: list[dict[str, float]], autoscaler: bool) -> str:
@@ -86,7 +116,8 @@ def pending_message(num_pending: int, bundle: dict[str, float], nodes: list[dict
     """
     needs = f"{num_pending} worker{'s' if num_pending != 1 else ''} need{'s' if num_pending == 1 else ''}"
     lacking = [
-        f"no node has {name} ≥ {_amount(amount)} (cluster total {_amount(sum(n.get(name, 0) for n in nodes))})"
+        f"no node has {name} ≥ {_amount(name, amount)} (cluster total "
+        f"{_amount(name, sum(n.get(name, 0) for n in nodes))})"
         for name, amount in bundle.items()
         if not any(node.get(name, 0) >= amount for node in nodes)
     ]

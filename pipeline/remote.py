@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import fnmatch
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,21 +42,33 @@ def local_copy(uri: str) -> str:
         target = Path(tempfile.mkdtemp(prefix="hybridgen-input-"))
         atexit.register(shutil.rmtree, target, True)
         if info.type == pafs.FileType.File:
-            return str(_download(fs, base, target / Path(base).name))
+            return str(_download(fs, base, inside(target, Path(base).name, f"{scheme}://{base}")))
         files = [f for f in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if f.type == pafs.FileType.File]
-        copied = 0
-        for file in files:
-            relative = file.path[len(base.rstrip("/")) + 1 :]
-            if pattern is None or fnmatch.fnmatch(relative, pattern):
-                _download(fs, file.path, target / relative)
-                copied += 1
-        if not copied:
+        relatives = [(f.path, f.path[len(base.rstrip("/")) + 1 :]) for f in files]
+        chosen = [(path, inside(target, relative, f"{scheme}://{path}")) for path, relative in relatives
+                  if pattern is None or fnmatch.fnmatch(relative, pattern)]  # fmt: skip
+        if not chosen:
             raise ValueError(f"no files match input {uri!r}")
+        for path, local in chosen:
+            _download(fs, path, local)
         return str(target)
     except OSError as error:
         if isinstance(error, FileNotFoundError):
             raise
         raise ValueError(f"input {uri!r} cannot be read: {error}") from None
+
+
+def inside(directory: Path, relative: str, source: str) -> Path:
+    """`directory / relative`, refused (`ValueError` naming the object `source`) unless it stays inside `directory`.
+
+    Object keys are plain strings: `a/../../x` and `a//etc/x` (an absolute path once the prefix is cut) are valid
+    S3 keys, and a naive join would write outside the copy's directory.
+    """
+    local = Path(os.path.normpath(directory / relative))
+    if local == directory or directory not in local.parents:
+        raise ValueError(f"input object {source!r} leads outside the local copy's directory ({relative!r} under "
+                         f"{directory}); refusing to copy it: rename the object")  # fmt: skip
+    return local
 
 
 def _download(fs: pafs.FileSystem, path: str, local: Path) -> Path:

@@ -30,7 +30,10 @@ from workers.stream import ShardStream
 
 # Test hooks, unset in normal runs: {"kill_during_shard": N, "marker": path} makes the worker kill its own process
 # (SIGKILL) while it processes shard N, once (the marker file remembers); {"hang_during_shard": N, "marker": path}
-# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away.
+# makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away (or the
+# driver's shard deadline kill it); {"break_during_shard": N, "marker": path} makes the first worker that gets
+# shard N write its process id into the marker and raise on shard N and on every shard after it, as a worker with
+# a broken CUDA context does.
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 
@@ -46,7 +49,7 @@ class WorkerSpec:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_memory: str | None = None
+    max_memory: int | str | None = None  # bytes or a size like 8GB; the driver gives CPU workers their share
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
     num_threads: int | None = None  # CPU workers: torch threads
@@ -180,6 +183,10 @@ class ShardWorker:
         if task.index == plan.get("kill_during_shard") and not marker.exists():
             marker.write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)
+        if task.index == plan.get("break_during_shard") and not marker.exists():
+            marker.write_text(str(os.getpid()))
+        if "break_during_shard" in plan and marker.exists() and marker.read_text() == str(os.getpid()):
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected, shard {task.index})")
         if task.index == plan.get("hang_during_shard") and not marker.exists():
             import ray
 

@@ -2,7 +2,8 @@
 
 On CUDA the budget is vLLM's `gpu_memory_utilization`: the fraction of the device's memory this runner may use
 (weights, activations and KV cache together). On CPU it is `max_memory` in bytes, by default 80 % of the memory
-available when the runner starts. The KV cache gets what the weights, the recurrent state slots and the
+available when the runner starts (the driver gives each CPU worker its share of its node instead:
+`pipeline/placement.py`). The KV cache gets what the weights, the recurrent state slots and the
 activations of one forward (bounded by `max_num_batched_tokens`) leave. On CPU the cache is reserved, not touched:
 blocks are paged in as requests use them, so the budget bounds memory rather than claiming it.
 """

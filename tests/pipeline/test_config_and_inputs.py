@@ -8,6 +8,7 @@ import pytest
 from jobs.generate import SECTIONS, main
 from pipeline.cli import build_parser, parse_sections
 from pipeline.inputs import load_rows
+from pipeline.remote import inside
 from pipeline.sharding import default_rows_per_shard, plan_shards
 
 BASE = ["--model", "m", "--input", "d.jsonl", "--prompt-column", "text"]
@@ -132,3 +133,11 @@ def test_input_id_column_becomes_the_output_id(tmp_path, checkpoint_dir):
     assert "(default: the input's `id` column if it has one, else the row index)" in " ".join(
         build_parser("t", SECTIONS).format_help().split()
     )
+
+
+def test_remote_object_keys_stay_inside_the_copy_directory(tmp_path):
+    assert inside(tmp_path, "a/b.jsonl", "s3://b/in/a/b.jsonl") == tmp_path / "a" / "b.jsonl"
+    assert inside(tmp_path, "a/../b.jsonl", "s3://b/in/a/../b.jsonl") == tmp_path / "b.jsonl"  # still inside
+    for relative in ("../b.jsonl", "a/../../b.jsonl", "/etc/b.jsonl", "", ".", "a/.."):
+        with pytest.raises(ValueError, match=f"input object 's3://b/in/{relative}' leads outside"):
+            inside(tmp_path, relative, f"s3://b/in/{relative}")

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,46 @@ def test_killed_worker_shard_is_retried_and_output_identical(
     run(build_generate_job(job_config(model, dataset, tmp_path / "out")))
     assert marker.exists()  # a worker process really died in the middle of shard 2
     assert read_output(tmp_path / "out") == undisturbed
+
+
+def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
+    model, dataset, tmp_path, undisturbed, ray_session, monkeypatch, capfd
+):
+    # The first worker to get shard 2 raises on it and on every later shard (a broken CUDA context). Before, the
+    # failed shard went back to that worker until its retries ran out and the job failed. Now the retry goes to the
+    # other worker when it is ready (else to the same one once more), and the broken worker is replaced after its
+    # second failure. (Which worker a retry may take: tests/pipeline/test_retry.py.)
+    marker = tmp_path / "broken"
+    monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"break_during_shard": 2, "marker": str(marker)}))
+    run(build_generate_job(job_config(model, dataset, tmp_path / "out")))
+    assert marker.exists()
+    assert read_output(tmp_path / "out") == undisturbed
+    err = capfd.readouterr().err
+    assert "shard 2 requeued (1 of at most 3 retries): RuntimeError: CUDA error" in err
+    assert err.count("a worker failed 2 shards: replacing it") == 1
+    assert "(3 of at most 3 retries)" not in err
+
+
+def test_hung_worker_is_killed_at_the_shard_deadline(model, dataset, tmp_path, undisturbed, ray_session, monkeypatch,
+                                                     capfd):  # fmt: skip
+    # A worker hangs in shard 2 (alive, never answers). The driver kills it after --shard-timeout-s, requeues the
+    # shard (a retry) and starts another worker; the job ends with every row once. Before, it waited forever. (A
+    # worker's first shard takes ~4 s here: the timeout leaves room for it. The automatic deadline:
+    # tests/pipeline/test_retry.py.)
+    marker = tmp_path / "hung"
+    monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"hang_during_shard": 2, "marker": str(marker)}))
+    config = job_config(model, dataset, tmp_path / "out", shard_timeout_s=10.0, max_shard_retries=1)
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(totals=run(build_generate_job(config))), daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the job hung with its worker"
+    assert marker.exists() and outcome["totals"]["rows"] == NUM_ROWS
+    assert read_output(tmp_path / "out") == undisturbed
+    err = capfd.readouterr().err
+    assert "shard 2 requeued (1 of at most 1 retries): TimeoutError: no result within 10 s (--shard-timeout-s)" in err
+    assert time.monotonic() - start < 60
 
 
 def test_chat_messages_column(model, tmp_path, ray_session):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import socket
+import tempfile
 
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
@@ -95,3 +97,25 @@ def test_an_input_edited_on_s3_is_a_different_job(s3, checkpoint_dir, tmp_path):
     upload(1500)
     with pytest.raises(ValueError, match=r"different job \(input_identity\.files\.prompts\.jsonl\.sha256"):
         prepare_output(out, build_generate_job(config), overwrite=False)
+
+
+def test_object_keys_that_leave_the_copy_directory_are_refused(s3, tmp_path, monkeypatch):
+    # S3 keys are plain strings: `a/../b` and `a//abs/path` are valid keys. Joined naively to the temporary directory
+    # they point outside it (one level up; the absolute path). The HTTP client also folds `..` out of the URL, so
+    # `trap-up/../outside/escaped.jsonl` is read from the key `outside/escaped.jsonl`, which exists here: without
+    # the check the copy lands in `copies/outside/`. Every such key must be refused, named, before anything is read.
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(copies))  # the copy goes to copies/hybridgen-input-…
+    line = b'{"text": "hello"}\n'
+    absolute = tmp_path / "escaped.jsonl"
+    keys = {"trap-up": "trap-up/../outside/escaped.jsonl", "trap-abs": f"trap-abs/{absolute}"}  # trap-abs//tmp/…
+    for key in ("trap-up/ok.jsonl", "trap-abs/ok.jsonl", "outside/escaped.jsonl", *keys.values()):
+        s3.put_object(Bucket=BUCKET, Key=key, Body=line)
+    for prefix, key in keys.items():
+        for uri in (f"s3://{BUCKET}/{prefix}/", f"s3://{BUCKET}/{prefix}/*.jsonl"):
+            with pytest.raises(ValueError, match=re.escape(f"input object 's3://{BUCKET}/{key}' leads outside")):
+                load_rows(uri)
+    assert not absolute.exists() and not (copies / "outside").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copies"]
+    assert all(p.name.startswith("hybridgen-input-") for p in copies.iterdir())

@@ -85,3 +85,35 @@ def test_autoscaler_is_told_apart_from_rays_read_only_stand_in():
     assert autoscaler_in_status(json.dumps(real).encode()) is True
     assert autoscaler_in_status(json.dumps(read_only)) is False
     assert autoscaler_in_status(None) is False and autoscaler_in_status(b"not json") is False
+
+
+def test_cpu_workers_split_a_nodes_memory_and_ask_ray_for_their_share():
+    gib = 2**30
+    node = {"CPU": 8.0, "memory": 16.0 * gib}
+    # Two workers of 4 CPUs share the node: each gets half its memory as budget and asks Ray for it.
+    placement = plan_placement("cpu", ScalingConfig(), [HEAD, node], 2)
+    assert (placement.num_cpus, placement.memory) == (4, 8 * gib)
+    assert placement.actor_options() == {"num_cpus": 4, "num_gpus": 0, "memory": 8 * gib}
+    assert placement.bundle == {"CPU": 4, "memory": 8 * gib}
+    # Never more workers per node than the job has: one 1-CPU worker gets the whole node, three get a third each.
+    assert plan_placement("cpu", ScalingConfig(cpus_per_worker=1), [node], 1).memory == 16 * gib
+    assert plan_placement("cpu", ScalingConfig(cpus_per_worker=1), [node], 3).memory == 16 * gib // 3
+    # Unequal nodes: the smallest share, so that every node holds as many workers as its CPUs allow.
+    small = {"CPU": 8.0, "memory": 8.0 * gib}
+    assert plan_placement("cpu", ScalingConfig(), [node, small], 4).memory == 4 * gib
+    for nodes, num_workers in [([HEAD, node], 2), ([node, small], 4), ([node], 3), ([node], 8)]:
+        share = plan_placement("cpu", ScalingConfig(), nodes, num_workers)
+        for n in nodes:  # the workers Ray can put on a node (by CPU) fit in its memory together
+            assert min(num_workers, n["CPU"] // share.num_cpus) * share.memory <= n["memory"]
+    # --max-memory: that budget is what each worker asks of Ray.
+    assert plan_placement("cpu", ScalingConfig(), [node], 2, max_memory="3GiB").memory == 3 * gib
+    # No node to measure (an autoscaling cluster starting empty) and GPU workers: no memory asked.
+    assert plan_placement("cpu", ScalingConfig(), [HEAD], 2).memory is None
+    assert "memory" not in plan_placement("cpu", ScalingConfig(), [HEAD], 2).actor_options()
+    gpu = plan_placement("cuda", ScalingConfig(), [{**node, "GPU": 1.0}], 2)
+    assert gpu.memory is None and "memory" not in gpu.bundle
+
+
+def test_pending_message_shows_memory_in_gib():
+    message = pending_message(1, {"CPU": 1, "memory": 3 * 2**30}, [{"CPU": 2.0, "memory": 2.0 * 2**30}], False)
+    assert "1 worker needs {CPU: 1, memory: 3 GiB}: no node has memory ≥ 3 GiB (cluster total 2 GiB)" in message

@@ -35,7 +35,10 @@ from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 
 CONNECT_TIMEOUT_S = 10.0  # how long an address may take to answer before the driver gives up on it
-MAX_REPORT_INTERVAL_S = 300.0  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
+MAX_REPORT_INTERVAL_S = 300.0
+# Shards a worker holds at once: the one running and one queued behind it, whose rows enter the batch as the first
+# one's last rows finish (no drain between shards, no wait for a round trip to the driver).
+SHARDS_PER_WORKER = 2  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
 
 
 class JobFailed(RuntimeError):
@@ -109,7 +112,9 @@ class Fleet:
         self.spec = dataclasses.replace(job.worker, device=self.placement.device,
                                         num_threads=self.placement.num_threads,
                                         max_memory=self.placement.memory or job.worker.max_memory)  # fmt: skip
-        self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0, **options)
+        # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py).
+        self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0,
+                                                           max_concurrency=SHARDS_PER_WORKER + 1, **options)
 
     def start(self) -> Any:
         """A new actor (it may stay pending until the cluster has room for it)."""
@@ -139,8 +144,8 @@ class ShardLoop:
         self.num_workers = min(job.scaling.worker_range[1], len(todo))  # never more workers than shards
         self.fleet = Fleet(job, self.num_workers)
         self.queue: deque[Shard] = deque(todo)
-        self.idle: list[Any] = []
         self.ready: set[Any] = set()  # workers alive and ready now, idle or busy
+        self.load: Counter[Any] = Counter()  # ready worker → shards it holds (at most SHARDS_PER_WORKER)
         # ref → (kind, actor, shard, rows, started): started is when the shard was handed out (or the worker started)
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
         self.retries = RetryPolicy(job.scaling.max_shard_retries)
@@ -183,19 +188,25 @@ class ShardLoop:
         self.in_flight[actor.ready.remote()] = ("ready", actor, None, None, time.monotonic())
 
     def _dispatch(self) -> None:
-        """Each idle worker takes the first queued shard it may run (not one that failed on it while another ready
-        worker can take it; that shard waits for one)."""
-        for actor in list(self.idle):
-            position = self.retries.next_shard(actor, [shard.index for shard in self.queue], self.ready)
-            if position is None:
-                continue
-            shard = self.queue[position]
-            del self.queue[position]
-            self.idle.remove(actor)
-            task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
-            self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
-        if not self.queue and (self.idle or self.fleet_requested):
+        """Fill every ready worker up to SHARDS_PER_WORKER, the least loaded first (every worker gets a shard before
+        any gets a second). A worker takes the first queued shard it may run (not one that failed on it while another
+        ready worker can take it; that shard waits for one)."""
+        for depth in range(1, SHARDS_PER_WORKER + 1):
+            for actor in [a for a in self.ready if self.load[a] < depth]:
+                position = self.retries.next_shard(actor, [shard.index for shard in self.queue], self.ready)
+                if position is None:
+                    continue
+                shard = self.queue[position]
+                del self.queue[position]
+                self.load[actor] += 1
+                task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
+                self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
+        if not self.queue and (self._idle() or self.fleet_requested):
             self._release_spare_workers()
+
+    def _idle(self) -> list[Any]:
+        """Ready workers that hold no shard."""
+        return [actor for actor in self.ready if self.load[actor] == 0]
 
     def _wait_s(self, longest: float) -> float:
         """How long `ray.wait` may block: `longest`, or less when a shard's deadline comes sooner."""
@@ -213,6 +224,7 @@ class ShardLoop:
                 continue
             del self.in_flight[ref]
             self._remove_worker(actor)
+            self._requeue_held(actor)
             timeout = self.deadlines.timeout_for(shard.num_rows)
             self._retry(shard, TimeoutError(f"no result within {timeout:g} s ({self.deadlines.describe(shard.num_rows)}"
                                             "); its worker was stopped"), None)  # fmt: skip
@@ -222,17 +234,26 @@ class ShardLoop:
         """Stop a worker and forget it; with no ready worker left the startup timeout applies again, from now."""
         self.fleet.release(actor)
         self.retries.forget_worker(actor)
+        self.load.pop(actor, None)
         if actor in self.ready:
             self.ready.discard(actor)
             if not self.ready:
                 self.idle_since = time.monotonic()
 
+    def _requeue_held(self, actor: Any) -> None:
+        """The driver stopped `actor`: the other shards it held go back to the queue's front (no retry used: they
+        did not fail)."""
+        for ref, (kind, holder, shard, *_) in list(self.in_flight.items()):
+            if kind == "shard" and holder is actor:
+                del self.in_flight[ref]
+                self.queue.appendleft(shard)
+
     def _release_spare_workers(self) -> None:
         """Nothing left to hand out: stop idle and still-starting workers so their nodes can go."""
-        for actor in self.idle:
+        for actor in self._idle():
             self.fleet.release(actor)
             self.ready.discard(actor)
-        self.idle = []
+            self.load.pop(actor, None)
         for ref in [r for r, (kind, *_) in self.in_flight.items() if kind == "ready"]:
             self.fleet.release(self.in_flight.pop(ref)[1])
         if self.fleet_requested:
@@ -247,21 +268,22 @@ class ShardLoop:
             if kind == "ready":
                 self.fleet.release(actor)
                 return self._start_failed(f"{type(error.cause).__name__}: {error.cause}", "?")
-            if self._retry(shard, error, actor).replace_worker:
+            self.load[actor] -= 1
+            if self._retry(shard, error, actor).replace_worker and actor in self.ready:
                 _say(f"a worker failed {self.retries.max_worker_failures} shards: replacing it")
                 self._remove_worker(actor)
+                self._requeue_held(actor)
                 self._start_worker()
-            else:
-                self.idle.append(actor)
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
+            known = actor in self.ready or kind == "ready"  # its other shards' errors arrive later: one replacement
             self._remove_worker(actor)
             preempted = getattr(error, "preempted", False)
             if kind == "ready" and not preempted:  # it died while loading its model
                 return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
             if kind == "shard":
                 self._lost_worker(shard, error, preempted)
-            if self.queue or kind == "shard":
+            if known and (self.queue or kind == "shard"):
                 self._start_worker()
             return
         if kind == "ready":
@@ -270,9 +292,8 @@ class ShardLoop:
                 return self._start_failed(value["error"], value["node"])
             self.ready.add(actor)
             self.had_workers = True
-            self.idle.append(actor)
             return
-        self.idle.append(actor)
+        self.load[actor] -= 1
         self.deadlines.observe(shard.num_rows, time.monotonic() - started)
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,

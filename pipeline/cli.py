@@ -60,8 +60,9 @@ def build_parser(description: str, sections: dict[str, type]) -> argparse.Argume
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
                 )
-            elif kind is bool:
-                group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            elif kind is bool:  # off by default: --flag; on by default: --flag / --no-flag
+                action = argparse.BooleanOptionalAction if default else "store_true"
+                group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=help_text)
             elif kind is tuple:
                 group.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text)
             elif kind is dict:

@@ -71,6 +71,9 @@ class ModelConfig:
                                          "name and meaning)", default=0.9)  # fmt: skip
     enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
                                "by default on CUDA and never used on CPU)", default=False)  # fmt: skip
+    enable_prefix_caching: bool = _doc("rows that share a prompt prefix (a template, a system prompt) compute it once: "
+                                       "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
+                                       "not with --speculative draft or mtp)", default=True)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:

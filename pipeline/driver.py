@@ -333,6 +333,8 @@ class ShardLoop:
         elapsed = max(self.progress.format_dict["elapsed"], 1e-9)
         tokens = self.counts["generated_tokens"] or self.counts["scored_tokens"]
         postfix = {"tok/s": f"{tokens / elapsed:.0f}"}
+        if self.counts["prefix_cache_hit_tokens"]:  # share of prompt tokens restored instead of computed
+            postfix["prefix hit"] = f"{self.counts['prefix_cache_hit_tokens'] / self.counts['prompt_tokens']:.0%}"
         if self.counts["num_draft_tokens"]:
             postfix["accept"] = f"{self.counts['num_accepted_draft_tokens'] / self.counts['num_draft_tokens']:.2f}"
         self.progress.set_postfix(postfix, refresh=False)

@@ -61,7 +61,7 @@ def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **ta
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
                       max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
                       gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,
-                      **task_fields)  # fmt: skip
+                      enable_prefix_caching=model.enable_prefix_caching, **task_fields)  # fmt: skip
 
 
 def read_input(source: str, split: str) -> tuple[datasets.Dataset, dict[str, Any]]:
@@ -111,6 +111,7 @@ def build_job(
         "max_memory",
         "gpu_memory_utilization",
         "enforce_eager",
+        "enable_prefix_caching",
     ):
         fingerprint["model"].pop(performance_only)
     # What decides the output beyond the flags: weights, tokenizer, draft model and input contents.

@@ -160,6 +160,8 @@ def finalize_output(
     totals["untimed_shards"] = len(job.plan) - sum(r.get("shards_written", 0) for r in timed)
     if totals.get("scored_tokens"):
         totals["corpus_perplexity"] = math.exp(-totals["sum_logprob"] / totals["scored_tokens"])
+    if totals.get("prompt_tokens"):
+        totals["prefix_cache_hit_rate"] = totals.get("prefix_cache_hit_tokens", 0) / totals["prompt_tokens"]
     if totals.get("num_draft_tokens"):
         totals["acceptance_rate"] = totals["num_accepted_draft_tokens"] / totals["num_draft_tokens"]
         totals["mean_accepted_length"] = 1 + totals["num_accepted_draft_tokens"] / totals["num_drafts"]

@@ -52,6 +52,7 @@ class WorkerSpec:
     max_memory: int | str | None = None  # bytes or a size like 8GB; the driver gives CPU workers their share
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
+    enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU workers: torch threads
     speculative: SpeculativeConfig | None = None
     prompt: PromptSource = field(default_factory=PromptSource)
@@ -97,6 +98,7 @@ def shard_stats(columns: dict[str, list[Any]]) -> dict[str, float]:
             stats[key] = sum(columns[key])
     if "num_generated_tokens" in columns:
         stats["generated_tokens"] = sum(columns["num_generated_tokens"])
+        stats["prompt_tokens"] = sum(columns["num_prompt_tokens"])
     for key in ("num_scored_tokens", "sum_logprob"):
         if key in columns:
             stats[key.replace("num_", "")] = sum(v for v in columns[key] if v is not None)
@@ -140,6 +142,7 @@ class ShardWorker:
                 max_memory=spec.max_memory,
                 gpu_memory_utilization=spec.gpu_memory_utilization,
                 cuda_graphs=False if spec.enforce_eager else None,
+                enable_prefix_caching=spec.enable_prefix_caching,
                 revision=spec.revision,
             )
             if self.runner.tokenizer is None:
@@ -167,11 +170,14 @@ class ShardWorker:
             with self._tokenizer_lock:  # a fast tokenizer is not meant to be shared between threads
                 prompts = shard_prompts(self.runner.tokenizer, rows, self.spec.prompt, self.spec.task_options,
                                         task.first_row)  # fmt: skip
-            columns = prompts.columns(self.stream.submit(task.index, prompts.prompts, prompts.params).result())
+            results = self.stream.submit(task.index, prompts.prompts, prompts.params).result()
+            columns = prompts.columns(results)
+            stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
             with self._score_lock:  # scoring is one batch at a time
                 columns = score_shard(self.runner, rows, self.spec.task_options)
-        return ShardOutput(task.index, columns, time.perf_counter() - start, shard_stats(columns))
+            stats = shard_stats(columns)
+        return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
 
     @staticmethod
     def _maybe_inject_fault(task: ShardTask, rows: list[dict[str, Any]]) -> None:

@@ -148,6 +148,28 @@ def test_hung_worker_is_killed_at_the_shard_deadline(model, dataset, tmp_path, u
     assert time.monotonic() - start < 60
 
 
+def test_a_templated_job_reuses_its_prefix_and_writes_what_no_cache_writes(model, tmp_path, ray_session):
+    """24 rows sharing a 120-word template: with the prefix cache (default) the rows restore the template's states
+    (the manifest and totals count the restored prompt tokens), and the output equals --no-enable-prefix-caching."""
+    import random
+
+    from tests.tiny_models import WORDS
+
+    rng = random.Random(7)
+    template = " ".join(rng.choice(WORDS) for _ in range(120))
+    data = tmp_path / "templated.jsonl"
+    data.write_text("".join(json.dumps({"key": f"row-{i:02d}", "text": f"{template} {rng.choice(WORDS)} "
+                                        f"{rng.choice(WORDS)} {rng.choice(WORDS)}"}) + "\n" for i in range(24)))
+    totals = {}
+    for caching in (True, False):
+        config = job_config(model, data, tmp_path / f"out-{caching}", max_model_len=200, num_workers=1,
+                            enable_prefix_caching=caching)  # fmt: skip
+        totals[caching] = run(build_generate_job(config))
+    assert read_output(tmp_path / "out-True") == read_output(tmp_path / "out-False")
+    assert totals[True]["prefix_cache_hit_tokens"] >= 20 * 64 and totals[False]["prefix_cache_hit_tokens"] == 0
+    assert 0 < totals[True]["prefix_cache_hit_rate"] < 1
+
+
 def test_chat_messages_column(model, tmp_path, ray_session):
     rows = [{"messages": [{"role": "user", "content": "the cat sat"}]},
             {"messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "a dog"},

@@ -3,6 +3,7 @@
 python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
 python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
 python jobs/benchmark.py --task shards --model examples/models/demo-target --batch-sizes 32   # streaming vs drains
+python jobs/benchmark.py --task prefix --model examples/models/demo-target --num-rows 64 --new-tokens 16  # prefix cache
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
@@ -36,7 +37,7 @@ from workers.benchmark import (
     roofline_share,
     timed,
 )
-from workers.job_benchmark import bench_shards
+from workers.job_benchmark import bench_prefix, bench_shards
 from workers.model import cuda_graph
 from workers.model.decode_plan import unsupported_reason
 from workers.model.loader import DECODE_KERNELS
@@ -49,9 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--task", choices=["generate", "score", "shards", "resume"], default="generate",
+    p.add_argument("--task", choices=["generate", "score", "shards", "prefix", "resume"], default="generate",
                    help="what to measure (shards: a job's rows streamed through one worker against one call per "
-                   "shard and one call over every row; resume: the driver's shard bookkeeping, no model)")  # fmt: skip
+                   "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
+                   "and distinct prompts; resume: the driver's shard bookkeeping, no model)")  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -94,6 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
     p.add_argument("--shard-rows", type=int, default=None, help="--task shards: rows per shard (default: 2 × the "
                    "largest --batch-sizes, which is max_num_seqs)")  # fmt: skip
+    p.add_argument("--prefix-len", type=int, default=1500, help="--task prefix: tokens of the shared prefix")
+    p.add_argument("--suffix-len", type=int, default=30, help="--task prefix: mean tokens of each row's own suffix")
+    p.add_argument("--num-distinct", type=int, default=1000, help="--task prefix: rows of the distinct-prompt run "
+                   "(--prompt-len tokens each)")  # fmt: skip
     p.add_argument("--num-shards", type=int, nargs="+", default=[100_000],
                    help="--task resume: shards in the plan (one row each)")  # fmt: skip
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
@@ -320,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                                         args.repeats)  # fmt: skip
         print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
                     f"(mean {args.new_tokens}): streamed shards vs one call", result["shards"])  # fmt: skip
+    elif args.task == "prefix":
+        result["prefix"] = bench_prefix(runner, args.num_rows, args.prefix_len, args.suffix_len, args.new_tokens,
+                                        args.num_distinct, args.prompt_len, args.repeats)  # fmt: skip
+        print_table(f"prefix caching: {args.num_rows} rows sharing {args.prefix_len} tokens (+ ~{args.suffix_len} "
+                    f"own), {args.num_distinct} distinct prompts of {args.prompt_len}; {args.new_tokens} new tokens",
+                    result["prefix"])  # fmt: skip
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

@@ -89,3 +89,61 @@ def bench_shards(runner: ModelRunner, num_rows: int, prompt_len: int, shard_rows
         row["steps_vs_one_call"] = row["steps"] / rows[0]["steps"]
         row["wall_vs_one_call"] = row["wall_s"] / rows[0]["wall_s"]
     return rows
+
+
+def _twin(runner: ModelRunner, caching: bool) -> ModelRunner:
+    """Another runner over the same loaded model, with the prefix cache on or off."""
+    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
+                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
+                       enable_prefix_caching=caching)  # fmt: skip
+
+
+def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]], params: SamplingParams,
+                    repeats: int) -> tuple[float, list[list[int]], int]:  # fmt: skip
+    """(median seconds, tokens, prefix-cache hit tokens) of `repeats` runs, each on a fresh twin runner (the cache
+    starts empty; a 5-token warm-up builds its plans first)."""
+    walls, tokens, hits = [], [], 0
+    for _ in range(repeats):
+        twin = _twin(runner, caching)
+        twin.generate([prompts[0][:5]], params)
+        started = time.perf_counter()
+        results = twin.generate(prompts, params)
+        walls.append(time.perf_counter() - started)
+        tokens = [r.token_ids for r in results]
+        hits = twin.scheduler_stats()["prefix_cache_hit_tokens"]
+    return sorted(walls)[len(walls) // 2], tokens, hits
+
+
+def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len: int, new_tokens: int,
+                 num_distinct: int, distinct_len: int, repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+    """A shared-prefix job (num_rows rows: one prefix_len-token prefix, own suffixes of about suffix_len tokens) with
+    the prefix cache on and off, against the suffixes alone and the prefix once; and num_distinct rows of distinct
+    prompts with the cache on and off (its cost where nothing is shared). Each cache-on run starts from an empty
+    cache. Raises if cache on and off give different tokens."""
+    vocab, rng = runner.config.vocab_size, random.Random(3)
+    prefix = random_prompts(1, prefix_len, vocab, seed=5)[0]
+    suffixes = [random_prompts(1, rng.randrange(suffix_len // 2, 3 * suffix_len // 2 + 1), vocab, seed=10 + i)[0]
+                for i in range(num_rows)]  # fmt: skip
+    distinct = random_prompts(num_distinct, distinct_len, vocab, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    workloads = {"shared prefix": [prefix + s for s in suffixes], "suffixes alone": suffixes, "prefix once": [prefix],
+                 "distinct prompts": distinct}  # fmt: skip
+    rows = []
+    for name, prompts in workloads.items():
+        variants = (False, True) if name in ("shared prefix", "distinct prompts") else (False,)
+        outputs = {}
+        for caching in variants:
+            seconds, outputs[caching], hits = _timed_generate(runner, caching, prompts, params, repeats)
+            rows.append({"workload": name, "cache": "on" if caching else "off", "rows": len(prompts),
+                         "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits, "wall_s": seconds})  # fmt: skip
+        if len(outputs) == 2 and outputs[True] != outputs[False]:
+            raise AssertionError(f"{name}: tokens differ with the prefix cache on and off")
+    by = {(r["workload"], r["cache"]): r["wall_s"] for r in rows}
+    for row in rows:
+        if row["workload"] == "shared prefix":
+            row["speedup_vs_off"] = by[("shared prefix", "off")] / row["wall_s"]
+            row["vs_suffixes_alone"] = row["wall_s"] / by[("suffixes alone", "off")]
+        if row["workload"] == "distinct prompts":
+            row["speedup_vs_off"] = by[("distinct prompts", "off")] / row["wall_s"]
+    return rows
+

@@ -14,11 +14,12 @@ import torch
 from workers.budget import TokenBudget
 from workers.executors import executor_summary
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
-from workers.model import ForwardBatch, HybridModel, StatePool, load_checkpoint, mtp_plan, native
+from workers.model import HybridModel, load_checkpoint, mtp_plan, native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
-from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
+from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler, scan_chunk
+from workers.scorer import Scorer
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.mtp import MtpProposer
@@ -28,8 +29,6 @@ from workers.spec_decode.proposal import Proposer
 
 logger = logging.getLogger(__name__)
 
-# Scoring: logits for this many positions at a time.
-SCORE_LOGITS_CHUNK = 1024
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -167,6 +166,8 @@ class ModelRunner:
             prefix_caching=enable_prefix_caching and (speculative is None or speculative.method == "ngram"),
         )  # fmt: skip
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
+        self._scorer = Scorer(model, max_num_seqs, self.max_num_batched_tokens, scan_chunk(model),
+                              share_prefixes=enable_prefix_caching)  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -369,11 +370,11 @@ class ModelRunner:
             self.cuda_graphs = False  # once per runner
 
     # -------------------------------------------------------------------------------------------------- score
-    @torch.inference_mode()
     def score(self, token_ids: Sequence[Sequence[int]]) -> list[ScoreResult]:
         """Per sequence, log p(token t+1 | tokens ≤ t) for every t. Short sequences share padded forwards of at most
         `max_num_batched_tokens` tokens; a longer one runs alone in chunks of that many, continuing its recurrent
-        states and KV cache (the same log-probs as one forward over it, in bounded memory)."""
+        states and KV cache (the same log-probs as one forward over it, in bounded memory). With prefix caching,
+        sequences sharing a long prefix compute it once (`workers/scorer.py`)."""
         results: list[ScoreResult | None] = [None] * len(token_ids)
         valid = []
         max_positions = (self.num_kv_blocks - 1) * DEFAULT_BLOCK_SIZE
@@ -386,48 +387,7 @@ class ModelRunner:
                 results[i] = ScoreResult([], problem.replace("prompt", "sequence", 1))
             else:
                 valid.append(i)
-        valid.sort(key=lambda i: len(token_ids[i]))  # similar lengths together: little padding
-        group: list[int] = []
-        for i in valid:
-            padded_tokens = (len(group) + 1) * len(token_ids[i])  # sorted: the newcomer is the longest
-            if group and (len(group) == self.max_num_seqs or padded_tokens > self.max_num_batched_tokens):
-                self._score_into(results, group, token_ids)
-                group = []
-            group.append(i)
-        if group:
-            self._score_into(results, group, token_ids)
-        return results  # type: ignore[return-value]
-
-    def _score_into(self, results: list, group: list[int], token_ids: Sequence[Sequence[int]]) -> None:
-        for i, logprobs in zip(group, self._score_group([list(token_ids[i]) for i in group])):
+        scored = self._scorer.score([list(token_ids[i]) for i in valid])
+        for i, logprobs in zip(valid, scored):
             results[i] = ScoreResult(logprobs)
-
-    def _score_group(self, sequences: list[list[int]]) -> list[list[float]]:
-        """One group: a single padded forward, or chunks of `max_num_batched_tokens` for a single long sequence."""
-        lengths = [len(s) for s in sequences]
-        input_ids = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            input_ids[row, : len(seq)] = torch.tensor(seq)
-        input_ids = input_ids.to(self.device)
-        pool = StatePool(self.config, len(sequences), max(lengths), self.device, self.dtype)
-        slots = torch.arange(len(sequences), device=self.device)
-        chunk = max(lengths) if len(sequences) > 1 else self.max_num_batched_tokens
-        states, out = None, [[] for _ in sequences]
-        for start in range(0, max(lengths), chunk):
-            stop = min(start + chunk, max(lengths))
-            num_tokens = (torch.tensor(lengths, device=self.device) - start).clamp(0, stop - start)
-            batch = ForwardBatch(slots, torch.full_like(num_tokens, start), num_tokens)
-            forward = self.model(input_ids[:, start:stop], batch, states, pool.kv_caches())
-            states = forward.mamba_states
-            for row, length in enumerate(lengths):  # position t predicts token t + 1
-                out[row] += self._logprobs(forward.hidden[row], input_ids[row], start, min(stop, length - 1))
-        return out
-
-    def _logprobs(self, hidden: torch.Tensor, token_ids: torch.Tensor, start: int, stop: int) -> list[float]:
-        """log p(token t+1 | ≤ t) for positions start … stop-1, from `hidden` [chunk, d] whose row 0 is `start`."""
-        values: list[float] = []
-        for first in range(start, stop, SCORE_LOGITS_CHUNK):  # bounded [chunk, vocab] logits at a time
-            last = min(first + SCORE_LOGITS_CHUNK, stop)
-            logprobs = self.model.logits(hidden[first - start : last - start]).log_softmax(-1)
-            values += logprobs.gather(-1, token_ids[first + 1 : last + 1, None]).squeeze(-1).tolist()
-        return values
+        return results  # type: ignore[return-value]

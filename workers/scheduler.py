@@ -181,7 +181,7 @@ class Scheduler:
         self.prefix_cache = None
         if self.num_prefix_checkpoints:
             store = CheckpointStore(self.pool, self.num_prefix_checkpoints)
-            self.prefix_cache = PrefixCache(self.blocks, store, max(CHECKPOINT_MULTIPLE, _scan_chunk(self.model)))
+            self.prefix_cache = PrefixCache(self.blocks, store, max(CHECKPOINT_MULTIPLE, scan_chunk(self.model)))
         if proposer is not None:
             proposer.start(self.pool, self.budget.max_num_batched_tokens)
         usable = self.pool.num_slots - extra_slots(workspace.executor)
@@ -499,7 +499,7 @@ def prefix_caching_supported(proposer: Proposer | None) -> bool:
     return proposer is None or not hasattr(proposer, "release")
 
 
-def _scan_chunk(model: HybridModel) -> int:
+def scan_chunk(model: HybridModel) -> int:
     """The recurrent layers' prefill chunk: a continued prefill computes what one forward does only from its
     multiples (the chunked scans' grids start at each forward's first token)."""
     config = model.config

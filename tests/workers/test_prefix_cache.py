@@ -94,3 +94,21 @@ def test_common_prefix_length():
     assert common_prefix_length(a, a[:150] + [0]) == 150
     assert common_prefix_length(a, a) == 200 and common_prefix_length(a, []) == 0
     assert common_prefix_length(a, a[:64] + [-1] + a[65:]) == 64
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scoring_computes_a_shared_prefix_once_with_the_same_logprobs(family, checkpoint_dir):
+    """Sequences sharing a 149-token prefix (and one that shares nothing): the prefix's first 128 tokens are computed
+    once for all of them, and every log-prob is what scoring without sharing gives (float32 rounding: the shared
+    prefix runs alone, unshared sequences in padded batches)."""
+    path = str(checkpoint_dir(family))
+    sequences = _templated(149, 6, seed=8) + [list(range(4, 60))]
+    scores = {}
+    for caching in (False, True):
+        runner = ModelRunner.from_pretrained(path, max_num_seqs=4, enable_prefix_caching=caching)
+        scores[caching] = [r.token_logprobs for r in runner.score(sequences)]
+        shared = runner._scorer.num_shared_tokens
+        assert shared == (5 * 128 if caching else 0)
+    for off, on, sequence in zip(scores[False], scores[True], sequences):
+        assert len(on) == len(off) == len(sequence) - 1
+        assert max(abs(a - b) for a, b in zip(on, off)) < 2e-5

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import StatePool
 
@@ -57,16 +59,20 @@ class PrefixHit:
 class CheckpointStore:
     """Recurrent states saved after cached blocks, one slot each: [layers, num_checkpoints, …] like a `StatePool`'s."""
 
-    def __init__(self, pool: StatePool, num_checkpoints: int):
-        """Slots shaped like `pool`'s recurrent states, `num_checkpoints` of them."""
+    def __init__(self, pool: StatePool, num_checkpoints: int, hidden_size: int = 0):
+        """Slots shaped like `pool`'s recurrent states, `num_checkpoints` of them; `hidden_size` > 0 also keeps the
+        target's final hidden state at the checkpoint's last position (what an MTP head catches up from)."""
         self.conv = pool.conv.new_empty(pool.conv.shape[0], num_checkpoints, *pool.conv.shape[2:])
         self.ssm = pool.ssm.new_empty(pool.ssm.shape[0], num_checkpoints, *pool.ssm.shape[2:])
+        self.hidden = pool.conv.new_empty(num_checkpoints, hidden_size) if hidden_size else None
         self.num_checkpoints = num_checkpoints
 
-    def save(self, index: int, pool: StatePool, slot: int) -> None:
-        """Copy the states of `pool`'s `slot` into checkpoint `index`."""
+    def save(self, index: int, pool: StatePool, slot: int, hidden: torch.Tensor | None = None) -> None:
+        """Copy the states of `pool`'s `slot` (and the last position's `hidden` [d]) into checkpoint `index`."""
         self.conv[:, index] = pool.conv[:, slot]
         self.ssm[:, index] = pool.ssm[:, slot]
+        if self.hidden is not None and hidden is not None:
+            self.hidden[index] = hidden
 
     def restore(self, index: int, pool: StatePool, slot: int) -> None:
         """Copy checkpoint `index` into `pool`'s `slot`."""
@@ -155,13 +161,16 @@ class PrefixCache:
             self.evictable[entry.id] = entry
 
     # --------------------------------------------------------------------------------------------- inserting
-    def insert(self, prompt: Sequence[int], slot: int, chain: list[CachedBlock], num_computed: int) -> int:
-        """Cache the full prompt blocks of `slot` computed so far and not cached yet; `chain` (the request's cached
-        blocks, acquired) grows with them. Returns how many of the slot's own blocks the cache took over (their
-        reservation is the cache's now: pinned)."""
+    def insert(
+        self, prompt: Sequence[int], slot: int, path: list[CachedBlock], refs: list[CachedBlock], num_computed: int
+    ) -> int:
+        """Cache the full prompt blocks of `slot` computed so far; `path` (the request's prompt blocks as cache
+        entries, by index) grows with them, `refs` (the entries it uses, acquired) with those its blocks become.
+        A block whose tokens another slot cached meanwhile stays the slot's own (the path goes through the other
+        entry). Returns how many of the slot's own blocks the cache took over (pinned now, no longer reserved)."""
         size, taken = self.blocks.block_size, 0
-        for index in range(len(chain), min(num_computed, len(prompt)) // size):
-            parent = chain[-1] if chain else None
+        for index in range(len(path), min(num_computed, len(prompt)) // size):
+            parent = path[-1] if path else None
             key = ((parent.id if parent else 0), tuple(prompt[index * size : (index + 1) * size]))
             entry = self.entries.get(key)
             if entry is None:  # the slot's block becomes the cached one
@@ -172,22 +181,22 @@ class PrefixCache:
                 if parent is not None:
                     parent.children += 1
                     self.evictable.pop(parent.id, None)
+                self.acquire([entry])
+                refs.append(entry)
                 taken += 1
-            elif self.blocks.owned[slot][index] != entry.block:
-                break  # the same tokens were cached from another slot meanwhile: this slot's blocks stay its own
-            self.acquire([entry])
-            chain.append(entry)
+            path.append(entry)
         return taken
 
-    def save_checkpoint(self, entry: CachedBlock, pool: StatePool, slot: int) -> None:
-        """Keep the states of `slot` (which has just computed through `entry`) as `entry`'s checkpoint."""
+    def save_checkpoint(self, entry: CachedBlock, pool: StatePool, slot: int, hidden: torch.Tensor | None) -> None:
+        """Keep the states of `slot` (which has just computed through `entry`, its last position's final hidden
+        state `hidden`) as `entry`'s checkpoint."""
         if entry.checkpoint is not None:
             return
         if not self.free_checkpoints and not self._evict_checkpoint():
             return  # every checkpoint belongs to a block in use: this one goes without
         entry.checkpoint = self.free_checkpoints.pop()
         self.checkpointed[entry.id] = entry
-        self.store.save(entry.checkpoint, pool, slot)
+        self.store.save(entry.checkpoint, pool, slot, hidden)
 
     # ---------------------------------------------------------------------------------------------- eviction
     def evict_blocks(self, num_blocks: int) -> None:

@@ -96,8 +96,7 @@ class ModelRunner:
         gets an error result. See `workers/memory.py`. `cuda_graphs`: run decode and verification steps as CUDA
         graphs (`workers/model/cuda_graph.py`; None: on for CUDA devices, off elsewhere; True on CPU runs the graph
         steps' eager form). A capture that fails is logged once and the steps run eagerly. `enable_prefix_caching`
-        (vLLM's name): requests sharing a prompt prefix compute it once (`workers/prefix_cache.py`; not with a draft
-        model or MTP, whose own states are not cached yet).
+        (vLLM's name): requests sharing a prompt prefix compute it once (`workers/prefix_cache.py`).
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} is invalid: must be an integer ≥ 1")
@@ -163,7 +162,7 @@ class ModelRunner:
             [model] + ([draft_model] if draft_model is not None else []), self.device, self.dtype,
             runner_budget(self.device, max_memory, gpu_memory_utilization), self.max_num_batched_tokens,
             max_num_seqs, k, mtp=speculative is not None and speculative.method == "mtp",
-            prefix_caching=enable_prefix_caching and (speculative is None or speculative.method == "ngram"),
+            prefix_caching=enable_prefix_caching,
         )  # fmt: skip
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
         self._scorer = Scorer(model, max_num_seqs, self.max_num_batched_tokens, scan_chunk(model),

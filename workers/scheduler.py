@@ -121,7 +121,8 @@ class Scheduler:
         self.rejection_sampler = RejectionSampler()
         self.device = model.embed_tokens.weight.device
         self.max_num_seqs, self.num_kv_blocks = max_num_seqs, num_kv_blocks
-        self.num_prefix_checkpoints = num_prefix_checkpoints if prefix_caching_supported(proposer) else 0
+        self.num_prefix_checkpoints = num_prefix_checkpoints
+        self.mtp = hasattr(proposer, "observe_target")  # a proposer drafting from the target's hidden states
         self.prefix_cache: PrefixCache | None = None  # made with each workspace
         self.executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
         self.workspace = workspace
@@ -180,7 +181,8 @@ class Scheduler:
         self.blocks.reset()
         self.prefix_cache = None
         if self.num_prefix_checkpoints:
-            store = CheckpointStore(self.pool, self.num_prefix_checkpoints)
+            hidden_size = self.model.config.hidden_size if self.mtp else 0
+            store = CheckpointStore(self.pool, self.num_prefix_checkpoints, hidden_size)
             self.prefix_cache = PrefixCache(self.blocks, store, max(CHECKPOINT_MULTIPLE, scan_chunk(self.model)))
         if proposer is not None:
             proposer.start(self.pool, self.budget.max_num_batched_tokens)
@@ -253,8 +255,8 @@ class Scheduler:
                 hit = self.prefix_cache.lookup(request.prompt)
                 if self._prefix_in_flight(request, hit.num_tokens):
                     return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
-            newly_pinned = sum(entry.refs == 0 for entry in hit.chain)
-            reserved = self.blocks.try_reserve(need, len(hit.chain), newly_pinned)
+            shared = self._shared_blocks(hit)
+            reserved = self.blocks.try_reserve(need, len(shared), sum(entry.refs == 0 for entry in shared))
             if reserved is None:
                 return  # waits until running requests give their room back
             self.waiting.popleft()
@@ -275,38 +277,53 @@ class Scheduler:
                         return True
         return False
 
+    def _shared_blocks(self, hit: PrefixHit) -> list:
+        """The hit's blocks a request shares. With an MTP proposer all but the last, which it gets a private copy
+        of: the head's entry at the prefix's last position pairs it with the next token, this request's own."""
+        return hit.chain[:-1] if self.mtp and hit.chain else hit.chain
+
     def _start_from_cache(self, request: Request, hit: PrefixHit) -> None:
         """Share the hit's KV blocks, restore its states, and plan where this prefill stops to checkpoint."""
         cache = self.prefix_cache
-        cache.acquire(hit.chain)
-        request.prefix_chain = list(hit.chain)
-        self.blocks.share(request.slot, [entry.block for entry in hit.chain])
+        shared = self._shared_blocks(hit)
+        cache.acquire(shared)
+        request.prefix_refs, request.prefix_path = list(shared), list(hit.chain)
+        self.blocks.share(request.slot, [entry.block for entry in shared])
         if hit.num_tokens:
+            if len(shared) < len(hit.chain):  # the private copy of the last block
+                self.blocks.ensure(request.slot, hit.num_tokens)
+                self.blocks.copy_block(hit.chain[-1].block, self.blocks.owned[request.slot][-1])
             cache.store.restore(hit.checkpoint, self.pool, request.slot)
             request.num_computed = request.num_cached_tokens = hit.num_tokens
             self.num_prefix_hit_tokens += hit.num_tokens
+            if self.mtp:  # the head catches up from the prefix's last position, with this request's next token
+                self.proposer.resume_from(request, hit.num_tokens - 1, cache.store.hidden[hit.checkpoint])
         upcoming = [r.prompt for r in itertools.islice(self.waiting, UPCOMING_PROMPTS)]
         stops = cache.checkpoint_positions(request.prompt, upcoming + [r.prompt for r in self.prefilling])
         request.prefill_stops = [stop for stop in stops if stop > hit.num_tokens]
 
-    def _cache_prefill(self, requests: list[Request]) -> None:
-        """After a prefill forward: cache the prompt blocks computed, checkpoint states where a prefill stopped."""
+    def _cache_prefill(self, requests: list[Request], hidden: torch.Tensor, chunks: list[int]) -> None:
+        """After a prefill forward (final hidden [b, l, d], chunks[i] new tokens per row): cache the prompt blocks
+        computed, checkpoint states where a prefill stopped. An MTP head first consumes the chunk (its KV of cached
+        blocks must be written before another request shares them)."""
         cache = self.prefix_cache
-        for request in requests:
-            taken = cache.insert(request.prompt, request.slot, request.prefix_chain, request.num_computed)
+        if self.mtp:
+            self.proposer.consume_known(requests)
+        for row, request in enumerate(requests):
+            path = request.prefix_path
+            taken = cache.insert(request.prompt, request.slot, path, request.prefix_refs, request.num_computed)
             request.num_reserved_blocks -= taken  # the cache's (pinned) now
             self.blocks.release(taken)
-            chain = request.prefix_chain
-            if request.num_computed in request.prefill_stops and len(chain) * self.blocks.block_size == (
+            if request.num_computed in request.prefill_stops and len(path) * self.blocks.block_size == (
                 request.num_computed
             ):
-                cache.save_checkpoint(chain[-1], self.pool, request.slot)
+                cache.save_checkpoint(path[-1], self.pool, request.slot, hidden[row, chunks[row] - 1])
 
     def _retire(self, request: Request) -> None:
         self._retired.add(request.index)  # the policy forgets it once it has learnt from this step
         if self.prefix_cache is not None:
-            self.prefix_cache.release(request.prefix_chain)
-            request.prefix_chain = []
+            self.prefix_cache.release(request.prefix_refs)
+            request.prefix_refs, request.prefix_path = [], []
         self.blocks.free_slot(request.slot)
         self.blocks.release(request.num_reserved_blocks)
         self.free_slots.append(request.slot)
@@ -348,7 +365,7 @@ class Scheduler:
         for r, n in zip(requests, chunks):
             r.num_computed += n
         if self.prefix_cache is not None:
-            self._cache_prefill(requests)
+            self._cache_prefill(requests, out.hidden, chunks)
         done = [row for row, r in enumerate(requests) if r.num_computed == len(r.prompt)]
         if done:
             rows = torch.tensor(done, device=self.device)
@@ -491,12 +508,6 @@ class Scheduler:
         if rows:
             accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
             self.policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)
-
-
-def prefix_caching_supported(proposer: Proposer | None) -> bool:
-    """Prefix caching covers the target's states and KV; a proposer with storage of its own (a draft model's slots,
-    an MTP head's KV) would have to restore its own prefix too, which it cannot yet: no caching with those."""
-    return proposer is None or not hasattr(proposer, "release")
 
 
 def scan_chunk(model: HybridModel) -> int:

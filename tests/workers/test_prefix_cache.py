@@ -112,3 +112,59 @@ def test_scoring_computes_a_shared_prefix_once_with_the_same_logprobs(family, ch
     for off, on, sequence in zip(scores[False], scores[True], sequences):
         assert len(on) == len(off) == len(sequence) - 1
         assert max(abs(a - b) for a, b in zip(on, off)) < 2e-5
+
+
+@pytest.mark.parametrize(
+    "method,family,draft",
+    [("draft", "granite_moe", "self"), ("draft", "bamba", "draft_attention"), ("draft", "nemotron_dense", "draft_hybrid"),
+     ("mtp", "qwen3_5", None), ("mtp", "nemotron_moe", None)],
+)  # fmt: skip
+@pytest.mark.parametrize("prefix", ["one block", "blocks and a tail"])
+def test_cache_with_a_draft_model_or_mtp_gives_the_tokens_of_cache_off(method, family, draft, prefix,
+                                                                        checkpoint_dir):  # fmt: skip
+    """A draft model catches up on a restored request's whole context (its own states are not cached); an MTP head
+    shares the prefix's KV but the last block, which the restored request copies and rewrites from the hidden state
+    the checkpoint kept. Greedy tokens equal cache off either way; a model drafting for itself has every draft
+    accepted (its caught-up states and KV are right)."""
+    path = str(checkpoint_dir(family))
+    draft_path = path if draft == "self" else str(checkpoint_dir(draft)) if draft else None
+    speculative = SpeculativeConfig(method, 3, draft_model=draft_path, policy="fixed")
+    prompts = _templated(PREFIXES[prefix], seed=9)
+    off, _, _ = _run(path, prompts, False, speculative=speculative)
+    on, runner, results = _run(path, prompts, True, speculative=speculative)
+    assert on == off
+    assert (sum(r.num_cached_tokens for r in results) > 0) == (PREFIXES[prefix] >= 73)
+    stats = runner.spec_stats()
+    assert stats["num_draft_tokens"] > 0
+    if draft == "self":
+        assert stats["acceptance_rate"] == 1.0
+    _assert_nothing_held(runner)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_moe"])
+@pytest.mark.parametrize("prefix_len", [128, 149])  # rows diverge right at the checkpoint (128), or after it
+def test_an_mtp_head_restored_from_the_cache_drafts_what_it_drafts_without(family, prefix_len, checkpoint_dir,
+                                                                           monkeypatch):  # fmt: skip
+    """The head's KV of the shared prefix (but its last position, rewritten with the request's own next token from
+    the hidden state the checkpoint kept) gives every request the drafts it gets without the cache."""
+    path = str(checkpoint_dir(family))
+    prompts = _templated(prefix_len, 8, seed=9)
+    drafts = {}
+    for caching in (False, True):
+        runner = ModelRunner.from_pretrained(path, max_num_seqs=4, enable_prefix_caching=caching,
+                                             speculative=SpeculativeConfig("mtp", 3, policy="fixed"))  # fmt: skip
+        proposer = runner._make_proposer()
+        propose, seen = proposer.propose, {}
+
+        def recorded(requests, num_drafts, propose=propose, seen=seen):
+            proposal = propose(requests, num_drafts)
+            for request, row in zip(requests, proposal.token_ids.tolist()):
+                row = [t for t in row if t != -1]  # without the batch's padding
+                if row:
+                    seen[(request.index, request.num_tokens)] = row
+            return proposal
+
+        monkeypatch.setattr(proposer, "propose", recorded)
+        runner.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        drafts[caching] = seen
+    assert drafts[True] == drafts[False] and len(drafts[True]) >= 8 * 3

@@ -80,7 +80,7 @@ def _mtp_run(path: str, monkeypatch: pytest.MonkeyPatch, bounded: bool) -> tuple
     pending positions one row held). Unbounded: the proposer as it was, consuming pending states only to draft."""
     monkeypatch.setattr(workers.spec_decode.mtp, "MAX_PENDING_POSITIONS", 16)
     if not bounded:
-        monkeypatch.setattr(workers.spec_decode.mtp.MtpProposer, "_consume_known", lambda self, requests: None)
+        monkeypatch.setattr(workers.spec_decode.mtp.MtpProposer, "consume_known", lambda self, requests: None)
     runner = ModelRunner.from_pretrained(path, max_num_seqs=4, speculative=SpeculativeConfig("mtp", 2, policy="fixed"))
     runner._policy = PlainThen(runner._policy, 120)
     proposer = runner._make_proposer()

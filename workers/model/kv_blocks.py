@@ -49,6 +49,7 @@ class BlockTable:
         self._in_heap = set(self._free)
         self.num_reserved = 0
         self.on_allocate: list[Callable[[torch.Tensor], None]] = []  # storages zero the blocks they are handed
+        self.storages: list[torch.Tensor] = []  # every storage paged over this table (`attach`)
         # Prefix caching (`workers/prefix_cache.py`): blocks the cache owns (shared between slots, never freed with
         # a slot), how many of them live requests use (`num_pinned`: not evictable, so not available), and the
         # cache's hook that evicts unused ones when the free pool runs short.
@@ -146,6 +147,14 @@ class BlockTable:
 
         zero(torch.tensor(in_use, dtype=torch.int64, device=self.tables.device))
         self.on_allocate.append(zero)
+        self.storages += storages
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block `source`'s positions into block `target` in every storage paged over this table (a private
+        copy of a shared block, to write into)."""
+        size = self.block_size
+        for storage in self.storages:
+            storage[..., target * size : (target + 1) * size, :] = storage[..., source * size : (source + 1) * size, :]
 
     def _take(self, preferred: int | None) -> int:
         """A free block: `preferred` (the one after the slot's last) when free, else the lowest free one."""

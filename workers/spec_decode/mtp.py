@@ -90,6 +90,11 @@ class MtpProposer:
         if source in self.pending:
             self.pending[target] = self.pending.pop(source)
 
+    def resume_from(self, request: Request, position: int, hidden: torch.Tensor) -> None:
+        """A request restored from the prefix cache: the head's KV holds positions before `position` (shared), and
+        catches up from `position`, whose target hidden state the cache kept (`hidden` [d])."""
+        self.pending[request.slot] = _Pending(position, [hidden[None].clone()], 1)
+
     def admit(self, requests: list[Request]) -> None:
         """New requests start with nothing cached (their prefill's hidden states arrive next)."""
         for request in requests:
@@ -114,14 +119,16 @@ class MtpProposer:
                 pending.count += new.shape[0]
         over = [r for r in requests if self.pending[r.slot].count > MAX_PENDING_POSITIONS]
         if over:
-            self._consume_known(over)
+            self.consume_known(over)
 
-    def _consume_known(self, requests: list[Request]) -> None:
+    def consume_known(self, requests: list[Request]) -> None:
         """Catch the head up on the pending positions whose next token is already known (all but the latest ones),
         keeping only the rest pending, as a copy: the big tensors they came from can go."""
         rows, taken = [], []
         for request in requests:
-            pending = self.pending[request.slot]
+            pending = self.pending.get(request.slot)
+            if pending is None:
+                continue
             num_known = min(pending.count, request.num_tokens - 1 - pending.start)  # token t + 1 known for t < N-1
             if num_known <= 0:
                 continue

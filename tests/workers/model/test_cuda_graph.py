@@ -185,4 +185,4 @@ def test_mtp_speculation_keeps_the_eager_path_and_says_why(checkpoint_dir, caplo
     assert [r.token_ids for r in runner.generate(PROMPTS, PARAMS)] == _generate(
         path, PROMPTS, PARAMS, cuda_graphs=False
     )
-    assert isinstance(runner._workspace.plan, DecodePlan) and runner.spec_stats()["num_drafts"] > 0
+    assert isinstance(runner._scheduler.workspace.plan, DecodePlan) and runner.spec_stats()["num_drafts"] > 0

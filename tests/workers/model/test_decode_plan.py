@@ -173,7 +173,7 @@ def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, fa
     )
     for _ in range(2):  # the second call reuses the first one's slots and plan
         assert [r.token_ids for r in spec.generate(prompts, params)] == expected
-    assert spec._workspace.plan is not None and spec._workspace.plan.tokens_per_row == 4
+    assert spec._scheduler.workspace.plan is not None and spec._scheduler.workspace.plan.tokens_per_row == 4
     stats = spec.spec_stats()
     drafted, accepted = stats["num_draft_tokens"], stats["num_accepted_draft_tokens"]
     expected_acceptance = {None: 0 < accepted < drafted, "draft_hybrid": accepted == 0 < drafted}
@@ -184,11 +184,11 @@ def test_runners_reuse_slots_and_plans_only_when_they_fit(checkpoint_dir):
     runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_dense")), max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = runner.generate([[5, 6, 7], [8, 9]], params)
-    workspace = runner._workspace
+    workspace = runner._scheduler.workspace
     assert [r.token_ids for r in runner.generate([[5, 6, 7]], params)] == [first[0].token_ids]
-    assert runner._workspace is workspace  # fewer slots, shorter: reused
+    assert runner._scheduler.workspace is workspace  # fewer slots, shorter: reused
     runner.generate([[5, 6, 7]] * 3, params)
-    assert runner._workspace is not workspace and runner._workspace.pool.num_slots == 3  # more slots: new
+    assert runner._scheduler.workspace is not workspace and runner._scheduler.workspace.pool.num_slots == 3  # more slots: new
 
 
 def test_draft_model_steps_through_plans_propose_what_the_module_path_proposes():

@@ -115,12 +115,12 @@ def test_greedy_generation_through_plans_equals_the_module_path(checkpoint_dir, 
     path = str(checkpoint_dir(family))
     expected, _ = _generate(path, decode_plan=False)
     plain, runner = _generate(path)
-    assert plain == expected and isinstance(runner._workspace.plan, DecodePlan)
+    assert plain == expected and isinstance(runner._scheduler.workspace.plan, DecodePlan)
     ngram = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2, policy="fixed")
     spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=ngram)
     for _ in range(2):  # the second call reuses the first one's slots and plan
         assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected
-    assert isinstance(spec._workspace.plan, DecodePlan) and spec._workspace.plan.tokens_per_row == 4
+    assert isinstance(spec._scheduler.workspace.plan, DecodePlan) and spec._scheduler.workspace.plan.tokens_per_row == 4
     assert spec.spec_stats()["num_draft_tokens"] > 0  # random weights rarely repeat: mostly rejected drafts
 
 
@@ -183,4 +183,4 @@ def test_mtp_drafts_from_the_plans_hidden_states(checkpoint_dir, family):
     assert {r.index: r.output for r in scheduler.finished} == reference
     got, mtp_runner = _generate(path, speculative=SpeculativeConfig("mtp", 3, policy="fixed"))
     assert got == _generate(path, decode_plan=False)[0]
-    assert isinstance(mtp_runner._workspace.plan, DecodePlan) and mtp_runner.spec_stats()["num_drafts"] > 0
+    assert isinstance(mtp_runner._scheduler.workspace.plan, DecodePlan) and mtp_runner.spec_stats()["num_drafts"] > 0

@@ -149,6 +149,6 @@ def test_greedy_mtp_through_the_plan_equals_plain_greedy(checkpoint_dir, monkeyp
     assert [r.token_ids for r in runner.generate(prompts, PARAMS)] == plain
     assert runner.spec_stats()["num_drafts"] > 0
     assert len(plans) == 1 and any(key[0] == "greedy" for key in plans[0]._records)  # drafted through the plan
-    storages = len(runner._workspace.pool.blocks.on_allocate)
+    storages = len(runner._scheduler.workspace.pool.blocks.on_allocate)
     assert [r.token_ids for r in runner.generate(prompts, PARAMS)] == plain  # the same slots: caches and plan kept
-    assert len(plans) == 1 and len(runner._workspace.pool.blocks.on_allocate) == storages
+    assert len(plans) == 1 and len(runner._scheduler.workspace.pool.blocks.on_allocate) == storages

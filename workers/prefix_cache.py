@@ -161,13 +161,11 @@ class PrefixCache:
             self.evictable[entry.id] = entry
 
     # --------------------------------------------------------------------------------------------- inserting
-    def insert(
-        self, prompt: Sequence[int], slot: int, path: list[CachedBlock], refs: list[CachedBlock], num_computed: int
-    ) -> int:
+    def insert(self, prompt: Sequence[int], slot: int, path: list[CachedBlock], num_computed: int) -> int:
         """Cache the full prompt blocks of `slot` computed so far; `path` (the request's prompt blocks as cache
-        entries, by index) grows with them, `refs` (the entries it uses, acquired) with those its blocks become.
-        A block whose tokens another slot cached meanwhile stays the slot's own (the path goes through the other
-        entry). Returns how many of the slot's own blocks the cache took over (pinned now, no longer reserved)."""
+        entries, by index, all acquired: none is evicted under it) grows with them. A block whose tokens another
+        slot cached meanwhile stays the slot's own (the path goes through the other entry while a request uses it,
+        else ends). Returns how many of the slot's own blocks the cache took over (pinned now, no longer reserved)."""
         size, taken = self.blocks.block_size, 0
         for index in range(len(path), min(num_computed, len(prompt)) // size):
             parent = path[-1] if path else None
@@ -181,9 +179,10 @@ class PrefixCache:
                 if parent is not None:
                     parent.children += 1
                     self.evictable.pop(parent.id, None)
-                self.acquire([entry])
-                refs.append(entry)
                 taken += 1
+            elif entry.refs == 0:
+                break  # cached by another slot and unused now: pinning it would overdraw the reservations
+            self.acquire([entry])
             path.append(entry)
         return taken
 

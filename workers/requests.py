@@ -55,8 +55,7 @@ class Request:
     num_reserved_blocks: int = 0  # KV blocks of its own it still has reserved (shared cached blocks are not)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of computed
     prefill_stops: list[int] = field(default_factory=list)  # positions where its prefill stops to checkpoint
-    prefix_path: list[Any] = field(default_factory=list)  # its prompt blocks as prefix-cache entries, by index
-    prefix_refs: list[Any] = field(default_factory=list)  # the entries whose blocks it uses (acquired)
+    prefix_path: list[Any] = field(default_factory=list)  # its prompt blocks as prefix-cache entries (acquired)
     error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)

@@ -256,7 +256,7 @@ class Scheduler:
                 if self._prefix_in_flight(request, hit.num_tokens):
                     return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
             shared = self._shared_blocks(hit)
-            reserved = self.blocks.try_reserve(need, len(shared), sum(entry.refs == 0 for entry in shared))
+            reserved = self.blocks.try_reserve(need, len(shared), sum(entry.refs == 0 for entry in hit.chain))
             if reserved is None:
                 return  # waits until running requests give their room back
             self.waiting.popleft()
@@ -286,8 +286,8 @@ class Scheduler:
         """Share the hit's KV blocks, restore its states, and plan where this prefill stops to checkpoint."""
         cache = self.prefix_cache
         shared = self._shared_blocks(hit)
-        cache.acquire(shared)
-        request.prefix_refs, request.prefix_path = list(shared), list(hit.chain)
+        cache.acquire(hit.chain)  # all of it: a block the request does not share still anchors its path
+        request.prefix_path = list(hit.chain)
         self.blocks.share(request.slot, [entry.block for entry in shared])
         if hit.num_tokens:
             if len(shared) < len(hit.chain):  # the private copy of the last block
@@ -311,7 +311,7 @@ class Scheduler:
             self.proposer.consume_known(requests)
         for row, request in enumerate(requests):
             path = request.prefix_path
-            taken = cache.insert(request.prompt, request.slot, path, request.prefix_refs, request.num_computed)
+            taken = cache.insert(request.prompt, request.slot, path, request.num_computed)
             request.num_reserved_blocks -= taken  # the cache's (pinned) now
             self.blocks.release(taken)
             if request.num_computed in request.prefill_stops and len(path) * self.blocks.block_size == (
@@ -322,8 +322,8 @@ class Scheduler:
     def _retire(self, request: Request) -> None:
         self._retired.add(request.index)  # the policy forgets it once it has learnt from this step
         if self.prefix_cache is not None:
-            self.prefix_cache.release(request.prefix_refs)
-            request.prefix_refs, request.prefix_path = [], []
+            self.prefix_cache.release(request.prefix_path)
+            request.prefix_path = []
         self.blocks.free_slot(request.slot)
         self.blocks.release(request.num_reserved_blocks)
         self.free_slots.append(request.slot)

@@ -168,3 +168,38 @@ def test_an_mtp_head_restored_from_the_cache_drafts_what_it_drafts_without(famil
         runner.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         drafts[caching] = seen
     assert drafts[True] == drafts[False] and len(drafts[True]) >= 8 * 3
+
+
+def test_a_path_through_another_slots_blocks_is_never_evicted_under_it():
+    """Two slots prefill the same prompt: the second's blocks stay its own, its path goes through the first's
+    entries. When the first finishes and eviction runs, those entries stay (the second holds them) and the
+    second's later blocks hang off live entries (it used to extend a path through evicted entries, and a later
+    eviction failed on them)."""
+    import types
+
+    import torch
+
+    from workers.model.kv_blocks import BlockTable
+    from workers.prefix_cache import CheckpointStore, PrefixCache
+
+    blocks = BlockTable(2, 64, 9, 16, torch.device("cpu"))
+    pool = types.SimpleNamespace(conv=torch.zeros(1, 2, 1, 1), ssm=torch.zeros(1, 2, 1, 1, 1))
+    cache = PrefixCache(blocks, CheckpointStore(pool, 2), multiple=16)
+    prompt = list(range(64))
+    paths = {0: [], 1: []}
+    for slot in (0, 1):
+        blocks.ensure(slot, 32)
+        cache.insert(prompt, slot, paths[slot], 32)
+    assert [e.block for e in paths[1]] == [e.block for e in paths[0]] != blocks.owned[1][:2]
+    cache.release(paths[0])
+    blocks.free_slot(0)
+    cache.evict_blocks(8)
+    assert all(entry.key in cache.entries for entry in paths[1])
+    blocks.ensure(1, 64)
+    cache.insert(prompt, 1, paths[1], 64)
+    cache.release(paths[1])
+    blocks.free_slot(1)
+    cache.evict_blocks(8)  # everything unused goes, parents after their children
+    assert not cache.entries and blocks.num_pinned == 0 and len(blocks._is_free) == 8
+
+

@@ -33,12 +33,11 @@ from pipeline.placement import autoscaler_in_status, pending_message, plan_place
 from pipeline.retry import Failure, RetryPolicy, ShardDeadline
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
+from workers.stream import SHARDS_PER_WORKER
 
 CONNECT_TIMEOUT_S = 10.0  # how long an address may take to answer before the driver gives up on it
 MAX_REPORT_INTERVAL_S = 300.0
-# Shards a worker holds at once: the one running and one queued behind it, whose rows enter the batch as the first
-# one's last rows finish (no drain between shards, no wait for a round trip to the driver).
-SHARDS_PER_WORKER = 2  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
+  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
 
 
 class JobFailed(RuntimeError):

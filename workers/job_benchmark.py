@@ -13,9 +13,7 @@ from typing import Any
 from workers.benchmark import random_prompts
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
-from workers.stream import ShardStream
-
-SHARDS_IN_FLIGHT = 2  # what the driver keeps per worker: the shard running and one queued behind it
+from workers.stream import SHARDS_PER_WORKER, ShardStream
 
 
 def lognormal_lengths(num_rows: int, mean: float, low: int, high: int, seed: int = 0, sigma: float = 0.8) -> list[int]:
@@ -38,13 +36,13 @@ def _call_per_shard(runner: ModelRunner, prompts: list[list[int]], params: list[
 
 
 def _streamed(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
-    """What a streaming worker does: SHARDS_IN_FLIGHT shards submitted, the next one as soon as one returns."""
+    """What a streaming worker does: SHARDS_PER_WORKER shards submitted, the next one as soon as one returns."""
     stream = ShardStream(runner)
     starts = list(range(0, len(prompts), shard_rows))
     in_flight: dict[Future, int] = {}
     results: dict[int, list[list[int]]] = {}
     for start in starts:
-        if len(in_flight) >= SHARDS_IN_FLIGHT:
+        if len(in_flight) >= SHARDS_PER_WORKER:
             done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in done:
                 results[in_flight.pop(future)] = [r.token_ids for r in future.result()]

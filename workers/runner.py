@@ -114,8 +114,8 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.embed_tokens.weight.dtype
-        if self.device.type == "cpu":
-            native.flush_denormals()  # denormal floats are ~100× slower on x86 and change nothing that matters
+        self._num_threads = torch.get_num_threads()
+        self.prepare_thread()
         self._seed_source = random.Random()  # fresh OS entropy: unseeded requests never repeat across runners
         self.speculative = speculative
         self.draft_model = draft_model
@@ -297,6 +297,14 @@ class ModelRunner:
             self._spec_stats.merge(request.spec)
             done.append((self._request_keys.pop(request.index), request.result(self.tokenizer)))
         return done
+
+    def prepare_thread(self) -> None:
+        """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are
+        ~100× slower on x86 and change nothing that matters) and the runner's torch threads, both of which are
+        per thread (an engine thread starts without them)."""
+        if self.device.type == "cpu":
+            torch.set_num_threads(self._num_threads)
+            native.flush_denormals()
 
     def reset(self) -> None:
         """Drop every request not returned yet and the engine's slots (after a failed step: the next request starts

@@ -97,15 +97,15 @@ def test_killed_worker_shard_is_retried_and_output_identical(
 def test_a_worker_crash_mid_stream_requeues_exactly_its_unfinished_shards(
     model, dataset, tmp_path, undisturbed, ray_session, monkeypatch, capfd
 ):
-    """One worker streaming its shards (two at a time) dies in shard 3: the shards it held and had not returned are
-    requeued, those it returned before stay written, and the output is the undisturbed run's."""
+    """One worker streaming its shards (three at a time) dies in shard 3: the shards it held and had not returned
+    are requeued, those it returned before stay written, and the output is the undisturbed run's."""
     marker = tmp_path / "killed"
     monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"kill_during_shard": 3, "marker": str(marker)}))
     run(build_generate_job(job_config(model, dataset, tmp_path / "out", num_workers=1)))
     assert marker.exists()
     assert read_output(tmp_path / "out") == undisturbed
     requeued = {int(line.split()[1]) for line in capfd.readouterr().err.splitlines() if " requeued " in line}
-    assert 3 in requeued and requeued <= {2, 3, 4} and len(requeued) <= 2  # what it held: shard 3 and a neighbour
+    assert 3 in requeued and requeued <= {1, 2, 3, 4, 5} and len(requeued) <= 3  # what it held: 3 and neighbours
 
 
 def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(

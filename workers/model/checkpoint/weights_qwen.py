@@ -1,0 +1,132 @@
+"""Where our parameters live in Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoints.
+
+Layouts: `model.language_model.*` (vision-language wrapper; `model.visual.*` is ignored) or `model.*` (text-only).
+Conversions done here, once, at load:
+- Zero-centred RMSNorms scale by (1 + w): we store 1 + w and run a plain RMSNorm.
+- Gated DeltaNet projections become one `in_proj` with rows `[q | k | v | z | b | a]`: Qwen3.5's separate
+  `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` concatenated; Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`,
+  stored interleaved per key-head group (`[q dk | k dk | v r·dv | z r·dv]` and `[b r | a r]`, r = h_v / h_k),
+  de-interleaved.
+- Experts: per-expert `experts.E.{gate,up,down}_proj` stacked, or the fused `experts.gate_up_proj [E, 2I, H]`
+  (gate rows first) and `experts.down_proj [E, H, I]` as they are.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from workers.model.checkpoint.config import ATTENTION, GDN, MLP, GdnConfig, HybridConfig
+from workers.model.checkpoint.weights import Source
+
+
+def _plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0].float() + 1.0
+
+
+def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[gate_0, up_0, gate_1, up_1, …] → [E, 2I, H]."""
+    return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors)
+
+
+def _deinterleave(gdn: GdnConfig, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Qwen3-Next's grouped `in_proj_qkvz` [h_k·(2dk + 2r·dv), d] and `in_proj_ba` [h_k·2r, d] → rows [q|k|v|z|b|a]."""
+    qkvz, ba = tensors
+    r = gdn.num_value_heads // gdn.num_key_heads
+    width = qkvz.shape[-1]
+    grouped = qkvz.view(gdn.num_key_heads, -1, width)
+    q, k, v, z = grouped.split([gdn.key_head_dim, gdn.key_head_dim, r * gdn.value_head_dim, r * gdn.value_head_dim], 1)
+    b, a = ba.view(gdn.num_key_heads, 2 * r, width).split([r, r], dim=1)
+    return torch.cat([part.reshape(-1, width) for part in (q, k, v, z, b, a)])
+
+
+def _norm(key: str, size: int) -> list[Source]:
+    return [Source((key,), transform=_plus_one, shapes=((size,),))]
+
+
+def _gdn_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
+    g, d = config.gdn, config.hidden_size
+    split_keys = tuple(f"{hub}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    split_shapes = ((g.conv_dim, d), (g.value_dim, d), (g.num_value_heads, d), (g.num_value_heads, d))
+    grouped_keys = (f"{hub}.in_proj_qkvz.weight", f"{hub}.in_proj_ba.weight")
+    grouped_shapes = ((g.conv_dim + g.value_dim, d), (2 * g.num_value_heads, d))
+    sources = {
+        "in_proj.weight": [
+            Source(split_keys, transform=_cat, shapes=split_shapes),
+            Source(grouped_keys, transform=partial(_deinterleave, g), shapes=grouped_shapes),
+        ]
+    }
+    for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+        sources[name] = [Source((f"{hub}.{name}",))]
+    return sources
+
+
+def _attention_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
+    sources = {f"{p}_proj.{w}": [Source((f"{hub}.{p}_proj.{w}",))] for p in "qkvo" for w in ("weight", "bias")}
+    for name in ("q_norm", "k_norm"):
+        sources[f"{name}.weight"] = _norm(f"{hub}.{name}.weight", config.attention.head_dim)
+    return sources
+
+
+def _mlp_sources(hub: str) -> dict[str, list[Source]]:
+    gate_up = (f"{hub}.gate_proj.weight", f"{hub}.up_proj.weight")
+    return {"up_proj.weight": [Source(gate_up, "cat")], "down_proj.weight": [Source((f"{hub}.down_proj.weight",))]}
+
+
+def _moe_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
+    num_experts = config.feed_forward.num_experts
+    per_expert_gate_up = tuple(f"{hub}.experts.{e}.{p}_proj.weight" for e in range(num_experts) for p in ("gate", "up"))
+    per_expert_down = tuple(f"{hub}.experts.{e}.down_proj.weight" for e in range(num_experts))
+    sources = {
+        "router.weight": [Source((f"{hub}.gate.weight",))],
+        "experts_up": [Source(per_expert_gate_up, transform=_stack_gate_up), Source((f"{hub}.experts.gate_up_proj",))],
+        "experts_down": [Source(per_expert_down, "stack"), Source((f"{hub}.experts.down_proj",))],
+        "shared_gate.weight": [Source((f"{hub}.shared_expert_gate.weight",))],
+    }
+    sources.update({f"shared.{k}": v for k, v in _mlp_sources(f"{hub}.shared_expert").items()})
+    return sources
+
+
+def _mtp_sources(config: HybridConfig) -> dict[str, list[Source]]:
+    """The MTP head (`workers/model/layers/mtp.py`): `mtp.{fc, pre_fc_norm_*, layers.0.*, norm}`; its decoder layer is
+    our blocks 0 (attention) and 1 (MLP or MoE)."""
+    d, hub = config.hidden_size, "mtp.layers.0"
+    sources = {"mtp.fc.weight": [Source(("mtp.fc.weight",))]}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sources[f"mtp.{name}.weight"] = _norm(f"mtp.{name}.weight", d)
+    sources["mtp.blocks.0.norm.weight"] = _norm(f"{hub}.input_layernorm.weight", d)
+    sources["mtp.blocks.1.norm.weight"] = _norm(f"{hub}.post_attention_layernorm.weight", d)
+    attention = _attention_sources(config, f"{hub}.self_attn")
+    ff = _moe_sources(config, f"{hub}.mlp") if config.feed_forward.num_experts else _mlp_sources(f"{hub}.mlp")
+    sources.update({f"mtp.blocks.0.mixer.{name}": options for name, options in attention.items()})
+    sources.update({f"mtp.blocks.1.mixer.{name}": options for name, options in ff.items()})
+    return sources
+
+
+def qwen_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
+    """Every parameter name (but lm_head) → its candidate sources in a Qwen GDN-hybrid checkpoint."""
+    wrapped = any(key.startswith("model.language_model.") for key in checkpoint_keys)
+    prefix = "model.language_model" if wrapped else "model"
+    d = config.hidden_size
+    sources: dict[str, list[Source]] = {
+        "embed_tokens.weight": [Source((f"{prefix}.embed_tokens.weight",))],
+        "final_norm.weight": _norm(f"{prefix}.norm.weight", d),
+    }
+    for block, kind in enumerate(config.block_kinds):
+        hub, ours = f"{prefix}.layers.{block // 2}", f"blocks.{block}"
+        norm = "input_layernorm" if kind in (GDN, ATTENTION) else "post_attention_layernorm"
+        sources[f"{ours}.norm.weight"] = _norm(f"{hub}.{norm}.weight", d)
+        if kind == GDN:
+            mixer = _gdn_sources(config, f"{hub}.linear_attn")
+        elif kind == ATTENTION:
+            mixer = _attention_sources(config, f"{hub}.self_attn")
+        else:
+            mixer = _mlp_sources(f"{hub}.mlp") if kind == MLP else _moe_sources(config, f"{hub}.mlp")
+        sources.update({f"{ours}.mixer.{name}": options for name, options in mixer.items()})
+    sources.update(_mtp_sources(config))  # read only when the model was built with its MTP head
+    return sources

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from workers.model.checkpoint.config import SUPPORTED_MODEL_TYPES, HybridConfig
+from workers.model import SUPPORTED_MODEL_TYPES, HybridConfig
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -12,7 +12,8 @@ Dimension letters used in shape comments:
     h_v, d_k, d_v     Gated DeltaNet value heads, key and value head dims (state [h_v, d_k, d_v])
 """
 
-from workers.model.checkpoint.config import SUPPORTED_MODEL_TYPES, HybridConfig
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.checkpoint.families import SUPPORTED_MODEL_TYPES
 from workers.model.checkpoint.loader import LoadedCheckpoint, load_checkpoint
 from workers.model.layers.hybrid import HybridModel
 from workers.model.state import ForwardBatch, KVCache, MambaState, RecurrentState, StatePool

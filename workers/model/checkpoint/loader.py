@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from workers.model.checkpoint.config import MTP_MODEL_TYPES, HybridConfig
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.checkpoint.families import MTP_MODEL_TYPES
 from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
 from workers.model.kernels import native, triton_kernels
 from workers.model.layers.attention import Attention

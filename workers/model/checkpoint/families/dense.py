@@ -1,6 +1,6 @@
 """Attention-only standard models — Llama, Mistral, Qwen2, Qwen3, Granite (dense) — as `HybridConfig`s without
 recurrent blocks: the natural draft models for hybrid targets of the same tokenizer (dense Granite for Granite
-4.0-H, Qwen3 for Qwen3.5), and targets where it costs nothing.
+4.0-H, Qwen3 for Qwen3.5), and targets where it costs nothing. Config reader and weight map.
 
 Each decoder layer is two blocks: attention, then a SwiGLU MLP. What differs between the families:
 - Qwen2: q/k/v projections with bias, o_proj without. Qwen3: per-head RMSNorm of q and k (plain weights).
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.model.checkpoint.config import (
-    ATTENTION,
-    MLP,
-    AttentionConfig,
-    FeedForwardConfig,
-    common_fields,
-    rope_fields,
-)
+from workers.model.checkpoint.config import ATTENTION, MLP, AttentionConfig, FeedForwardConfig, HybridConfig
+from workers.model.checkpoint.config_fields import common_fields, rope_fields
+from workers.model.checkpoint.registry import Family, register
+from workers.model.checkpoint.weights import ATTENTION_PARAMS, Source, single
+
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")  # attention-only (drafts, mostly)
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
@@ -72,3 +70,27 @@ def read_dense(raw: dict[str, Any]) -> dict[str, Any]:
         "residual_multiplier": float(raw.get("residual_multiplier", 1.0)) if granite else 1.0,
         "logits_divisor": float(raw.get("logits_scaling", 1.0)) if granite else 1.0,
     }
+
+
+def dense_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, list[Source]]:
+    """Llama-style attention-only models: `model.layers.N.{input_layernorm, self_attn, post_attention_layernorm,
+    mlp}`, two blocks per decoder layer (attention, then the MLP with gate and up fused)."""
+    sources: dict[str, list[Source]] = {
+        "embed_tokens.weight": single("model.embed_tokens.weight"),
+        "final_norm.weight": single("model.norm.weight"),
+    }
+    for layer in range(len(config.block_kinds) // 2):
+        hub, attention, mlp = f"model.layers.{layer}", f"blocks.{2 * layer}", f"blocks.{2 * layer + 1}"
+        sources[f"{attention}.norm.weight"] = single(f"{hub}.input_layernorm.weight")
+        for name in (*ATTENTION_PARAMS, "q_norm.weight", "k_norm.weight"):
+            sources[f"{attention}.mixer.{name}"] = single(f"{hub}.self_attn.{name}")
+        sources[f"{mlp}.norm.weight"] = single(f"{hub}.post_attention_layernorm.weight")
+        for w in ("weight", "bias"):
+            sources[f"{mlp}.mixer.up_proj.{w}"] = [
+                Source((f"{hub}.mlp.gate_proj.{w}", f"{hub}.mlp.up_proj.{w}"), "cat")
+            ]
+            sources[f"{mlp}.mixer.down_proj.{w}"] = single(f"{hub}.mlp.down_proj.{w}")
+    return sources
+
+
+register(Family(model_types=DENSE_MODEL_TYPES, read_config=read_dense, weight_sources=dense_sources))

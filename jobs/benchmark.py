@@ -38,9 +38,9 @@ from workers.benchmark import (
     timed,
 )
 from workers.job_benchmark import bench_prefix, bench_shards
-from workers.model import cuda_graph
-from workers.model.decode_plan import unsupported_reason
-from workers.model.loader import DECODE_KERNELS
+from workers.model.checkpoint.loader import DECODE_KERNELS
+from workers.model.steps import cuda_graph
+from workers.model.steps.decode_plan import unsupported_reason
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e peak of an H200 (NVIDIA's datasheet)
 

@@ -8,7 +8,7 @@ while for `qwen3_5` it substitutes its own pre-tokenizer.
 transformers builds no MTP head (it ignores `mtp.*`), so `MtpHead` here is one, built from transformers' own
 Qwen3.5 modules and named as Qwen3.5 checkpoints name theirs: `mtp.fc`, `mtp.pre_fc_norm_embedding`,
 `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*` (a full-attention decoder layer), `mtp.norm`. At position t it reads
-the final-norm hidden state h_t and token t+1 and predicts token t+2 (the formula `workers/model/mtp.py` serves).
+the final-norm hidden state h_t and token t+1 and predicts token t+2 (the formula `workers/model/layers/mtp.py` serves).
 """
 
 from __future__ import annotations

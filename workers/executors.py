@@ -1,8 +1,8 @@
 """How the scheduler's decode and verification steps execute, chosen once per runner (STYLE: "The step, as it grows").
 
 - "module": module by module, the reference path (prefill and anything else not planned always runs this way);
-- "native": the CPU decode plan, one native call per step (`workers/model/decode_plan.py`);
-- "graph": the CUDA graph plan (`workers/model/cuda_graph.py`), captured on CUDA, its eager form elsewhere.
+- "native": the CPU decode plan, one native call per step (`workers/model/steps/decode_plan.py`);
+- "graph": the CUDA graph plan (`workers/model/steps/cuda_graph.py`), captured on CUDA, its eager form elsewhere.
 
 Plans share one interface — `run`, `verify`, `keep`, `tokens_per_row` — so the scheduler holds one and never
 branches on which it is. A proposer that drafts from the target's hidden states (MTP) reads them from the decode
@@ -11,9 +11,10 @@ plan's `last_hidden`; the graph plan does not hand them out, so it is never chos
 
 from __future__ import annotations
 
-from workers.model import HybridModel, StatePool, cuda_graph, decode_plan
-from workers.model.cuda_graph import GraphCaptureError, GraphPlan
-from workers.model.decode_plan import DecodePlan
+from workers.model import HybridModel, StatePool
+from workers.model.steps import cuda_graph, decode_plan
+from workers.model.steps.cuda_graph import GraphCaptureError, GraphPlan
+from workers.model.steps.decode_plan import DecodePlan
 
 MODULE, NATIVE, GRAPH = "module", "native", "graph"
 

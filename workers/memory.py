@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
 

@@ -14,8 +14,10 @@ import torch
 from workers.budget import TokenBudget
 from workers.executors import executor_summary
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
-from workers.model import HybridModel, load_checkpoint, mtp_plan, native
+from workers.model import HybridModel, load_checkpoint
+from workers.model.kernels import native
 from workers.model.state import DEFAULT_BLOCK_SIZE
+from workers.model.steps import mtp_plan
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler, scan_chunk
@@ -88,14 +90,14 @@ class ModelRunner:
         `speculative` with method "draft" needs `draft_model` (loaded with the same vocabulary). `proposer`
         replaces the configured proposer (tests force acceptance patterns through it). `decode_plan`: run decode
         steps — plain, speculative verification, draft-model steps — as one native call each where the model allows
-        it (see `workers/model/decode_plan.py`; same results as the module-by-module path, which False keeps).
+        it (see `workers/model/steps/decode_plan.py`; same results as the module-by-module path, which False keeps).
         `max_num_batched_tokens` (vLLM's name): new tokens one forward may take — long prompts are prefilled, and
         long sequences scored, in chunks of at most that many. `max_memory` (CPU; bytes or a size like "8GB";
         default 80 % of the memory available now) and `gpu_memory_utilization` (CUDA; vLLM's fraction of device
         memory) bound weights + activations + KV cache; requests wait for KV room, and one that can never fit
         gets an error result. See `workers/memory.py`. `cuda_graphs`: run decode and verification steps as CUDA
-        graphs (`workers/model/cuda_graph.py`; None: on for CUDA devices, off elsewhere; True on CPU runs the graph
-        steps' eager form). A capture that fails is logged once and the steps run eagerly. `enable_prefix_caching`
+        graphs (`workers/model/steps/cuda_graph.py`; None: on for CUDA devices, off elsewhere; True on CPU runs the
+        graph steps' eager form). A capture that fails is logged once and the steps run eagerly. `enable_prefix_caching`
         (vLLM's name): requests sharing a prompt prefix compute it once (`workers/prefix_cache.py`).
         """
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.model import native
+from workers.model.kernels import native
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import torch
 from workers.budget import TokenBudget
 from workers.executors import MODULE, build_plan, choose_executor, extra_slots
 from workers.model import ForwardBatch, HybridModel, StatePool
-from workers.model.cuda_graph import GraphPlan
-from workers.model.decode_plan import DecodePlan
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE
+from workers.model.steps.cuda_graph import GraphPlan
+from workers.model.steps.decode_plan import DecodePlan
 from workers.prefix_cache import (
     CHECKPOINT_MULTIPLE,
     MIN_PREFILL_REST,

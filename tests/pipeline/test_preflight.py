@@ -117,7 +117,7 @@ def test_good_models_pass(checkpoint_dir):
 
 def test_mtp_without_an_mtp_head_is_refused_before_any_work(checkpoint_dir, tmp_path, capsys, no_driver):
     err = _refused(_generate(checkpoint_dir("bamba"), tmp_path, "--speculative", "mtp"), capsys, tmp_path)
-    assert "speculative method 'mtp' is supported for qwen3_next" in err and "not 'bamba'" in err
+    assert "speculative method 'mtp' is supported for nemotron_h, qwen3_next" in err and "not 'bamba'" in err
     qwen = Path(shutil.copytree(checkpoint_dir("qwen3_5"), tmp_path / "qwen"))
     tensors = {k: v for k, v in load_file(qwen / "model.safetensors").items() if not k.startswith("mtp.")}
     save_file(tensors, qwen / "model.safetensors", metadata={"format": "pt"})

@@ -115,7 +115,7 @@ def test_an_attention_free_model_is_checked_against_the_budget_too(checkpoint_di
 
     from workers.memory import plan_memory
     from workers.model import load_checkpoint
-    from workers.model.config import MAMBA
+    from workers.model.checkpoint.config import MAMBA
 
     model = load_checkpoint(str(checkpoint_dir("granite_dense"))).model
     model.config = dataclasses.replace(model.config, block_kinds=(MAMBA,) * len(model.config.block_kinds))

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from tests.tiny_models import FAMILIES, QWEN_GDN_FAMILIES, draft_for
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.model import attention
-from workers.model.decode_plan import DecodePlan
-from workers.model.hybrid import HybridModel
-from workers.model.long_attention import long_attention
+from workers.model.layers import attention
+from workers.model.layers.hybrid import HybridModel
+from workers.model.layers.long_attention import long_attention
+from workers.model.steps.decode_plan import DecodePlan
 from workers.requests import Request
 from workers.sampling import make_generator
 from workers.scheduler import Scheduler

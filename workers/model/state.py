@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
 from workers.model.kv_blocks import BlockTable
 
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block (vLLM's default)

@@ -7,7 +7,7 @@ accepted — the same count-based state shifting as the target, applied to the d
 and remembers the rest (the recovered/bonus token, and d_k when all were accepted) as unseen.
 
 A CPU float32 draft runs its steps through a decode plan; when every row is greedy the steps that feed one token
-per row run as one native chain (`workers/model/draft_chain.py`), and the planned steps' states for the shift are
+per row run as one native chain (`workers/model/steps/draft_chain.py`), and the planned steps' states for the shift are
 snapshotted into preallocated buffers. The pool, plan and chain are kept across runs that share the target's
 block table (the scheduler reuses its workspace), so a new `generate` call does not re-record them.
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
-from workers.model.decode_plan import DecodePlan, unsupported_reason
-from workers.model.draft_chain import DraftChain
+from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
+from workers.model.steps.draft_chain import DraftChain
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 

@@ -1,7 +1,7 @@
 """MTP proposer: the target checkpoint's own multi-token-prediction head drafts k tokens, chained.
 
-The head (Qwen3-Next / Qwen3.5 or Nemotron-H, `workers/model/mtp.py`) reads the target's final-norm hidden states,
-so the scheduler hands them over after every target forward (`observe_target`: prompt positions at prefill, the
+The head (Qwen3-Next / Qwen3.5 or Nemotron-H, `workers/model/layers/mtp.py`) reads the target's final-norm hidden
+states, so the scheduler hands them over after every target forward (`observe_target`: prompt positions at prefill, the
 accepted inputs of a verification, the one input of a plain decode step). Invariant: the KV cache of each of the
 head's attention blocks (paged over the target's block table) holds the entries (h_t, token t+1) of positions
 0 … c-1, and `pending[slot]` holds the target hidden states of positions c … N-2 that it has not consumed yet
@@ -9,7 +9,7 @@ head's attention blocks (paged over the target's block table) holds the entries 
 overwrites the speculative entries of the previous chain — and the last one's output drafts d_1; each further
 draft feeds the head its own output state and the previous draft. So after a step with n accepted tokens, the next
 proposal's catch-up leaves the KV holding exactly the accepted positions; nothing needs shifting on `accepted`.
-On CPU float32 the head's steps run as an MTP plan (`workers/model/mtp_plan.py`): a catch-up of up to 2 (k + 1)
+On CPU float32 the head's steps run as an MTP plan (`workers/model/steps/mtp_plan.py`): a catch-up of up to 2 (k + 1)
 positions per row and, for greedy requests, the whole chain in one native call.
 """
 
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model import ForwardBatch, HybridModel, KVCache, StatePool, mtp_plan
+from workers.model import ForwardBatch, HybridModel, KVCache, StatePool
 from workers.model.kv_blocks import BlockTable
-from workers.model.mtp_plan import MtpPlan
 from workers.model.state import free_storage, paged_kv_cache
+from workers.model.steps import mtp_plan
+from workers.model.steps.mtp_plan import MtpPlan
 from workers.requests import Request
 from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
 
@@ -48,7 +49,7 @@ class MtpProposer:
 
     def __init__(self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = True):
         """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`). `decode_plan`: run the
-        head's steps as an MTP plan where it allows (`workers/model/mtp_plan.py`; False keeps the module path)."""
+        head's steps as an MTP plan where it allows (`workers/model/steps/mtp_plan.py`; False keeps the module path)."""
         if model.mtp is None:
             raise ValueError("speculative method 'mtp' needs the target loaded with its MTP head (mtp=True)")
         self.model, self.head = model, model.mtp

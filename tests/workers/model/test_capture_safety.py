@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.model import ForwardBatch, StatePool, load_checkpoint
-from workers.model.capture_safety import find_capture_hazards
+from workers.model.steps.capture_safety import find_capture_hazards
 
 FAMILIES = ["granite_dense", "bamba", "nemotron_dense", "qwen3_5"]  # Mamba2 and Gated DeltaNet, no MoE routing
 ACCEPTED = [1, 3, 4]  # num_accepted_tokens per row after verifying 4 tokens

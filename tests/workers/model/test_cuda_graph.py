@@ -13,10 +13,10 @@ import torch
 from tests.tiny_models import draft_for
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
-from workers.model.capture_safety import find_capture_hazards
-from workers.model.cuda_graph import GraphPlan, batch_buckets, unsupported_reason
-from workers.model.decode_plan import DecodePlan
 from workers.model.kv_blocks import BlockTable
+from workers.model.steps.capture_safety import find_capture_hazards
+from workers.model.steps.cuda_graph import GraphPlan, batch_buckets, unsupported_reason
+from workers.model.steps.decode_plan import DecodePlan
 
 MAMBA2, GDN = ["granite_dense", "bamba", "nemotron_dense"], ["qwen3_5"]  # the other families route MoE
 FAMILIES = MAMBA2 + GDN + ["qwen3"]  # qwen3: attention only, no recurrent layer

@@ -9,7 +9,7 @@ import torch
 
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
-from workers.model.decode_plan import DecodePlan, unsupported_reason
+from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 
 # NoPE and partial-RoPE attention, SwiGLU and relu² MLPs, μP multipliers ≠ 1 (granite_dense); attention-only
 # models with q/k/v biases (qwen2) and per-head q/k norms (qwen3).

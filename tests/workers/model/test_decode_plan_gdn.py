@@ -19,7 +19,7 @@ from tests.workers.spec_decode.test_state_shifting import (
 )
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch, StatePool, load_checkpoint
-from workers.model.decode_plan import DecodePlan, unsupported_reason
+from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.scheduler import Scheduler
 from workers.spec_decode.mtp import MtpProposer
 

@@ -11,8 +11,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from workers.model import load_checkpoint
-from workers.model.config import GDN
-from workers.model.gated_delta import chunked_delta_rule, delta_rule_scan, delta_state_after, l2norm
+from workers.model.checkpoint.config import GDN
+from workers.model.kernels.gated_delta import chunked_delta_rule, delta_rule_scan, delta_state_after, l2norm
 from workers.model.state import RecurrentState
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # float32 rounding of two summation orders; a wrong rule is off by O(0.1)

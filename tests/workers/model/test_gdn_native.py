@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from workers import ModelRunner, SamplingParams
-from workers.model import load_checkpoint, native_recurrent
-from workers.model.gdn import GatedDeltaNetMixer
+from workers.model import load_checkpoint
+from workers.model.kernels import native_recurrent
+from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.state import RecurrentState
 
 

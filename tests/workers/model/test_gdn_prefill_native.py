@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from workers.model import load_checkpoint, native_recurrent
-from workers.model.gated_delta import chunked_delta_rule
-from workers.model.gdn import GatedDeltaNetMixer
-from workers.model.ssd import causal_conv
+from workers.model import load_checkpoint
+from workers.model.kernels import native_recurrent
+from workers.model.kernels.gated_delta import chunked_delta_rule
+from workers.model.kernels.ssd import causal_conv
+from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.state import RecurrentState
 
 ATOL = RTOL = 1e-5

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from workers import ModelRunner, SamplingParams
-from workers.model import load_checkpoint, native
-from workers.model.mamba2 import Mamba2Mixer
+from workers.model import load_checkpoint
+from workers.model.kernels import native
+from workers.model.layers.mamba2 import Mamba2Mixer
 
 STUB_SOURCE = r"""
 #include <stdio.h>
@@ -123,8 +124,8 @@ def _build_in_another_process(cache: Path, compiler: FakeCompiler, library: str)
     """
     compiler.produce(library)
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDGEN_TEST_LOADED_MARK"}
-    env["PYTHONPATH"] = str(Path(native.__file__).parents[2])
-    script = "from workers.model import native; native.available()"
+    env["PYTHONPATH"] = str(Path(native.__file__).parents[3])
+    script = "from workers.model.kernels import native; native.available()"
     subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
     assert any(cache.glob("*.so")), "the other process left no library in the cache"
 

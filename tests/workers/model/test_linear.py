@@ -7,7 +7,7 @@ import torch
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint
-from workers.model.linear import NativeLinear, PackedLinear, onednn_available
+from workers.model.layers.linear import NativeLinear, PackedLinear, onednn_available
 
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"

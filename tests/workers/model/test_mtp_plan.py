@@ -1,5 +1,5 @@
-"""MTP head plans (`workers/model/mtp_plan.py`) against the module path's decode form, bit for bit: a catch-up feed
-of c_i positions per row (rows padded in front) equals c_i one-position `MtpHead.forward` calls + `model.logits`,
+"""MTP head plans (`workers/model/steps/mtp_plan.py`) against the module path's decode form, bit for bit: a catch-up
+feed of c_i positions per row (rows padded in front) equals c_i one-position `MtpHead.forward` calls + `model.logits`,
 chained steps equal the proposer's module-path steps, and the head's KV caches end equal — for Qwen3.5 / Qwen3-Next
 (gated attention + SwiGLU MLP) and Nemotron-H ("*-*-": two attention blocks, relu² MLPs), rows in scattered slots
 with different feed lengths, batch 1 / 5 / 16."""
@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.model import ForwardBatch, load_checkpoint, native
+from workers.model import ForwardBatch, load_checkpoint
+from workers.model.kernels import native
 from workers.model.kv_blocks import BlockTable
-from workers.model.mtp_plan import MtpPlan, unsupported_reason
-from workers.model.plan_records import Op, Recorder
 from workers.model.state import KVCache, paged_kv_cache
+from workers.model.steps.mtp_plan import MtpPlan, unsupported_reason
+from workers.model.steps.plan_records import Op, Recorder
 from workers.runner import execution_summary
 
 PLANNED_HEADS = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense", "nemotron_dense"]

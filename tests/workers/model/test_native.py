@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
-from workers.model import load_checkpoint, native, native_recurrent
-from workers.model.attention import Attention, inverse_frequencies, rotary
+from workers.model import load_checkpoint
+from workers.model.kernels import native, native_recurrent
 from workers.model.kv_blocks import BlockTable
-from workers.model.linear import NativeLinear
-from workers.model.mamba2 import Mamba2Mixer
+from workers.model.layers.attention import Attention, inverse_frequencies, rotary
+from workers.model.layers.linear import NativeLinear
+from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.state import ForwardBatch, KVCache, MambaState
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.model.ssd import causal_conv, ssd_chunked, ssm_step
+from workers.model.kernels.ssd import causal_conv, ssd_chunked, ssm_step
 
 B_, H, P, N, G = 3, 4, 8, 6, 2
 
@@ -95,7 +95,7 @@ def test_causal_conv_windows_and_outputs():
 
 
 def test_in_place_decode_steps_equal_the_functional_ones():
-    from workers.model.ssd import conv_step_, ssm_step_
+    from workers.model.kernels.ssd import conv_step_, ssm_step_
 
     x, dt, A, Bm, Cm, state = _inputs(1, seed=5)
     y_ref, state_ref = ssm_step(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], state)
@@ -114,7 +114,7 @@ def test_in_place_decode_steps_equal_the_functional_ones():
 
 @pytest.mark.slow
 def test_compiled_decode_step_equals_the_eager_one():
-    from workers.model.ssd import compiled_ssm_step_
+    from workers.model.kernels.ssd import compiled_ssm_step_
 
     x, dt, A, Bm, Cm, state = _inputs(1, seed=7)
     y_ref, state_ref = ssm_step(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], state)

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workers.model.config import GdnConfig, MambaConfig
-from workers.model.gdn import GatedDeltaNetMixer
-from workers.model.mamba2 import Mamba2Mixer
+from workers.model.checkpoint.config import GdnConfig, MambaConfig
+from workers.model.kernels.triton_kernels import interpreter_on, unavailable_reason
+from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.state import RecurrentState
-from workers.model.triton_kernels import interpreter_on, unavailable_reason
 
 if not interpreter_on() or unavailable_reason(torch.device("cpu")) is not None:
     pytest.skip("needs triton and TRITON_INTERPRET=1 (test_triton_kernels.py runs these)", allow_module_level=True)

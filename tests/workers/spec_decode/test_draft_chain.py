@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.model import StatePool, load_checkpoint, native
-from workers.model.plan_records import Op, Recorder
+from workers.model import StatePool, load_checkpoint
+from workers.model.kernels import native
+from workers.model.steps.plan_records import Op, Recorder
 from workers.requests import Request
 from workers.spec_decode.draft_model import DraftModelProposer
 

@@ -159,7 +159,7 @@ def test_mtp_without_mtp_weights_is_a_clear_error(family, expected, tmp_path, ch
 
 
 def test_mtp_on_a_mamba2_family_is_refused(checkpoint_dir):
-    with pytest.raises(ValueError, match="speculative method 'mtp' is supported for qwen3_next"):
+    with pytest.raises(ValueError, match="speculative method 'mtp' is supported for nemotron_h, qwen3_next"):
         load_checkpoint(str(checkpoint_dir("bamba")), mtp=True)
     with pytest.raises(ValueError, match="draft_model is only used with method='draft'"):
         SpeculativeConfig("mtp", draft_model="x")

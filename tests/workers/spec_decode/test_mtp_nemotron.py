@@ -22,7 +22,7 @@ from tests.tiny_models import NEMOTRON_MTP_FAMILIES
 from tests.workers.spec_decode.test_state_shifting import _prompts, _requests
 from workers import ModelRunner, SpeculativeConfig
 from workers.model import HybridConfig, load_checkpoint
-from workers.model.config import ATTENTION, MLP, MOE
+from workers.model.checkpoint.config import ATTENTION, MLP, MOE
 from workers.scheduler import Scheduler
 from workers.spec_decode.mtp import MtpProposer
 

@@ -11,7 +11,7 @@ import torch
 from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch
-from workers.model.mtp_plan import MtpPlan
+from workers.model.steps.mtp_plan import MtpPlan
 from workers.requests import Request
 from workers.scheduler import Scheduler
 from workers.spec_decode.mtp import MtpProposer

@@ -1,0 +1,166 @@
+"""One normalised architecture description for every supported hybrid family.
+
+`config.json` files of Granite 4.0-H, Bamba, Nemotron-H, the Qwen Gated DeltaNet hybrids and attention-only models
+name the same ideas differently (and the hub's names differ from transformers 5's). `HybridConfig.from_hf_dict`
+reads any of them into one frozen dataclass, so the model code never looks at a family-specific field name; each
+family's reader lives in `families/` and is found through `registry.py`.
+
+A model is a flat list of *blocks*, each `x = x + residual_multiplier * mixer(norm(x))`. A Granite/Bamba decoder
+layer is two blocks (sequence mixer, then feed-forward); a Nemotron-H layer is one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from workers.model.checkpoint import registry
+
+# Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
+MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
+RECURRENT_KINDS = (MAMBA, GDN)
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """Shapes and limits of the Mamba2 mixers of a model."""
+
+    num_heads: int  # h
+    head_dim: int  # p
+    state_size: int  # n
+    num_groups: int  # g
+    conv_kernel: int  # W
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_min: float  # softplus(dt) is clamped to [dt_min, dt_max]
+    dt_max: float
+
+    @property
+    def intermediate_size(self) -> int:
+        """Width of x (and of the gate z): heads × head dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, B and C together."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True)
+class GdnConfig:
+    """Shapes of the Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): value heads share key heads in groups."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: value head j reads key head j // (value / key heads)
+    key_head_dim: int  # d_k
+    value_head_dim: int  # d_v
+    conv_kernel: int  # W
+    chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+
+    @property
+    def key_dim(self) -> int:
+        """Width of q (and of k): key heads × key head dim."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of v (and of the gate z): value heads × value head dim."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v together."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Grouped-query attention shapes and positional encoding."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    bias: bool  # q, k, v projections (and o_proj unless output_bias says otherwise)
+    rope_theta: float | None  # None: no positional encoding (NoPE)
+    rotary_dim: int  # leading dims of each head that RoPE rotates (partial RoPE)
+    output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
+    output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
+
+
+@dataclass(frozen=True)
+class FeedForwardConfig:
+    """Dense MLP and mixture-of-experts shapes."""
+
+    intermediate_size: int  # dense MLP (Granite: the shared MLP)
+    gated: bool  # silu(gate) * up (Granite, Bamba) or relu(up)^2 (Nemotron-H)
+    bias: bool
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # the MoE block's always-on shared MLP
+    router: str = "softmax"  # "softmax" (Granite) or "sigmoid" (Nemotron-H, grouped, with score bias)
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    latent_size: int | None = None  # Nemotron-H MoE latent projection
+    shared_expert_gate: bool = False  # shared MLP output × sigmoid(linear(x)) (Qwen)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Everything the model code needs, in one vocabulary for all families."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    block_kinds: tuple[str, ...]
+    mamba: MambaConfig | None  # None for families without Mamba2 blocks
+    attention: AttentionConfig
+    feed_forward: FeedForwardConfig
+    rms_norm_eps: float
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    gdn: GdnConfig | None = None  # Gated DeltaNet families only
+    zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
+    mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
+    mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+
+    @property
+    def recurrent_kind(self) -> str | None:
+        """MAMBA or GDN: the kind of this model's recurrent blocks (None when it has none)."""
+        kinds = {kind for kind in self.block_kinds if kind in RECURRENT_KINDS}
+        assert len(kinds) <= 1, "a model mixes Mamba2 and Gated DeltaNet blocks"
+        return kinds.pop() if kinds else None
+
+    def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n] or
+        Gated DeltaNet [h_v, d_k, d_v]. A model without recurrent blocks gets empty shapes."""
+        if self.gdn is not None:
+            g = self.gdn
+            return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)
+        if self.mamba is None:
+            return (0, 0), (0, 0, 0)
+        m = self.mamba
+        return (m.conv_dim, m.conv_kernel - 1), (m.num_heads, m.head_dim, m.state_size)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> HybridConfig:
+        """Build from the parsed `config.json` of a supported family; `ValueError` for anything else."""
+        model_type = raw.get("model_type")
+        family = registry.family_of(model_type)
+        if family is None:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} (architectures={raw.get('architectures')}); "
+                f"supported model types: {', '.join(registry.model_types())}"
+            )
+        return cls(model_type=model_type, **family.read_config(raw))

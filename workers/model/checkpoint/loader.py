@@ -1,0 +1,267 @@
+"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.checkpoint.families import MTP_MODEL_TYPES
+from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
+from workers.model.kernels import native, triton_kernels
+from workers.model.layers.attention import Attention
+from workers.model.layers.feed_forward import MLP
+from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.hybrid import HybridModel
+from workers.model.layers.linear import prepare_linears
+from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
+from workers.model.layers.norm import RMSNorm
+
+DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
+FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
+# What we fetch from the hub: configs, safetensors, tokenizer files. Never code, never pickles.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model with its weights, the directory it came from, and its raw generation config."""
+
+    model: HybridModel
+    config: HybridConfig
+    directory: Path
+    generation_config: dict[str, Any]
+
+
+def resolve_model_dir(path_or_repo: str, revision: str | None = None) -> Path:
+    """A local model directory as is, or a hub repo id downloaded (configs, safetensors, tokenizer files only)."""
+    if os.path.isdir(path_or_repo):
+        return Path(path_or_repo)
+    if os.path.exists(path_or_repo) or path_or_repo.count("/") != 1:
+        raise ValueError(f"model {path_or_repo!r} is neither a model directory nor a hub repo id ('org/name')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path_or_repo, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def resolve_dtype(name: str, config: HybridConfig, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto': float32 on a CPU, else the checkpoint's declared dtype (float32 when it declares none).
+
+    CPUs compute in float32 whatever the checkpoint stores: bfloat16 matmuls ran ~6× slower than float32 on this
+    project's 2-core CPU (no bfloat16 units), the native kernels are float32, and float32 keeps every row's result
+    independent of how many rows a forward has — which greedy speculative decoding needs to equal plain decoding
+    token for token (bfloat16 matmuls round a [b, k+1] verification differently from [b, 1] decode steps)."""
+    if name == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        name = "float32" if on_cpu or config.torch_dtype not in DTYPES else config.torch_dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _open_shards(directory: Path) -> dict[str, Any]:
+    """Checkpoint key → open safetensors handle."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in directory.iterdir())
+        raise FileNotFoundError(
+            f"no model.safetensors or model.safetensors.index.json in {directory} (found: {found}); "
+            "hybridgen loads safetensors weights only"
+        )
+    handles = {}
+    for name in files:
+        handle = safe_open(str(directory / name), framework="pt")
+        handles.update({key: handle for key in handle.keys()})
+    return handles
+
+
+def _pick(sources: list[Source], available: dict[str, Any]) -> Source | None:
+    return next((s for s in sources if all(k in available for k in s.keys)), None)
+
+
+def _read(source: Source, handles: dict[str, Any]) -> torch.Tensor:
+    tensors = [handles[key].get_tensor(key) for key in source.keys]
+    if source.transform is not None:
+        return source.transform(tensors)
+    if source.combine == "cat":
+        return torch.cat(tensors, dim=0)
+    if source.combine == "stack":
+        return torch.stack(tensors, dim=0)
+    return tensors[0]
+
+
+def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, Source]:
+    """Parameter name → where it comes from, given the checkpoint's key → shape (its safetensors headers).
+
+    One `ValueError` listing every missing, extra or mis-shaped key; reads no tensor data.
+    """
+    config = model.config
+    sources = checkpoint_sources(config, set(shapes))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    problems, used = [], set()
+    plan = {}
+    for name, param in params.items():
+        options = sources.get(name, [])
+        source = _pick(options, shapes)
+        if source is None:  # name what is missing from the layout the checkpoint comes closest to
+            closest = max(options, key=lambda s: sum(k in shapes for k in s.keys), default=None)
+            wanted = [k for k in closest.keys if k not in shapes][:2] if closest else []
+            problems.append(f"missing weight {wanted or name} for parameter {name!r} of shape {tuple(param.shape)}")
+            continue
+        used.update(source.keys)
+        plan[name] = source
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # a tied checkpoint may still carry a copy
+    for key in sorted(set(shapes) - used):
+        if not is_ignored(key):
+            problems.append(f"unexpected weight {key!r} with shape {tuple(shapes[key])} in the checkpoint")
+    for name, source in plan.items():
+        plain = source.combine == "one" and source.transform is None
+        expected = source.shapes or ((tuple(params[name].shape),) if plain else ())
+        for key, shape in zip(source.keys, expected):
+            found = tuple(shapes[key])
+            if found != tuple(shape):
+                problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
+    return plan
+
+
+def load_weights(model: HybridModel, handles: dict[str, Any]) -> None:
+    """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key."""
+    shapes = {key: tuple(handle.get_slice(key).get_shape()) for key, handle in handles.items()}
+    plan = match_weights(model, shapes)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, source in plan.items():
+            tensor = _read(source, handles)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+
+
+def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose how `model` runs its decode steps (Mamba2 and Gated DeltaNet mixers, attention, norms, MLPs); returns
+    the choice made.
+
+    "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
+    at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
+    Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
+    (RMSNorm fused with the residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of
+    `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their state shifts after
+    verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on
+    CUDA where triton imports, else torch.
+    """
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
+    device = torch.device(device)
+    native_fits = device.type == "cpu" and dtype == torch.float32
+    if kernel == "native":
+        if not native_fits:
+            raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
+        native.load()  # raises NativeKernelError with the compiler's message
+    if kernel == "triton" and not triton_kernels.available(device):
+        raise ValueError(f"decode_kernel='triton' cannot run here: {triton_kernels.unavailable_reason(device)}")
+    if kernel == "auto":
+        if native_fits and native.available():
+            kernel = "native"
+        elif device.type == "cuda" and triton_kernels.available(device):
+            kernel = "triton"
+        else:
+            kernel = "torch"
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            module.decode_kernel = kernel
+        elif isinstance(module, GatedDeltaNetMixer):
+            module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
+        elif isinstance(module, (RMSNorm, MLP, Attention)):
+            module.native = kernel == "native"  # the per-token elementwise work goes native along with it
+    return kernel
+
+
+def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> None:
+    """An MTP head is served for the Qwen GDN families and Nemotron-H, in the layouts `check_mtp_layout` accepts,
+    and the checkpoint (its tensor names `keys`) must carry its weights; `ValueError` naming what is missing or
+    unsupported otherwise. Reads no tensor data."""
+    if config.model_type not in MTP_MODEL_TYPES:
+        raise ValueError(
+            f"speculative method 'mtp' is supported for {', '.join(MTP_MODEL_TYPES)}, not {config.model_type!r}"
+        )
+    check_mtp_layout(config)
+    expected = mtp_head_keys(config)
+    if not any(key.startswith("mtp.") for key in keys):
+        raise ValueError(
+            f"speculative method 'mtp' needs the checkpoint's multi-token-prediction head, but {directory} has no "
+            f"mtp.* weights (expected {', '.join(expected)}, …); use method 'ngram' or 'draft' for this model"
+        )
+    missing = [key for key in expected if key not in keys]
+    if missing:
+        raise ValueError(
+            f"the multi-token-prediction head in {directory} does not match its config (MTP pattern "
+            f"{mtp_pattern(config)!r}): missing {', '.join(missing)}"
+        )
+
+
+def load_checkpoint(
+    path_or_repo: str,
+    device: str | torch.device = "cpu",
+    dtype: str = "auto",
+    linear_backend: str = "auto",
+    decode_kernel: str = "auto",
+    mtp: bool = False,
+    revision: str | None = None,
+) -> LoadedCheckpoint:
+    """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
+
+    `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
+    `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
+    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`. `mtp`: also load the checkpoint's
+    multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
+    `revision`: a hub repo's branch, tag or commit (default main).
+    """
+    directory = resolve_model_dir(path_or_repo, revision)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    config = HybridConfig.from_hf_dict(json.loads(config_path.read_text()))
+    torch_dtype = resolve_dtype(dtype, config, device)
+    handles = _open_shards(directory)
+    if mtp:
+        check_mtp_head(config, handles, directory)
+    with torch.device("meta"):
+        model = HybridModel(config, mtp=mtp)
+    model = model.to(torch_dtype).to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name.endswith(FLOAT32_SUFFIXES):
+            param.data = param.data.float()
+    if config.zero_centred_norms:  # 1 + w is rounded once, in float32, as the reference computes it
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, handles)
+    prepare_linears(model, linear_backend, torch.device(device), torch_dtype)
+    prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
+    model.eval().requires_grad_(False)
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    return LoadedCheckpoint(model, config, directory, generation)

@@ -1,0 +1,274 @@
+"""Native CPU kernels: small C files compiled once per machine with the system C compiler, called through ctypes.
+
+- `csrc/linear.c`: linear layers over weights packed in column panels, streamed at close to memory bandwidth
+  for the few rows of a decode step (oneDNN and BLAS reach well under it there).
+- `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
+  per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
+  prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
+- `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
+  per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer; and
+  the prompt (prefill) pass, token by token per request, value head and block of 64 state columns.
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
+  rotary embeddings.
+- `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
+  vectorised exp).
+- `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
+They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
+works without a compiler (slower).
+
+Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`) by `kernel_cache.py`,
+which loads only a build this user made, unchanged since (see there). A library that loads but lacks a kernel (a
+stale or foreign build) counts as unavailable, like a missing compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.model.kernels import kernel_cache
+from workers.model.kernels.kernel_cache import NativeKernelError
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # built together into one library
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (gcc defaults to 256)
+
+_LIBRARY: ctypes.CDLL | None = None
+_LOAD_ERROR: str | None = None
+_WARNED = False
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.flush_denormals_on_threads.restype = None
+    lib.flush_denormals_on_threads.argtypes = [ctypes.c_int]
+    lib.rms_norm.restype = lib.add_rms_norm.restype = lib.silu_mul.restype = lib.argmax_rows.restype = None
+    lib.rms_norm.argtypes = [ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
+    lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.sigmoid_mul.restype = None
+    lib.sigmoid_mul.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    lib.mamba2_prefill.restype = None
+    lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
+    lib.rope_rows.restype = None
+    lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
+    lib.attention_decode.restype = None
+    lib.attention_decode.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr, f32, ptr] + [i64] * 4 + [ctypes.c_int]
+    lib.linear_panel_width.restype = i64
+    lib.linear_panels.restype = None
+    lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.decode_plan_record_words.restype = i64
+    lib.decode_plan_run.restype = i64
+    lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
+    lib.decode_plan_shift.restype = i64
+    lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
+    lib.gdn_decode_step.restype = None
+    lib.gdn_decode_step.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
+    lib.gdn_prefill.restype = None
+    lib.gdn_prefill.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
+    lib.mamba2_decode_step.restype = None
+    lib.mamba2_decode_step.argtypes = [
+        ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
+        i64, i64, i64, i64, i64, i64, ctypes.c_int,
+    ]  # fmt: skip
+
+
+def _declare_all(lib: ctypes.CDLL, path: Path) -> None:
+    """Bind every kernel `lib` must export (the only place symbols are looked up); NativeKernelError if one is
+    missing, so the PyTorch paths run instead."""
+    try:
+        _declare(lib)
+    except AttributeError as error:  # ctypes' "<file>: undefined symbol: <name>"
+        raise NativeKernelError(f"{path} lacks a kernel, a stale or foreign build ({error})") from error
+
+
+def load() -> ctypes.CDLL:
+    """The compiled kernel library (built on first use); raises NativeKernelError when it cannot be."""
+    global _LIBRARY, _LOAD_ERROR
+    if _LIBRARY is not None:
+        return _LIBRARY
+    if _LOAD_ERROR is not None:
+        raise NativeKernelError(_LOAD_ERROR)
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise NativeKernelError("no C compiler found (set CC, or install gcc)")
+        lib, path = kernel_cache.open_library(SOURCES, HEADERS, compiler, CFLAGS)
+        _declare_all(lib, path)
+    except (OSError, NativeKernelError) as error:
+        _LOAD_ERROR = f"native kernels unavailable: {error}"
+        raise NativeKernelError(_LOAD_ERROR) from error
+    _LIBRARY = lib
+    return lib
+
+
+def loaded() -> bool:
+    """Whether the library is already built and loaded in this process (never builds it)."""
+    return _LIBRARY is not None
+
+
+def available() -> bool:
+    """Whether the native kernels can be used here (builds them on first call; never raises; warns once)."""
+    global _WARNED
+    try:
+        load()
+    except NativeKernelError as error:
+        if not _WARNED:
+            logger.warning("%s; running the PyTorch / oneDNN paths instead", error)
+            _WARNED = True
+        return False
+    return True
+
+
+def flush_denormals() -> bool:
+    """Flush denormal floats to zero on this thread and on the OpenMP threads PyTorch's CPU ops run on.
+
+    Denormals (|x| < 1.2e-38) are ~100× slower on x86; decays like exp(-100) in the chunked scan produce them,
+    which made prefill 2× slower. Changing them to 0 moves results by at most ~1e-38. Returns whether the pool
+    threads were reached (they need the native library; the calling thread is always set).
+    """
+    torch.set_flush_denormal(True)
+    try:
+        lib = load()
+    except NativeKernelError:
+        return False
+    lib.flush_denormals_on_threads(torch.get_num_threads())
+    return True
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"native kernels need contiguous float32 CPU tensors, got {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P from the kernel)."""
+    width = int(load().linear_panel_width())
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // width)
+    padded = weight.new_zeros(num_panels * width, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] · wᵀ (+ bias) → [M, out_features], with w packed by `pack_panels`; float32 on CPU."""
+    lib = load()
+    rows, in_features = x.shape
+    if panels.shape[1] != in_features or panels.shape[0] * panels.shape[2] < out_features:
+        raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for {out_features} outputs")
+    out = torch.empty(rows, out_features)
+    if rows:
+        lib.linear_panels(pointer(x), pointer(panels), pointer(bias), pointer(out), rows, out_features,
+                          in_features, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors as they are: contiguous float32 on CPU."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [..., d] with weight [d]."""
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    load().rms_norm(pointer(x), pointer(weight), eps, pointer(out), x.numel() // d, d, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, alpha: float, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """hidden += alpha · delta in place; returns rmsnorm(hidden) · weight (a residual add and the next norm)."""
+    out = torch.empty_like(hidden)
+    d = hidden.shape[-1]
+    load().add_rms_norm(pointer(hidden), pointer(delta), alpha, pointer(weight), eps, pointer(out),
+                        hidden.numel() // d, d, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for h [..., 2n] = [gate | up] → [..., n]."""
+    n = h.shape[-1] // 2
+    out = h.new_empty(*h.shape[:-1], n)
+    load().silu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x · sigmoid(gate) for x, gate [..., n] of the same shape (gated attention's output gate)."""
+    if x.shape != gate.shape:
+        raise ValueError(f"x {tuple(x.shape)} and gate {tuple(gate.shape)} must have the same shape")
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    load().sigmoid_mul(pointer(x), pointer(gate), pointer(out), x.numel() // n, n, torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) for x [rows, n] (first index on ties; NaN counts as the largest)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    load().argmax_rows(pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int) -> None:
+    """Rotary embedding of x [b, heads, head_dim] in place, row r at positions[r] (int64), inv_freq [rotary_dim / 2]."""
+    if not (positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == x.shape[:1]):
+        raise ValueError("positions must be a contiguous int64 tensor with one entry per row")
+    b, heads, head_dim = x.shape
+    load().rope_rows(pointer(x), positions.data_ptr(), pointer(inv_freq), b, heads, head_dim, rotary_dim)
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: Any,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the paged `cache` (a
+    `KVCache`: key/value [KV, tokens, d] over its block table), then attend q [b, H, d] over positions
+    0 … position of each row → [b, H, d]."""
+    b, num_heads, head_dim = q.shape
+    blocks = cache.blocks
+    if not (
+        slot_ids.dtype == positions.dtype == torch.int64 and slot_ids.is_contiguous() and positions.is_contiguous()
+    ):
+        raise ValueError("slot_ids and positions must be contiguous int64 tensors")
+    last = int(positions.max())
+    if last >= blocks.max_blocks_per_slot * blocks.block_size:
+        raise ValueError(f"position {last} is past the KV capacity of a slot")
+    out = torch.empty_like(q)
+    load().attention_decode(
+        pointer(q), pointer(k), pointer(v), pointer(cache.key), pointer(cache.value),
+        blocks.tables.data_ptr(), blocks.max_blocks_per_slot, blocks.block_size, cache.key.shape[1],
+        slot_ids.data_ptr(), positions.data_ptr(), scale, pointer(out), b, num_heads, cache.key.shape[0], head_dim,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

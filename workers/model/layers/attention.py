@@ -1,0 +1,181 @@
+"""Grouped-query attention over a slot-indexed KV cache, with NoPE or (partial) RoPE.
+
+Qwen3-Next / Qwen3.5 add an output gate (q_proj rows per head are `[q_h | gate_h]`, output × sigmoid(gate)) and
+an RMSNorm over each head of q and k before RoPE.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.checkpoint.config import AttentionConfig, HybridConfig
+from workers.model.kernels import native
+from workers.model.layers.long_attention import LONG_ATTENTION_SCORES, long_attention
+from workers.model.layers.norm import RMSNorm
+from workers.model.state import ForwardBatch, KVCache
+
+
+@functools.lru_cache(maxsize=16)
+def inverse_frequencies(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """RoPE's per-pair rotation speeds [rotary_dim / 2], float32 (the native kernel reads the same tensor)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of each head (half-split convention); x [b, heads, l, hd], positions [b, l]."""
+    inv_freq = inverse_frequencies(theta, rotary_dim, x.device)
+    freqs = positions.float()[..., None] * inv_freq  # [b, l, rotary_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, l, rotary_dim]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention whose keys/values live in a `KVCache` slot per request."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        a: AttentionConfig = config.attention
+        self.config = a
+        q_width = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=a.bias)
+        self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
+        self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
+        output_bias = a.bias if a.output_bias is None else a.output_bias
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=output_bias)
+        self.q_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
+        self.native = False  # decode steps through the native kernel (set at load for CPU float32)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [b, l, d] → q [b, l, heads, hd], k, v [b, l, kv_heads, hd], gate [b, l, heads · hd] or None."""
+        a = self.config
+        b, length, _ = hidden.shape
+        q = self.q_proj(hidden).view(b, length, a.num_heads, -1)
+        gate = None
+        if a.output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(b, length, a.num_heads * a.head_dim)
+        k = self.k_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        return q, k, v, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [b, l, heads · hd] → o_proj (after the output gate when the model has one; through the
+        native kernel when the decode steps are native, so that a decode plan's gate computes the same bits)."""
+        if gate is None:
+            return self.o_proj(out)
+        if self.native and native.fits(out, gate):
+            return self.o_proj(native.sigmoid_mul(out, gate))
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """hidden [b, l, d] → [b, l, d]; writes the new tokens' keys/values into their slots."""
+        a = self.config
+        b, length, _ = hidden.shape
+        if length == 1 and batch.one_token_each:
+            return self._decode(hidden, batch, cache)
+        offsets = torch.arange(length, device=hidden.device)
+        positions = batch.cache_lens[:, None] + offsets  # [b, l]
+        q, k, v, gate = self._project(hidden)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if a.rope_theta is not None:
+            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+        # 1. Write the valid new keys/values at their positions in each row's slot.
+        rows, cols = (offsets[None, :] < batch.num_tokens[:, None]).nonzero(as_tuple=True)
+        cache.write(batch.slot_ids[rows], positions[rows, cols], k[rows, :, cols], v[rows, :, cols])
+        # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
+        span = int((batch.cache_lens + batch.num_tokens).max())
+        if b == 1 and length * span > LONG_ATTENTION_SCORES:
+            out = self._long(q, cache, batch, span)
+        else:
+            keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
+            mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+            )
+        return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)
+
+    @staticmethod
+    def _contiguous(cache: KVCache, batch: ForwardBatch, span: int) -> int | None:
+        """A single row's first token index when its positions lie in consecutive blocks (read as views)."""
+        if batch.slot_ids.shape[0] != 1:
+            return None
+        return cache.blocks.contiguous_start(int(batch.slot_ids[0]), span)
+
+    def _long(self, q: torch.Tensor, cache: KVCache, batch: ForwardBatch, span: int) -> torch.Tensor:
+        """One row's chunk of queries over a long cache without a [l, span] score or mask matrix (see
+        `long_attention`); q [1, heads, l, hd] → [1, heads, l, hd]."""
+        keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
+        num_new = int(batch.num_tokens[0])
+        return long_attention(q[:, :, :num_new], keys, values, self.config.scale, q.shape[2])
+
+    def _decode(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` for one new token in every row: direct cache writes, one mask row per request."""
+        a = self.config
+        b = hidden.shape[0]
+        positions = batch.cache_lens  # [b]: each row's new token goes right after its cached ones
+        q, k, v, gate = self._project(hidden)  # [b, 1, heads, hd]: one token, so heads can move to dim 1 freely
+        q = q.reshape(b, a.num_heads, 1, a.head_dim)
+        k, v = k.reshape(b, a.num_kv_heads, 1, a.head_dim), v.reshape(b, a.num_kv_heads, 1, a.head_dim)
+        if self.native and native.fits(q, k, v, cache.key, cache.value):
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
+            if a.rope_theta is not None:  # in place, on the fresh projections
+                inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device)
+                native.rope(q, positions, inv_freq, a.rotary_dim)
+                native.rope(k, positions, inv_freq, a.rotary_dim)
+            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale)
+            return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
+        if a.rope_theta is not None:
+            q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
+        cache.write(batch.slot_ids, positions, k[:, :, 0], v[:, :, 0])
+        span = int(positions.max()) + 1
+        keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
+        mask = torch.arange(span, device=hidden.device)[None, :] <= positions[:, None]  # [b, span]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
+
+    def forward_static(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` with shapes fixed by the cache's capacity, not by its contents: no host synchronisation and no
+        data-dependent shapes, the form a CUDA graph captures. Every row writes all l new keys/values (positions
+        past a row's valid tokens are scratch the cache overwrites later: they must lie inside the capacity) and
+        attends over the whole capacity, masked causally. The same results as `forward` up to the rounding of a
+        longer masked reduction (exactly equal where the attention kernel skips masked keys' zero weights)."""
+        a = self.config
+        b, length, _ = hidden.shape
+        positions = batch.cache_lens[:, None] + torch.arange(length, device=hidden.device)  # [b, l]
+        q, k, v, gate = self._project(hidden)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, l, hd]
+        if a.rope_theta is not None:
+            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
+            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+        # 1. Write every new key/value at its position of its row's slot (positions without a block of their own
+        # write into the null block: finite scratch that every read masks).
+        slots = batch.slot_ids[:, None].expand(b, length).reshape(-1)
+        k_rows, v_rows = (
+            k.transpose(1, 2).reshape(b * length, a.num_kv_heads, -1),
+            v.transpose(1, 2).reshape(b * length, a.num_kv_heads, -1),
+        )
+        cache.write(slots, positions.reshape(-1), k_rows.to(cache.key.dtype), v_rows.to(cache.value.dtype))
+        # 2. Attend over a slot's whole capacity (a fixed gather through the block table); entries past each
+        # token's own position are masked.
+        capacity = cache.blocks.max_blocks_per_slot * cache.blocks.block_size
+        keys, values = cache.read(batch.slot_ids, capacity)  # [b, kv_heads, capacity, hd]
+        mask = torch.arange(capacity, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, capacity]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+        )
+        return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)

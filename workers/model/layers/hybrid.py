@@ -1,0 +1,109 @@
+"""The hybrid language model: embeddings, a list of pre-norm residual blocks, final norm, LM head.
+
+Recurrent blocks (Mamba2 or Gated DeltaNet) share one contract: `mixer(x, state, num_tokens, in_place)` →
+(out, new state, scan inputs), and `mixer.state_after(state, scan, num_tokens)` for speculative state shifting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.layers.block import Block
+from workers.model.layers.mtp import MtpHead
+from workers.model.layers.norm import RMSNorm
+from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
+
+
+@dataclass
+class ForwardOutput:
+    """Result of one forward pass."""
+
+    hidden: torch.Tensor  # [b, l, d] final hidden states (after the final norm)
+    mamba_states: list[RecurrentState]  # per recurrent layer (Mamba2 or GDN): state after each row's last valid token
+    scan_inputs: list[ScanInputs | DeltaScanInputs] = field(default_factory=list)  # per recurrent layer, if asked
+
+
+class HybridModel(nn.Module):
+    """A causal LM over explicit state: `forward` takes recurrent states and KV caches and returns new recurrent states."""
+
+    def __init__(self, config: HybridConfig, mtp: bool = False):
+        """`mtp`: also build the checkpoint's multi-token-prediction head (`self.mtp`, a draft for speculation)."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.block_kinds)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = MtpHead(config) if mtp else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        mamba_states: list[RecurrentState] | None,
+        kv_caches: list[KVCache],
+        keep_scan_inputs: bool = False,
+        in_place: bool = False,
+        static_shapes: bool = False,
+    ) -> ForwardOutput:
+        """input_ids [b, l] (right-padded to l) → final hidden states, new recurrent states (and scan inputs).
+
+        `mamba_states` (one per recurrent layer, Mamba2 or GDN) None: every row starts its sequence (zero states;
+        prompts, scoring). The new states are those after each row's last valid token; `kv_caches` receive the new
+        keys. `in_place` (decode, one token per row): the given state tensors are updated and returned.
+        `static_shapes`: attention writes and reads with shapes fixed by the caches' capacity (no host sync, no
+        data-dependent shapes: what a CUDA graph captures; see `Attention.forward_static`).
+        """
+        if keep_scan_inputs and (in_place or mamba_states is None):
+            raise ValueError("keep_scan_inputs needs the old states: not with in_place or without states")
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
+        output = ForwardOutput(hidden, [])
+        num_recurrent = sum(block.kind in RECURRENT_KINDS for block in self.blocks)
+        states = mamba_states if mamba_states is not None else [None] * num_recurrent
+        state_iter, kv_iter = iter(states), iter(kv_caches)
+        normed = self.blocks[0].norm(hidden) if self.blocks else self.final_norm(hidden)
+        next_norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
+        for block, next_norm in zip(self.blocks, next_norms):
+            if block.kind in RECURRENT_KINDS:
+                out, state, scan = block.mixer(normed, next(state_iter), batch.num_tokens, in_place)
+                output.mamba_states.append(state)
+                if keep_scan_inputs:
+                    output.scan_inputs.append(scan)
+            elif block.kind == ATTENTION:
+                attend = block.mixer.forward_static if static_shapes else block.mixer
+                out = attend(normed, batch, next(kv_iter))
+            else:
+                out = block.mixer(normed)
+            # The residual connection, fused with the next block's pre-norm (or the final norm).
+            hidden, normed = next_norm.add_and_norm(hidden, out, self.config.residual_multiplier)
+        output.hidden = normed
+        return output
+
+    def states_after(
+        self,
+        mamba_states: list[RecurrentState],
+        scan_inputs: list[ScanInputs | DeltaScanInputs],
+        num_tokens: torch.Tensor,
+        static_shapes: bool = False,
+    ) -> list[RecurrentState]:
+        """Every recurrent layer's state after each row's first `num_tokens` inputs of a kept forward.
+
+        `static_shapes`: never read `num_tokens` on the host (a CUDA graph's form; the same states)."""
+        mixers = [block.mixer for block in self.blocks if block.kind in RECURRENT_KINDS]
+        return [
+            m.state_after(s, scan, num_tokens, static_shapes)
+            for m, s, scan in zip(mixers, mamba_states, scan_inputs, strict=True)
+        ]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., d] → float32 logits [..., vocab]."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.config.logits_divisor == 1.0 else logits / self.config.logits_divisor

@@ -1,0 +1,73 @@
+"""RMS norms, computed in float32 and cast back to the input dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.kernels import native
+
+
+class RMSNorm(nn.Module):
+    """y = weight · x / rms(x) over the last dimension."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.native = False  # run through the native kernel (set at load for CPU float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] → [..., d]."""
+        if self.native and native.fits(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same arithmetic
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+    def add_and_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, alpha: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + alpha · delta, its norm): a residual connection and the next pre-norm, fused when native.
+
+        `hidden` may be updated in place: callers pass a tensor nothing else holds.
+        """
+        if self.native and native.fits(hidden, delta, self.weight):
+            return hidden, native.add_rms_norm(hidden, delta, alpha, self.weight, self.eps)
+        hidden = hidden + delta if alpha == 1.0 else torch.add(hidden, delta, alpha=alpha)
+        return hidden, self(hidden)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's grouped gated norm (norm_before_gate=False): rmsnorm(y · silu(z)) per group of channels."""
+
+    def __init__(self, size: int, num_groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.num_groups = num_groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., d] → [..., d] in `out_dtype`."""
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.view(*gated.shape[:-1], self.num_groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """The Gated DeltaNet's output norm (norm before gate): weight · rmsnorm(y) · silu(z) over each head's channels."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., heads, head_dim] → [..., heads, head_dim] in `out_dtype`."""
+        y = y.float()
+        normed = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(out_dtype)
+        return (self.weight * normed * F.silu(z.float())).to(out_dtype)

@@ -1,0 +1,315 @@
+"""A whole-model decode step as one native call: the CPU counterpart of a CUDA graph.
+
+Module by module, a decode step of the bench model makes ~70 kernel calls from Python, and at batch 1 the
+interpreter's share (argument checks, output allocation, ctypes) was ~4–5 ms of a ~17 ms step. A `DecodePlan`
+records those same calls once per batch size — weights, state slots 0 … b-1 of a `StatePool`, and scratch
+buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
+call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
+
+It covers models whose every block runs native on the module path: Mamba2 and Gated DeltaNet mixers with their
+native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
+norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
+RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
+Anything else (MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS
+from workers.model.kernels import native
+from workers.model.layers.attention import Attention, inverse_frequencies
+from workers.model.layers.feed_forward import MLP as DenseMLP
+from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.hybrid import HybridModel
+from workers.model.layers.linear import NativeLinear
+from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.state import StatePool
+from workers.model.steps.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
+
+
+def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
+    """(b, l) of a step's [b, l] token ids with one position per row, or ValueError saying what is wrong."""
+    b, length = len(token_ids), len(token_ids[0]) if token_ids else 0
+    if not 1 <= b <= max_rows or len(positions) != b or not 1 <= length <= tokens_per_row:
+        raise ValueError(
+            f"a step needs 1 … {max_rows} rows of 1 … {tokens_per_row} tokens and one position per row, got {b} "
+            f"rows of {length} tokens and {len(positions)} positions"
+        )
+    if any(len(row) != length for row in token_ids):
+        raise ValueError("every row of a step needs the same number of tokens (pad the short ones)")
+    return b, length
+
+
+def unsupported_reason(model: HybridModel) -> str | None:
+    """Why `model` cannot run as a decode plan, or None when it can."""
+    norms = [block.norm for block in model.blocks] + [model.final_norm]
+    if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
+        return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
+    for block in model.blocks:
+        mixer = block.mixer
+        if block.kind not in (MAMBA, GDN, ATTENTION, MLP):
+            return f"{block.kind} blocks are not covered (expert routing runs module by module)"
+        linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
+        if not all(isinstance(m, NativeLinear) for m in linears):
+            return f"a {block.kind} block has linears outside the native kernel"
+        if block.kind in RECURRENT_KINDS and mixer.decode_kernel != "native":
+            name = "Mamba2" if block.kind == MAMBA else "Gated DeltaNet"
+            return f"{name} decode steps do not run through the native kernel"
+        if block.kind == ATTENTION:
+            head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]
+            if not (mixer.native and all(norm.native for norm in head_norms)):
+                return "attention decode steps do not run through the native kernel"
+        if block.kind == MLP and not mixer.native:
+            return "MLP activations do not run through the native kernels"
+    return None
+
+
+class DecodePlan:
+    """Decode steps of `model` for the requests in slots 0 … b-1 of `pool` (any b up to the pool's slot count).
+
+    `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
+    per row — speculative verification: every linear once over all the tokens (the weights are read once), each
+    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Gated DeltaNet layer
+    walking the tokens on a cached copy of each head's state, which it leaves in the pool as it was.
+    `keep(num_accepted_tokens)` then advances each row's recurrent states by its accepted tokens to the state after
+    input num_accepted_tokens − 1. Verification and keep run the decode step's arithmetic (the same compiled
+    helpers), so logits and states are bit for bit those of plain steps — greedy speculative output equals greedy
+    plain output by construction. `last_hidden` hands out the final-norm hidden states of the last step (an MTP
+    proposer drafts from them).
+    """
+
+    def __init__(self, model: HybridModel, pool: StatePool, tokens_per_row: int = 1):
+        """Allocate the buffers for every slot of `pool`; records are built per shape on first use."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"this model cannot run as a decode plan: {reason}")
+        self.lib = native.load()
+        if self.lib.decode_plan_record_words() != RECORD_WORDS:
+            raise native.NativeKernelError("decode_plan.c and decode_plan.py disagree on the record size")
+        self.model, self.pool, self.tokens_per_row = model, pool, tokens_per_row
+        config = model.config
+        rows, tokens, d = pool.num_slots, pool.num_slots * tokens_per_row, config.hidden_size
+        self.max_rows = rows
+        linears = [m for block in model.blocks for m in block.mixer.modules() if isinstance(m, NativeLinear)]
+        # Token-major rows: token t of row r is row t · b + r, so each token's rows are contiguous.
+        self.token_ids = torch.zeros(tokens, dtype=torch.int64)
+        self.positions = torch.zeros(tokens_per_row, rows, dtype=torch.int64)
+        self.slot_ids = torch.arange(rows, dtype=torch.int64)
+        self.hidden, self.normed, self.mixed = (torch.empty(tokens, d) for _ in range(3))
+        # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
+        self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
+        self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
+        recurrent = next((b.mixer for b in model.blocks if b.kind in RECURRENT_KINDS), None)
+        self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
+        # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
+        # tokens from them.
+        kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
+        self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
+        a = config.attention
+        attention = ATTENTION in config.block_kinds
+        kv_width = a.num_kv_heads * a.head_dim if attention else 1
+        self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
+        gated = attention and a.output_gate  # q_proj rows [q_h | gate_h] are split into these two
+        self.query, self.gate = (torch.empty(tokens, a.num_heads * a.head_dim if gated else 0) for _ in range(2))
+        self.logits = torch.empty(tokens, config.vocab_size)
+        self._records: dict[tuple[int, int], torch.Tensor] = {}
+        self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
+        self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
+        self._last: tuple[int, int] | None = None  # (b, l) of the last step, for `last_hidden`
+        self._referenced: list[torch.Tensor] = []  # tensors the records point into that nothing else holds
+
+    def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One step for rows 0 … b-1: input `token_ids` at `positions` (= tokens already cached) → logits [b, v].
+
+        Updates the pool's recurrent states and KV caches as the module path's in-place decode does. The logits are
+        a view of a buffer the next step overwrites.
+        """
+        return self._execute([[t] for t in token_ids], positions)[:, 0]
+
+    def verify(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Rows 0 … b-1 each run l tokens (padded rows included) from `positions` on → logits [b, l, v].
+
+        KV entries are written for all l tokens; recurrent states are left as they were until `keep` advances them.
+        """
+        logits = self._execute(token_ids, positions)
+        self._verified = (logits.shape[0], logits.shape[1]) if logits.shape[1] > 1 else None
+        return logits
+
+    def keep(self, num_accepted_tokens: list[int]) -> None:
+        """After `verify`: each row keeps its recurrent states after input num_accepted_tokens − 1 (1 ≤ n ≤ l)."""
+        if self._verified is None:
+            raise RuntimeError("keep() needs a verification of more than one token per row before it")
+        b, length = self._verified
+        self._verified = None
+        if len(num_accepted_tokens) != b or not all(1 <= n <= length for n in num_accepted_tokens):
+            raise ValueError(f"accepted counts must be 1 … {length} for each of {b} rows, got {num_accepted_tokens}")
+        records = self._shift_records.get((b, length))
+        if records is None:
+            records = self._shift_records[(b, length)] = self._record_shift(b, length)
+        accepted = torch.tensor(num_accepted_tokens, dtype=torch.int64)
+        failed = self.lib.decode_plan_shift(
+            records.data_ptr(), records.shape[0], accepted.data_ptr(), torch.get_num_threads()
+        )
+        assert not failed, "decode_plan_shift refused counts checked above"
+
+    def last_hidden(self) -> torch.Tensor:
+        """The final-norm hidden states [b, l, d] of the last `run` or `verify` — what the module path returns as
+        `ForwardOutput.hidden`, bit for bit — as a view of a buffer the next step overwrites (`keep` leaves it)."""
+        if self._last is None:
+            raise RuntimeError("last_hidden() needs a step before it")
+        b, length = self._last
+        return self.normed[: b * length].view(length, b, -1).transpose(0, 1)
+
+    def _execute(self, token_ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """Run the records for [b, l] tokens; logits [b, l, v] (a view of the plan's buffer)."""
+        b, length = check_step(token_ids, positions, self.max_rows, self.tokens_per_row)
+        self.token_ids.numpy()[: b * length] = [row[t] for t in range(length) for row in token_ids]
+        self.positions.numpy()[:length, :b] = [[p + t for p in positions] for t in range(length)]
+        self._last = None
+        self.replay(self.records(b, length))
+        self._last = (b, length)
+        logits = self.logits[: b * length].view(length, b, -1).transpose(0, 1)
+        divisor = self.model.config.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor  # exactly as HybridModel.logits
+
+    def records(self, b: int, length: int) -> torch.Tensor:
+        """The records [num_records, RECORD_WORDS] of one step of `length` tokens for rows 0 … b-1 (recorded on
+        first use): they read `token_ids` and `positions` token-major and leave the logits in `logits`."""
+        records = self._records.get((b, length))
+        if records is None:
+            records = self._records[(b, length)] = self._record(b, length)
+        return records
+
+    def replay(self, records: torch.Tensor) -> None:
+        """Run records made over this plan's buffers in one native call; ValueError when one refuses its input."""
+        failed = self.lib.decode_plan_run(records.data_ptr(), records.shape[0], torch.get_num_threads())
+        if failed:
+            raise ValueError(
+                f"decode step refused its input at record {failed - 1}: a token id outside [0, "
+                f"{self.model.config.vocab_size}) or a position outside the KV cache or without a KV block"
+            )
+
+    # ------------------------------------------------------------------------------------------------ recording
+    def _record(self, b: int, length: int) -> torch.Tensor:
+        """The records of one step of `length` tokens for b rows."""
+        model, config = self.model, self.model.config
+        n, d = b * length, config.hidden_size
+        rec = Recorder(b, length)
+        hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
+        rec.emit(Op.EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
+                 (config.embedding_multiplier,))  # fmt: skip
+        first_norm = model.blocks[0].norm if model.blocks else model.final_norm
+        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
+        recurrent_layer = attention_layer = 0
+        for block, next_norm in zip(model.blocks, next_norms):
+            if block.kind == MAMBA:
+                self._record_mamba(rec, block.mixer, recurrent_layer)
+            elif block.kind == GDN:
+                self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == ATTENTION:
+                self._record_attention(rec, block.mixer, attention_layer)
+                attention_layer += 1
+            else:
+                self._record_mlp(rec, block.mixer)
+            recurrent_layer += block.kind in RECURRENT_KINDS
+            rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
+                     (config.residual_multiplier, next_norm.eps))  # fmt: skip
+        rec.linear(model.lm_head, normed, self.logits[:n])
+        return rec.tensor()
+
+    def _projections(self, width: int, layer: int, n: int, length: int) -> torch.Tensor:
+        """Where a recurrent layer's in_proj writes [l, b, width]: kept per layer through a verification (the shift
+        re-runs tokens from it), else scratch."""
+        if length > 1:
+            return self.kept_proj[layer, : n * width].view(length, n // length, width)
+        return scratch_rows(self.wide, n, width).view(1, n, width)
+
+    def _record_mamba(self, rec: Recorder, mixer: Mamba2Mixer, layer: int) -> None:
+        m, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
+                 [proj, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log,
+                  mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc[:n], y, b,
+                  m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
+                 (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
+
+    def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
+        """OP_GDN's arguments from the conv window to the delta-rule states: what
+        `GatedDeltaNetMixer._native_decode` hands `gdn_decode_step` (the conv weight [conv_dim, 1, W] is the
+        [conv_dim, W] it squeezes)."""
+        return [self.pool.conv[layer], mixer.conv1d.weight, mixer.dt_bias, mixer.A_log, self.pool.ssm[layer]]
+
+    def _record_gdn(self, rec: Recorder, mixer: GatedDeltaNetMixer, layer: int) -> None:
+        g, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features  # rows [q | k | v | z | b | a]: the loader joined the projections
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, g.value_dim).view(length, b, g.value_dim)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(Op.GDN if length == 1 else Op.GDN_VERIFY,
+                 [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
+                 (mixer.norm.eps,))  # fmt: skip
+        rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
+
+    def _record_shift(self, b: int, length: int) -> torch.Tensor:
+        """One shift record per recurrent layer: advance the states the verification left by each row's accepted
+        tokens, from the layer's kept in_proj outputs (the keep kernels of csrc/mamba_decode.c, gdn_decode.c)."""
+        rec = Recorder(b, length)
+        mixers = [block.mixer for block in self.model.blocks if block.kind in RECURRENT_KINDS]
+        for layer, mixer in enumerate(mixers):
+            kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
+            if isinstance(mixer, GatedDeltaNetMixer):
+                g = mixer.config
+                sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
+                continue
+            m = mixer.config
+            rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,
+                                    mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], scratch, b, m.num_heads,
+                                    m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
+                     (m.dt_min, m.dt_max))  # fmt: skip
+        return rec.tensor()
+
+    def _record_attention(self, rec: Recorder, attention: Attention, layer: int) -> None:
+        a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
+        width = a.num_heads * a.head_dim
+        q, keys, values, out = record_attention_inputs(rec, attention, self)
+        inv_freq = None
+        if a.rope_theta is not None:
+            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
+            self._referenced.append(inv_freq)
+        if inv_freq is not None:
+            for t in range(length):
+                positions = self.positions[t, :b]
+                rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+                rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
+        # All l tokens at once (each attends causally up to its own position), the cache read once for them.
+        blocks = self.pool.blocks
+        rec.emit(Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
+                 [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids, self.positions[0, :b],
+                  blocks.tables, out, b, a.num_heads, a.num_kv_heads, a.head_dim, self.pool.capacity,
+                  blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2], length],
+                 (a.scale,))  # fmt: skip
+        if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
+            rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
+        rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
+
+    def _record_mlp(self, rec: Recorder, mlp: DenseMLP) -> None:
+        n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features
+        h = scratch_rows(self.wide, n, mlp.up_proj.out_features)
+        act = scratch_rows(self.narrow, n, intermediate)
+        rec.linear(mlp.up_proj, self.normed[:n], h)
+        if mlp.gated:
+            rec.emit(Op.SILU_MUL, [h, act, n, intermediate])
+        else:
+            rec.emit(Op.RELU_SQUARE, [h, act, n * intermediate])
+        rec.linear(mlp.down_proj, act, self.mixed[:n])

@@ -271,6 +271,24 @@ def bench_bookkeeping(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_job_shards(args: argparse.Namespace) -> int:
+    """--task shards: a job's rows streamed through one worker against one call per shard and one call."""
+    path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
+    shard_rows = args.shard_rows or 2 * max(args.batch_sizes)
+
+    def load() -> ModelRunner:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return ModelRunner.from_pretrained(str(path), device=args.device, dtype=args.dtype,
+                                           max_num_seqs=max(args.batch_sizes))  # fmt: skip
+
+    rows = bench_shards(load, args.num_rows, args.prompt_len, shard_rows, args.new_tokens, args.repeats)
+    print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
+                f"(mean {args.new_tokens}): streamed shards vs one call", rows)  # fmt: skip
+    Path(args.json).write_text(json.dumps({"shards": rows, "model": str(path), "args": vars(args)}, indent=2))
+    return 0
+
+
 def _cell(value: Any) -> str:
     """A table cell: floats with one decimal, or three significant digits below 10 (ratios, steps per token)."""
     if not isinstance(value, float):
@@ -303,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.task == "resume":
         return bench_bookkeeping(args)
+    if args.task == "shards":
+        return bench_job_shards(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
@@ -320,13 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
                               "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
                               "args": vars(args)}  # fmt: skip
-    if args.task == "shards":
-        shard_rows = args.shard_rows or 2 * max(args.batch_sizes)
-        result["shards"] = bench_shards(runner, args.num_rows, args.prompt_len, shard_rows, args.new_tokens,
-                                        args.repeats)  # fmt: skip
-        print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
-                    f"(mean {args.new_tokens}): streamed shards vs one call", result["shards"])  # fmt: skip
-    elif args.task == "prefix":
+    if args.task == "prefix":
         result["prefix"] = bench_prefix(runner, args.num_rows, args.prefix_len, args.suffix_len, args.new_tokens,
                                         args.num_distinct, args.prompt_len, args.repeats)  # fmt: skip
         print_table(f"prefix caching: {args.num_rows} rows sharing {args.prefix_len} tokens (+ ~{args.suffix_len} "

@@ -126,30 +126,35 @@ class ShardWorker:
 
     def __init__(self, spec: WorkerSpec):
         self.spec, self.runner, self.start_error = spec, None, None
-        self.stream: ShardStream | None = None
-        self._tokenizer_lock, self._score_lock = threading.Lock(), threading.Lock()
+        self.stream = ShardStream()  # its engine thread does every torch call of this worker, loading included
+        self._tokenizer_lock = threading.Lock()
         try:
-            if spec.num_threads:
-                torch.set_num_threads(spec.num_threads)
-            self.runner = ModelRunner.from_pretrained(
-                spec.model,
-                spec.device,
-                spec.dtype,
-                spec.max_num_seqs,
-                spec.max_model_len,
-                spec.speculative,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_memory=spec.max_memory,
-                gpu_memory_utilization=spec.gpu_memory_utilization,
-                cuda_graphs=False if spec.enforce_eager else None,
-                enable_prefix_caching=spec.enable_prefix_caching,
-                revision=spec.revision,
-            )
+            self.runner = self.stream.call(lambda: self._load(spec)).result()
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
-            self.stream = ShardStream(self.runner)
+            self.stream.runner = self.runner
         except Exception as error:  # reported by ready(); the driver decides
             self.start_error = f"{type(error).__name__}: {error}"
+
+    @staticmethod
+    def _load(spec: WorkerSpec) -> ModelRunner:
+        """The worker's runner (on the engine thread)."""
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        return ModelRunner.from_pretrained(
+            spec.model,
+            spec.device,
+            spec.dtype,
+            spec.max_num_seqs,
+            spec.max_model_len,
+            spec.speculative,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_memory=spec.max_memory,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            cuda_graphs=False if spec.enforce_eager else None,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            revision=spec.revision,
+        )
 
     def ready(self) -> dict[str, Any]:
         """Called once by the driver: where the worker runs, and `error` when it could not load its model."""
@@ -174,8 +179,7 @@ class ShardWorker:
             columns = prompts.columns(results)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
-            with self._score_lock:  # scoring is one batch at a time
-                columns = score_shard(self.runner, rows, self.spec.task_options)
+            columns = self.stream.call(lambda: score_shard(self.runner, rows, self.spec.task_options)).result()
             stats = shard_stats(columns)
         return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
 

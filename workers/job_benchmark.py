@@ -35,9 +35,8 @@ def _call_per_shard(runner: ModelRunner, prompts: list[list[int]], params: list[
     return out
 
 
-def _streamed(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
+def _streamed(stream: ShardStream, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
     """What a streaming worker does: SHARDS_PER_WORKER shards submitted, the next one as soon as one returns."""
-    stream = ShardStream(runner)
     starts = list(range(0, len(prompts), shard_rows))
     in_flight: dict[Future, int] = {}
     results: dict[int, list[list[int]]] = {}
@@ -53,36 +52,46 @@ def _streamed(runner: ModelRunner, prompts: list[list[int]], params: list[Sampli
     return [ids for start in starts for ids in results[start]]
 
 
-MODES: dict[str, Callable] = {"one call": _one_call, "call per shard": _call_per_shard, "streamed": _streamed}
-
-
-def bench_shards(runner: ModelRunner, num_rows: int, prompt_len: int, shard_rows: int, mean_new_tokens: float,
-                 repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+def bench_shards(load: Callable[[], ModelRunner], num_rows: int, prompt_len: int, shard_rows: int,
+                 mean_new_tokens: float, repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
     """Each mode over the same rows (greedy, log-normal output lengths): steps, steps per generated token, mean slot
-    occupancy and wall time, with ratios to one call. Raises if a mode's tokens differ from one call's."""
+    occupancy and wall time, with ratios to one call. Raises if a mode's tokens differ from one call's. As in a
+    worker, the runner is loaded (`load`) and run on a stream's engine thread, the one-call modes too."""
+    stream = ShardStream()
+    runner = stream.runner = stream.call(load).result()
     prompts = random_prompts(num_rows, prompt_len, runner.config.vocab_size, seed=1)
     lengths = lognormal_lengths(num_rows, mean_new_tokens, 8, 256)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    runner.generate(prompts[: runner.max_num_seqs], params[: runner.max_num_seqs])  # warm-up: plans, policy
-    rows, reference = [], None
-    for name, mode in MODES.items():
-        walls = []
-        for _ in range(repeats):
+    warm = runner.max_num_seqs
+    stream.call(lambda: runner.generate(prompts[:warm], params[:warm])).result()  # warm-up: plans, policy
+    modes: dict[str, Callable[[], list[list[int]]]] = {
+        "one call": lambda: stream.call(lambda: _one_call(runner, prompts, params, shard_rows)).result(),
+        "call per shard": lambda: stream.call(lambda: _call_per_shard(runner, prompts, params, shard_rows)).result(),
+        "streamed": lambda: _streamed(stream, prompts, params, shard_rows),
+    }
+    walls: dict[str, list[float]] = {name: [] for name in modes}
+    counts: dict[str, tuple[int, int, int]] = {}
+    reference = None
+    for _ in range(repeats):  # rounds alternate the modes: drifts of a shared machine hit them alike
+        for name, mode in modes.items():
             before = runner.scheduler_stats()
             started = time.perf_counter()
-            tokens = mode(runner, prompts, params, shard_rows)
-            walls.append(time.perf_counter() - started)
+            tokens = mode()
+            walls[name].append(time.perf_counter() - started)
             after = runner.scheduler_stats()
-        reference = reference or tokens
-        if tokens != reference:
-            raise AssertionError(f"{name}: tokens differ from one call's")
-        steps = after["num_steps"] - before["num_steps"]
-        slot_steps = after["num_slot_steps"] - before["num_slot_steps"]
-        generated = sum(len(t) for t in tokens)
+            reference = reference or tokens
+            if tokens != reference:
+                raise AssertionError(f"{name}: tokens differ from one call's")
+            counts[name] = (after["num_steps"] - before["num_steps"],
+                            after["num_slot_steps"] - before["num_slot_steps"], sum(len(t) for t in tokens))  # fmt: skip
+    rows = []
+    for name in modes:
+        steps, slot_steps, generated = counts[name]
+        wall = sorted(walls[name])[len(walls[name]) // 2]
         rows.append({"mode": name, "rows": num_rows, "shard_rows": shard_rows if name != "one call" else num_rows,
                      "steps": steps, "steps_per_token": steps / generated,
-                     "occupancy": slot_steps / (steps * runner.max_num_seqs), "wall_s": sorted(walls)[len(walls) // 2],
-                     "tokens_per_s": generated / sorted(walls)[len(walls) // 2]})  # fmt: skip
+                     "occupancy": slot_steps / (steps * runner.max_num_seqs), "wall_s": wall,
+                     "tokens_per_s": generated / wall})  # fmt: skip
     for row in rows:
         row["steps_vs_one_call"] = row["steps"] / rows[0]["steps"]
         row["wall_vs_one_call"] = row["wall_s"] / rows[0]["wall_s"]

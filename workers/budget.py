@@ -28,14 +28,15 @@ class TokenBudget:
     def prefill_chunks(self, remaining: list[int], computed: list[int]) -> list[int]:
         """New prompt tokens for the first requests of the prefill queue this step (the rest wait).
 
-        `remaining[i]`: prompt tokens request i still has to prefill; `computed[i]`: how many it already has. A
-        request continuing a chunked prompt, or one whose prompt exceeds the budget, runs alone (its forward is
-        one long row); short prompts share a forward while rows × the widest prompt fits.
+        `remaining[i]`: prompt tokens request i still has to prefill; `computed[i]`: how many it already has (rows
+        continuing from their states, a chunked prompt's rest or a prefix-cache hit, share forwards as new ones
+        do). A request whose rest exceeds the budget runs alone (its forward is one long row); others share a
+        forward while rows × the widest rest fits.
         """
         chunks: list[int] = []
-        for left, done in zip(remaining, computed):
-            if done > 0 or left > self.max_num_batched_tokens:
-                return chunks if chunks else [min(left, self.max_num_batched_tokens)]
+        for left in remaining:
+            if left > self.max_num_batched_tokens:
+                return chunks if chunks else [self.max_num_batched_tokens]
             if (len(chunks) + 1) * max(chunks + [left]) > self.max_num_batched_tokens:
                 break
             chunks.append(left)

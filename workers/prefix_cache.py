@@ -122,6 +122,8 @@ class PrefixCache:
         other prompts (waiting or prefilling: a template's end, for the rows that follow). None when it shares
         nothing (a prompt of its own costs no extra forward)."""
         limit = self.boundary(len(prompt) - MIN_PREFILL_REST)
+        if limit == 0:
+            return []  # too short to checkpoint anywhere: nothing to compare
         matched = len(self.match(prompt)) * self.blocks.block_size
         for other in other_prompts:
             if matched >= limit:

@@ -358,7 +358,13 @@ class Scheduler:
             self.blocks.ensure(r.slot, start + n)
         slots, num_tokens = self._slots(requests), torch.tensor(chunks, device=self.device)
         batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
-        states = None if not any(starts) else self.pool.read(slots)  # a continued chunk runs alone (TokenBudget)
+        states = None
+        if any(starts):  # rows continuing from their states; new rows beside them start from zero states
+            states = self.pool.read(slots)
+            fresh = torch.tensor([row for row, start in enumerate(starts) if start == 0], dtype=torch.long)
+            for state in states if len(fresh) else []:
+                state.conv[fresh.to(state.conv.device)] = 0
+                state.ssm[fresh.to(state.ssm.device)] = 0
         out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
         self.pool.write(slots, out.mamba_states)
         self._observe(requests, out.hidden, starts, chunks)

@@ -105,20 +105,16 @@ def _twin(runner: ModelRunner, caching: bool) -> ModelRunner:
                        enable_prefix_caching=caching)  # fmt: skip
 
 
-def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]], params: SamplingParams,
-                    repeats: int) -> tuple[float, list[list[int]], int]:  # fmt: skip
-    """(median seconds, tokens, prefix-cache hit tokens) of `repeats` runs, each on a fresh twin runner (the cache
-    starts empty; a 5-token warm-up builds its plans first)."""
-    walls, tokens, hits = [], [], 0
-    for _ in range(repeats):
-        twin = _twin(runner, caching)
-        twin.generate([prompts[0][:5]], params)
-        started = time.perf_counter()
-        results = twin.generate(prompts, params)
-        walls.append(time.perf_counter() - started)
-        tokens = [r.token_ids for r in results]
-        hits = twin.scheduler_stats()["prefix_cache_hit_tokens"]
-    return sorted(walls)[len(walls) // 2], tokens, hits
+def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]],
+                    params: SamplingParams) -> tuple[float, list[list[int]], int]:  # fmt: skip
+    """(seconds, tokens, prefix-cache hit tokens) of one run on a fresh twin runner (the cache starts empty; a
+    5-token warm-up builds its plans first)."""
+    twin = _twin(runner, caching)
+    twin.generate([prompts[0][:5]], params)
+    started = time.perf_counter()
+    results = twin.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return seconds, [r.token_ids for r in results], twin.scheduler_stats()["prefix_cache_hit_tokens"]
 
 
 def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len: int, new_tokens: int,
@@ -138,11 +134,15 @@ def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len
     rows = []
     for name, prompts in workloads.items():
         variants = (False, True) if name in ("shared prefix", "distinct prompts") else (False,)
-        outputs = {}
+        outputs, walls, hits = {}, {caching: [] for caching in variants}, {}
+        for _ in range(repeats):  # rounds alternate cache off and on: drifts of a shared machine hit both alike
+            for caching in variants:
+                seconds, outputs[caching], hits[caching] = _timed_generate(runner, caching, prompts, params)
+                walls[caching].append(seconds)
         for caching in variants:
-            seconds, outputs[caching], hits = _timed_generate(runner, caching, prompts, params, repeats)
             rows.append({"workload": name, "cache": "on" if caching else "off", "rows": len(prompts),
-                         "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits, "wall_s": seconds})  # fmt: skip
+                         "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits[caching],
+                         "wall_s": sorted(walls[caching])[len(walls[caching]) // 2]})  # fmt: skip
         if len(outputs) == 2 and outputs[True] != outputs[False]:
             raise AssertionError(f"{name}: tokens differ with the prefix cache on and off")
     by = {(r["workload"], r["cache"]): r["wall_s"] for r in rows}

@@ -153,4 +153,3 @@ def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len
         if row["workload"] == "distinct prompts":
             row["speedup_vs_off"] = by[("distinct prompts", "off")] / row["wall_s"]
     return rows
-

@@ -201,5 +201,3 @@ def test_a_path_through_another_slots_blocks_is_never_evicted_under_it():
     blocks.free_slot(1)
     cache.evict_blocks(8)  # everything unused goes, parents after their children
     assert not cache.entries and blocks.num_pinned == 0 and len(blocks._is_free) == 8
-
-

@@ -25,13 +25,12 @@ class TokenBudget:
                 f"max_num_batched_tokens={self.max_num_batched_tokens!r} is invalid: must be an integer ≥ 1"
             )
 
-    def prefill_chunks(self, remaining: list[int], computed: list[int]) -> list[int]:
+    def prefill_chunks(self, remaining: list[int]) -> list[int]:
         """New prompt tokens for the first requests of the prefill queue this step (the rest wait).
 
-        `remaining[i]`: prompt tokens request i still has to prefill; `computed[i]`: how many it already has (rows
-        continuing from their states, a chunked prompt's rest or a prefix-cache hit, share forwards as new ones
-        do). A request whose rest exceeds the budget runs alone (its forward is one long row); others share a
-        forward while rows × the widest rest fits.
+        `remaining[i]`: prompt tokens request i still has to prefill (rows continuing from their states, a chunked
+        prompt's rest or a prefix-cache hit, share forwards as new ones do). A request whose rest exceeds the budget
+        runs alone (its forward is one long row); others share a forward while rows × the widest rest fits.
         """
         chunks: list[int] = []
         for left in remaining:

@@ -208,9 +208,7 @@ class Scheduler:
         self._admit()
         self.num_steps += 1
         self.num_slot_steps += len(self.prefilling) + len(self.running)
-        chunks = self.budget.prefill_chunks(
-            [r.next_prefill_stop() - r.num_computed for r in self.prefilling], [r.num_computed for r in self.prefilling]
-        )
+        chunks = self.budget.prefill_chunks([r.next_prefill_stop() - r.num_computed for r in self.prefilling])
         generating = list(self.running)
         if chunks:
             self._prefill(self.prefilling[: len(chunks)], chunks)
@@ -361,10 +359,10 @@ class Scheduler:
         states = None
         if any(starts):  # rows continuing from their states; new rows beside them start from zero states
             states = self.pool.read(slots)
-            fresh = torch.tensor([row for row, start in enumerate(starts) if start == 0], dtype=torch.long)
-            for state in states if len(fresh) else []:
-                state.conv[fresh.to(state.conv.device)] = 0
-                state.ssm[fresh.to(state.ssm.device)] = 0
+            fresh = [row for row, start in enumerate(starts) if start == 0]
+            for state in states:  # copies: zeroing them leaves the slots alone
+                state.conv[fresh] = 0
+                state.ssm[fresh] = 0
         out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
         self.pool.write(slots, out.mamba_states)
         self._observe(requests, out.hidden, starts, chunks)

@@ -12,16 +12,16 @@ from workers.model.kv_blocks import NULL_BLOCK, BlockTable
 
 def test_short_prompts_share_a_forward_while_rows_times_the_widest_fit():
     budget = TokenBudget(64)
-    assert budget.prefill_chunks([10, 20, 30], [0, 0, 0]) == [10, 20]  # 3 rows × 30 = 90 > 64
-    assert budget.prefill_chunks([16, 16, 16, 16, 1], [0] * 5) == [16, 16, 16, 16]
-    assert budget.prefill_chunks([], []) == []
+    assert budget.prefill_chunks([10, 20, 30]) == [10, 20]  # 3 rows × 30 = 90 > 64
+    assert budget.prefill_chunks([16, 16, 16, 16, 1]) == [16, 16, 16, 16]
+    assert budget.prefill_chunks([]) == []
 
 
-def test_a_long_or_continued_prompt_runs_alone_in_chunks_of_the_budget():
+def test_a_long_prompt_runs_alone_in_chunks_of_the_budget_and_continued_ones_share():
     budget = TokenBudget(64)
-    assert budget.prefill_chunks([100, 5], [0, 0]) == [64]
-    assert budget.prefill_chunks([36, 5], [64, 0]) == [36]  # the rest of a chunked prompt
-    assert budget.prefill_chunks([5, 100], [0, 0]) == [5]  # the long one waits for the next step, alone
+    assert budget.prefill_chunks([100, 5]) == [64]
+    assert budget.prefill_chunks([36, 5]) == [36]  # the rest of a chunked prompt
+    assert budget.prefill_chunks([5, 100]) == [5]  # the long one waits for the next step, alone
 
 
 def test_verification_drafts_shrink_so_rows_times_k_plus_one_fit():

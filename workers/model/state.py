@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.kv_blocks import BlockTable
 
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block (vLLM's default)
@@ -111,6 +111,7 @@ class StatePool:
         a = config.attention
         num_recurrent = sum(kind in RECURRENT_KINDS for kind in config.block_kinds)
         num_attention = sum(kind == ATTENTION for kind in config.block_kinds)
+        num_attention += config.block_kinds.count(SHARED_ATTENTION)  # Zamba2: each use of a shared block has its KV
         conv_shape, state_shape = config.recurrent_state_shapes()
         self.num_slots, self.capacity = num_slots, capacity
         # [layers, slots, ...]; a slot's recurrent state is always written (prefill, admit) before it is read.

@@ -19,6 +19,8 @@ from workers.model.checkpoint import registry
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
 RECURRENT_KINDS = (MAMBA, GDN)
+# Zamba2: one use of a shared transformer block (own KV cache, adapters, output projection); see layers/shared_block.py.
+SHARED_ATTENTION = "shared_attention"
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class MambaConfig:
     proj_bias: bool
     dt_min: float  # softplus(dt) is clamped to [dt_min, dt_max]
     dt_max: float
+    norm_eps: float | None = None  # the gated norm's epsilon when it is not rms_norm_eps (Zamba2: 1e-5)
 
     @property
     def intermediate_size(self) -> int:
@@ -111,6 +114,19 @@ class FeedForwardConfig:
 
 
 @dataclass(frozen=True)
+class SharedBlockConfig:
+    """Zamba2's shared transformer blocks: `num_blocks` weight sets used round-robin at the hybrid layers, each use
+    on [hidden, original embeddings] (2d wide) with its own KV cache, low-rank adapters and output projection."""
+
+    num_blocks: int
+    intermediate_size: int  # the shared gated-GELU MLP's
+    bias: bool  # the MLP's linears (add_bias_linear)
+    adapter_rank: int
+    attention_adapters: bool  # per-use low-rank adapters on q, k, v (use_shared_attention_adapter)
+    mlp_adapters: bool  # per-use low-rank adapters on the MLP's gate/up projection (use_shared_mlp_adapter)
+
+
+@dataclass(frozen=True)
 class HybridConfig:
     """Everything the model code needs, in one vocabulary for all families."""
 
@@ -134,6 +150,7 @@ class HybridConfig:
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+    shared_block: SharedBlockConfig | None = None  # Zamba2's shared transformer blocks (SHARED_ATTENTION uses)
 
     @property
     def recurrent_kind(self) -> str | None:

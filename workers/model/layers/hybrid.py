@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.layers.block import Block
 from workers.model.layers.mtp import MtpHead
 from workers.model.layers.norm import RMSNorm
+from workers.model.layers.shared_block import bind_shared_blocks
 from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
 
 
@@ -36,6 +37,8 @@ class HybridModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.block_kinds)
+        if config.shared_block is not None:  # Zamba2: the uses of its shared transformer blocks share their weights
+            bind_shared_blocks(self.blocks, config)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -65,6 +68,8 @@ class HybridModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
+        # Zamba2's shared blocks read the original embeddings (a copy: native residual adds update `hidden` in place).
+        embeddings = hidden.clone() if self.config.shared_block is not None else None
         output = ForwardOutput(hidden, [])
         num_recurrent = sum(block.kind in RECURRENT_KINDS for block in self.blocks)
         states = mamba_states if mamba_states is not None else [None] * num_recurrent
@@ -80,6 +85,11 @@ class HybridModel(nn.Module):
             elif block.kind == ATTENTION:
                 attend = block.mixer.forward_static if static_shapes else block.mixer
                 out = attend(normed, batch, next(kv_iter))
+            elif block.kind == SHARED_ATTENTION:
+                # Zamba2: the next (Mamba2) block reads norm(hidden + T); its residual stays `hidden`.
+                out = block.mixer(hidden, embeddings, batch, next(kv_iter), static_shapes)
+                normed = next_norm(hidden + out)
+                continue
             else:
                 out = block.mixer(normed)
             # The residual connection, fused with the next block's pre-norm (or the final norm).

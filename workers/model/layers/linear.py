@@ -76,13 +76,16 @@ def prepare_linears(model: nn.Module, backend: str, device: torch.device, dtype:
         elif onednn_available(device, dtype):
             backend = "onednn"
     replacement = {"native": NativeLinear, "onednn": PackedLinear}.get(backend)
+    replaced: dict[int, nn.Module] = {}  # a Linear shared by several parents (Zamba2's shared blocks) is replaced once
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if not isinstance(child, nn.Linear):
                     continue
                 if replacement is not None:
-                    setattr(parent, name, replacement(child))
+                    if id(child) not in replaced:
+                        replaced[id(child)] = replacement(child)
+                    setattr(parent, name, replaced[id(child)])
                 elif child.weight.is_contiguous():
                     # Same shape, transposed strides: F.linear then multiplies by a contiguous [in, out] matrix,
                     # which BLAS runs as a faster matrix-vector product for decode-sized batches.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS, SHARED_ATTENTION
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.feed_forward import MLP as DenseMLP
@@ -44,6 +44,8 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
+    if SHARED_ATTENTION in model.config.block_kinds:
+        return "Zamba2's shared transformer blocks (attention over [hidden, embeddings], adapters) are not covered"
     norms = [block.norm for block in model.blocks] + [model.final_norm]
     if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"

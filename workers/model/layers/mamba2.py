@@ -43,7 +43,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(m.num_heads))
         self.A_log = nn.Parameter(torch.zeros(m.num_heads))
         self.D = nn.Parameter(torch.ones(m.num_heads))
-        self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, config.rms_norm_eps if m.norm_eps is None else m.norm_eps)
+        self.norm = GatedRMSNorm(
+            m.intermediate_size, m.num_groups, config.rms_norm_eps if m.norm_eps is None else m.norm_eps
+        )
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
         self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile", "native" or "triton" (set at load)
 

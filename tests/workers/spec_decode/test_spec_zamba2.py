@@ -1,0 +1,59 @@
+"""Zamba2 speculative decoding: forced acceptance patterns leave every state (recurrent, and the KV cache of every
+use of a shared block) equal to a fresh prefill; greedy speculative == greedy plain with n-gram and draft models."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers.spec_decode import test_greedy_exactness as exactness
+from tests.workers.spec_decode import test_state_shifting as shifting
+from tests.zamba2_models import build_zamba2
+from workers import ModelRunner
+from workers.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def zamba2_path(tmp_path_factory):
+    """The adapter + RoPE layout (its first layer is hybrid; uses 0 and 2 share a block)."""
+    return build_zamba2("zamba2_lora", tmp_path_factory.mktemp("zamba2_lora"))
+
+
+def test_forced_acceptance_patterns_keep_states_exact(zamba2_path):
+    runner = ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=4)
+    prompts = shifting._prompts()[:5]  # 5 requests through 4 slots: one slot is reused
+    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, shifting.PARAMS))}
+    proposer = shifting.ScriptedProposer(reference, runner.config.vocab_size)
+    scheduler = Scheduler(runner.model, shifting._requests(prompts), 4, None, proposer, shifting.K)
+    while scheduler.has_work():
+        scheduler.step()
+        for request in scheduler.running:  # the slot covers every token but the newest, in every KV cache too
+            tokens = (request.prompt + request.output)[:-1]
+            shifting._assert_slot_matches(scheduler.pool, request.slot, runner.model, tokens)
+    for accepted, expected in proposer.seen:
+        assert accepted == expected
+    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
+    assert {r.index: r.output for r in scheduler.finished} == reference
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(zamba2_path):
+    """batch size → the greedy plain outputs of `exactness._prompts(batch, batch)`."""
+    runner = ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=8)
+    return {b: runner.generate(exactness._prompts(b, b), exactness.PARAMS) for b in (1, 5, 16)}
+
+
+CASES = [("ngram-fixed", 1), ("ngram-fixed", 5), ("ngram-fixed", 16), ("attention", 5), ("hybrid", 1), ("hybrid", 16)]
+
+
+@pytest.mark.parametrize(("method", "batch"), CASES)
+def test_greedy_speculative_equals_greedy_plain(method, batch, zamba2_path, checkpoint_dir, plain_outputs):
+    """n-gram drafts (fixed k: verification every step) and draft models without and with recurrent layers (the
+    hybrid draft's own states are shifted too), at batch 1, 5 and 16."""
+    prompts = exactness._prompts(batch, batch)
+    plain = plain_outputs[batch]
+    speculative = exactness._speculative(method, "zamba2", checkpoint_dir)
+    runner = ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=8, speculative=speculative)
+    results = runner.generate(prompts, exactness.PARAMS)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    stats = runner.spec_stats()
+    assert stats["num_drafts"] > 0 and sum(n for k, n in stats["num_steps_by_k"].items() if k) > 0

@@ -20,7 +20,7 @@ def zamba2_path(tmp_path_factory):
 
 def test_forced_acceptance_patterns_keep_states_exact(zamba2_path):
     runner = ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=4)
-    prompts = shifting._prompts()[:5]  # 5 requests through 4 slots: one slot is reused
+    prompts = shifting._prompts()  # 6 requests through 4 slots: slots are reused
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, shifting.PARAMS))}
     proposer = shifting.ScriptedProposer(reference, runner.config.vocab_size)
     scheduler = Scheduler(runner.model, shifting._requests(prompts), 4, None, proposer, shifting.K)

@@ -60,10 +60,10 @@ class Scheduler:
         reused when it fits. `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
         `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
         (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
-        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` / `cuda_graphs`: execute decode and verification steps
-        through the CPU decode plan / the CUDA graph plan where the model allows (`workers/executors.py`).
-        `num_prefix_checkpoints` > 0 turns on prefix caching (`workers/prefix_cache.py`) with that many state
-        checkpoints, unless the proposer keeps states or KV of its own (draft models and MTP heads: not cached)."""
+        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` /
+        `cuda_graphs`: execute decode and verification steps through the CPU decode plan / the CUDA graph plan where
+        the model allows (`workers/executors.py`). `num_prefix_checkpoints` > 0 turns on prefix caching
+        (`workers/prefix_cache.py`, `workers/prefix_sharing.py`) with that many state checkpoints."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()

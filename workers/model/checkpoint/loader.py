@@ -231,9 +231,11 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
-    `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
-    `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
-    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`. `mtp`: also load the checkpoint's
+    `linear_backend`: "auto" (the native kernel on CPU float32 when it builds, else oneDNN-packed weights; torch
+    elsewhere), "torch", "onednn" or "native".
+    `decode_kernel`: how the recurrent layers' decode steps run — "auto" (the native C kernel on CPU float32, Triton
+    on CUDA when it imports, else torch), "torch" (the reference), "compile", "native" or "triton"; see
+    `prepare_decode_kernel`. `mtp`: also load the checkpoint's
     multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
     `revision`: a hub repo's branch, tag or commit (default main).
     """

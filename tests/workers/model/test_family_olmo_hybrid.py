@@ -103,14 +103,15 @@ def test_logprobs_match_transformers_in_float64(layout, olmo_dirs):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_generation_matches_transformers(layout, olmo_dirs):
+    """Token for token (a top-2 near-tie may flip), ragged prompts through fewer slots than prompts."""
     path = olmo_dirs[layout]
-    hf = OlmoHybridForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    prompts = _sequences(2, [1, 3, 17, 40, 8])
-    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=3)  # 5 ragged prompts through 3 slots
-    results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    hf = OlmoHybridForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _sequences(2, [1, 17, 40])
+    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=2)
+    results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                               pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
         margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         assert_same_greedy(result.token_ids, out.sequences[0, len(prompt) :].tolist(), margins)

@@ -178,3 +178,13 @@ def test_decode_plan_declines_with_a_reason(loaded):
     assert "post-norm blocks" in unsupported_reason(loaded.model)
     mixers = [block.mixer for block in loaded.model.blocks if block.kind == "gdn"]
     assert all(mixer.decode_kernel == "torch" for mixer in mixers)  # the fused kernels compute beta = sigmoid(b)
+
+
+def test_graph_steps_generate_what_the_module_path_does(olmo_dirs):
+    """The CUDA-graph step functions (run eagerly on a CPU) handle the post-norm blocks and beta · 2 as the module
+    path does: greedy output equal, 4 prompts through 3 slots."""
+    from tests.workers.model.test_cuda_graph import PARAMS, PROMPTS, _generate
+
+    path = str(olmo_dirs["olmo_hybrid"])
+    expected = _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
+    assert _generate(path, PROMPTS, PARAMS, cuda_graphs=True) == expected

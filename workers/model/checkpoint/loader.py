@@ -137,6 +137,12 @@ def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dic
             found = tuple(shapes[key])
             if found != tuple(shape):
                 problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
+        if source.cat_shape is not None:
+            found = [tuple(shapes[key]) for key in source.keys]
+            joined = (sum(shape[0] for shape in found), *found[0][1:]) if found else ()
+            if any(shape[1:] != found[0][1:] for shape in found) or joined != tuple(source.cat_shape):
+                problems.append(f"weights {list(source.keys)} have shapes {found} in the checkpoint; concatenated "
+                                f"they must give {tuple(source.cat_shape)}")  # fmt: skip
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
@@ -192,6 +198,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
+            if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
+                module.decode_kernel = "torch"
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -36,7 +36,9 @@ class HybridModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.block_kinds)
+        self.blocks = nn.ModuleList(
+            Block(config, kind, i in config.post_norm_blocks) for i, kind in enumerate(config.block_kinds)
+        )
         if config.shared_block is not None:  # Zamba2: the uses of its shared transformer blocks share their weights
             bind_shared_blocks(self.blocks, config)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,6 +94,8 @@ class HybridModel(nn.Module):
                 continue
             else:
                 out = block.mixer(normed)
+            if block.post_norm is not None:  # OLMo 2/3: the norm follows the mixer
+                out = block.post_norm(out)
             # The residual connection, fused with the next block's pre-norm (or the final norm).
             hidden, normed = next_norm.add_and_norm(hidden, out, self.config.residual_multiplier)
         output.hidden = normed

@@ -53,23 +53,6 @@ class AdaptedLinear(nn.Module):
         return out if self.adapter is None else out + self.adapter(x)
 
 
-class PassThroughNorm(nn.Module):
-    """The norm slot of a shared-block use: the use normalises its own 2d-wide input, so nothing happens here."""
-
-    native = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x unchanged."""
-        return x
-
-    def add_and_norm(
-        self, hidden: torch.Tensor, delta: torch.Tensor, alpha: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + alpha · delta, the same): the residual connection of the block before a use."""
-        hidden = hidden + delta if alpha == 1.0 else torch.add(hidden, delta, alpha=alpha)
-        return hidden, hidden
-
-
 class SharedTransformer(nn.Module):
     """The weights of one shared block (hub: `model.layers.N.shared_transformer.*`)."""
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MLP, HybridConfig
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.norm import RMSNorm
 
@@ -29,6 +30,8 @@ class Block(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config)
+        elif kind == MAMBA1:
+            self.mixer = Mamba1Mixer(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config)
         elif kind == MLP:

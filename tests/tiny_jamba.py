@@ -43,12 +43,20 @@ def randomise_jamba(model: torch.nn.Module, seed: int) -> None:
             tensor.copy_(value - 2.0 if name.endswith("dt_proj.bias") else value)
 
 
-def build_jamba_checkpoint(family: str, directory: Path, seed: int = 0, fused_experts: bool = False) -> Path:
+def build_jamba_checkpoint(
+    family: str, directory: Path, seed: int = 0, fused_experts: bool = False, perturb: float = 0.0
+) -> Path:
     """Save a tiny random Jamba `family` model, the tiny tokenizer and a generation config into `directory`.
-    `fused_experts`: store the experts as `experts.gate_up_proj` / `experts.down_proj` instead of per expert."""
+    `fused_experts`: store the experts as `experts.gate_up_proj` / `experts.down_proj` instead of per expert.
+    `perturb`: add noise of this std to every weight (a draft close to, but not equal to, the unperturbed model)."""
     torch.manual_seed(seed)
     model = JambaForCausalLM(JAMBA_FAMILIES[family]())
     randomise_jamba(model, seed)
+    if perturb:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for tensor in model.parameters():
+                tensor.add_(perturb * torch.randn(tensor.shape, generator=generator))
     model.save_pretrained(directory)
     if fused_experts:
         fuse_experts(directory / "model.safetensors")

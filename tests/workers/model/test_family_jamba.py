@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.preflight import check_model
 from tests.tiny_jamba import JAMBA_FAMILIES, build_jamba_checkpoint, load_oracle
 from tests.workers import test_oracle as oracle
+from tests.workers.model import test_cuda_graph as graphs
 from tests.workers.model import test_state_continuation as continuation
 from workers import ModelRunner, SamplingParams
 from workers.model import HybridConfig, load_checkpoint
@@ -166,8 +167,26 @@ def test_fused_experts_load_like_per_expert_ones(jamba_dir, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_the_decode_plan_declines_with_a_reason_and_the_module_path_runs(loaded):
+def test_the_decode_plan_declines_with_a_reason(loaded):
     assert "Mamba1" in unsupported_reason(loaded.model)
+
+
+def _dirs(jamba_dir, checkpoint_dir):
+    """The shared tests' `checkpoint_dir`, with the Jamba layouts added."""
+    return lambda name: jamba_dir(name) if name in JAMBA_FAMILIES else checkpoint_dir(name)
+
+
+def test_cuda_graph_steps_equal_the_module_path(jamba_dir, checkpoint_dir):
+    """The graph plan's static steps (in their eager form) on the MoE-free layout, which CUDA runs as graphs."""
+    graphs.test_graph_steps_equal_the_module_path(_dirs(jamba_dir, checkpoint_dir), "jamba_dense")
+    graphs.test_every_captured_step_is_capture_safe(_dirs(jamba_dir, checkpoint_dir), "jamba_dense")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_with_graphs_equals_plain_module_decoding(jamba_dir, checkpoint_dir, method):
+    graphs.test_greedy_speculation_with_graphs_equals_plain_module_decoding(
+        _dirs(jamba_dir, checkpoint_dir), "jamba_dense", method
+    )
 
 
 def _broken_copy(source, target, edit):

@@ -9,12 +9,16 @@ import pytest
 from tests.tiny_jamba import build_jamba_checkpoint
 from tests.workers.spec_decode import test_greedy_exactness as exactness
 from tests.workers.spec_decode import test_state_shifting as shifting
-from workers import ModelRunner, SpeculativeConfig
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
 
 TARGET = "jamba_moe"
 NEAR_DRAFT = "jamba_moe+near"  # a Mamba1 hybrid draft that accepts partially
+# The state checks run a reference prefill per request and step: on the MoE-free layout (3-tap conv), cheaper; the
+# MoE layout (4-tap conv) is the target of the greedy exactness runs.
+SHIFT_TARGET, SHIFT_DRAFT = "jamba_dense", "jamba_dense+near"
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def jamba_dir(tmp_path_factory):
 
 
 def test_forced_acceptance_patterns_keep_states_exact(jamba_dir):
-    runner = ModelRunner.from_pretrained(str(jamba_dir(TARGET)), max_num_seqs=4)
+    runner = ModelRunner.from_pretrained(str(jamba_dir(SHIFT_TARGET)), max_num_seqs=4)
     prompts = shifting._prompts()
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, shifting.PARAMS))}
     proposer = shifting.ScriptedProposer(reference, runner.config.vocab_size)
@@ -51,8 +55,8 @@ def test_forced_acceptance_patterns_keep_states_exact(jamba_dir):
 
 def test_a_jamba_draft_state_is_shifted_to_what_it_has_seen(jamba_dir):
     # The reference linear path: this test is about the shifting logic, compared at float32 rounding level.
-    target = ModelRunner.from_pretrained(str(jamba_dir(TARGET)), max_num_seqs=3, linear_backend="torch")
-    draft_runner = ModelRunner.from_pretrained(str(jamba_dir(NEAR_DRAFT)), linear_backend="torch")
+    target = ModelRunner.from_pretrained(str(jamba_dir(SHIFT_TARGET)), max_num_seqs=3, linear_backend="torch")
+    draft_runner = ModelRunner.from_pretrained(str(jamba_dir(SHIFT_DRAFT)), linear_backend="torch")
     prompts = shifting._prompts(seed=3)
     reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, shifting.PARAMS))}
     proposer = DraftModelProposer(draft_runner.model)
@@ -79,7 +83,7 @@ def plain_outputs(jamba_dir):
     def get(batch: int) -> list[list[int]]:
         if batch not in cache:
             runner = ModelRunner.from_pretrained(str(jamba_dir(TARGET)), max_num_seqs=8)
-            outputs = runner.generate(exactness._prompts(batch, batch), exactness.PARAMS)
+            outputs = runner.generate(exactness._prompts(batch, batch), PARAMS)
             cache[batch] = [r.token_ids for r in outputs]
         return cache[batch]
 
@@ -103,7 +107,7 @@ def _speculative(method: str, jamba_dir, checkpoint_dir) -> SpeculativeConfig:
 def test_greedy_speculative_equals_greedy_plain(method, batch, jamba_dir, checkpoint_dir, plain_outputs):
     speculative = _speculative(method, jamba_dir, checkpoint_dir)
     runner = ModelRunner.from_pretrained(str(jamba_dir(TARGET)), max_num_seqs=8, speculative=speculative)
-    results = runner.generate(exactness._prompts(batch, batch), exactness.PARAMS)
+    results = runner.generate(exactness._prompts(batch, batch), PARAMS)
     assert [r.token_ids for r in results] == plain_outputs(batch)
     stats = runner.spec_stats()
     assert stats["num_drafts"] > 0  # drafts were proposed and verified

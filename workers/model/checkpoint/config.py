@@ -58,6 +58,8 @@ class GdnConfig:
     value_head_dim: int  # d_v
     conv_kernel: int  # W
     chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+    beta_scale: float = 1.0  # beta = beta_scale · sigmoid(b); OLMo-Hybrid's 2 allows negative eigenvalues
+    norm_eps: float | None = None  # the gated output norm's eps when it differs from rms_norm_eps (OLMo-Hybrid: 1e-5)
 
     @property
     def key_dim(self) -> int:
@@ -102,6 +104,7 @@ class AttentionConfig:
     output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
     output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
+    qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class HybridConfig:
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+    # Blocks whose norm follows the mixer, `x + norm(mixer(x))`, instead of preceding it (OLMo 2/3 attention layers).
+    post_norm_blocks: tuple[int, ...] = ()
     mamba1: Mamba1Config | None = None  # Mamba version 1 families (Jamba) only
 
     @property

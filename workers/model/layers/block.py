@@ -1,4 +1,5 @@
-"""One pre-norm residual block: `x + residual_multiplier · mixer(norm(x))`.
+"""One pre-norm residual block: `x + residual_multiplier · mixer(norm(x))` — or, built with `post_norm`,
+`x + residual_multiplier · post_norm(mixer(x))` (OLMo 2/3 attention layers; `norm` then passes x through).
 
 The mixer is Mamba2, Gated DeltaNet, attention, a dense MLP or a MoE. The model's blocks and an MTP head's layers are
 built from it, so both read the same checkpoint layouts into the same modules.
@@ -15,16 +16,17 @@ from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
-from workers.model.layers.norm import RMSNorm
+from workers.model.layers.norm import PassThroughNorm, RMSNorm
 
 
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
-    def __init__(self, config: HybridConfig, kind: str):
+    def __init__(self, config: HybridConfig, kind: str, post_norm: bool = False):
         super().__init__()
         self.kind = kind
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module = PassThroughNorm() if post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if post_norm else None
         ff = config.feed_forward
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.kernels.selective_scan import CHUNK_ELEMENTS
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
 
@@ -92,10 +93,15 @@ def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logi
     if config.gdn is not None:
         g = config.gdn
         widths.append(3 * (g.conv_dim + 2 * g.value_dim + 2 * g.num_value_heads))
+    scan_bytes = 0
+    if config.mamba1 is not None:  # x, z, conv output, dt, y per token; [b, t, i, n] discretised tensors (3)
+        m1 = config.mamba1
+        widths.append(3 * (5 * m1.intermediate_size + m1.dt_rank + 2 * m1.state_size))
+        scan_bytes = 3 * 4 * max(CHUNK_ELEMENTS, max_logit_rows * m1.intermediate_size * m1.state_size)
     ff = config.feed_forward
     widths.append(3 * max(ff.intermediate_size, ff.shared_expert_intermediate_size + ff.expert_intermediate_size))
     per_token = 4 * sum(widths)
-    return per_token * max_num_batched_tokens + 3 * 4 * config.vocab_size * max_logit_rows
+    return per_token * max_num_batched_tokens + 3 * 4 * config.vocab_size * max_logit_rows + scan_bytes
 
 
 def plan_memory(

@@ -65,9 +65,9 @@ def test_header_cut_short_is_refused(model_copy, tmp_path, capsys, no_driver):
 
 def test_unsupported_model_type_is_refused(model_copy, tmp_path, capsys, no_driver):
     config = json.loads((model_copy / "config.json").read_text())
-    (model_copy / "config.json").write_text(json.dumps({**config, "model_type": "jamba"}))
+    (model_copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     err = _refused(_generate(model_copy, tmp_path), capsys, tmp_path)
-    assert "unsupported model_type 'jamba'" in err and "supported: granitemoehybrid, bamba, nemotron_h" in err
+    assert "unsupported model_type 'gpt2'" in err and "supported: granitemoehybrid, bamba, nemotron_h" in err
 
 
 def test_missing_model_directory_is_one_line(tmp_path, capsys, no_driver):

@@ -18,7 +18,8 @@ from workers.model.checkpoint import registry
 
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
-RECURRENT_KINDS = (MAMBA, GDN)
+MAMBA1 = "mamba1"  # Mamba version 1 (Jamba): selective scan with per-channel A [d_inner, n]
+RECURRENT_KINDS = (MAMBA, GDN, MAMBA1)
 # Zamba2: one use of a shared transformer block (own KV cache, adapters, output projection); see layers/shared_block.py.
 SHARED_ATTENTION = "shared_attention"
 
@@ -77,6 +78,19 @@ class GdnConfig:
     def conv_dim(self) -> int:
         """Channels of the causal conv: q, k and v together."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """Shapes of the Mamba (version 1) mixers of Jamba: one selective-scan state [d_inner, n] per layer."""
+
+    intermediate_size: int  # d_inner = mamba_expand × hidden size: width of x, of the gate z and of the conv
+    state_size: int  # n
+    conv_kernel: int  # W
+    dt_rank: int  # r: x_proj's dt rows, which dt_proj widens back to d_inner
+    conv_bias: bool
+    proj_bias: bool  # in_proj and out_proj (x_proj has no bias; dt_proj always has one)
+    chunk_size: int = 64  # positions whose per-position states the prefill scan holds at once (at most)
 
 
 @dataclass(frozen=True)
@@ -156,6 +170,7 @@ class HybridConfig:
     shared_block: SharedBlockConfig | None = None  # Zamba2's shared transformer blocks (SHARED_ATTENTION uses)
     # Blocks whose norm follows the mixer, `x + norm(mixer(x))`, instead of preceding it (OLMo 2/3 attention layers).
     post_norm_blocks: tuple[int, ...] = ()
+    mamba1: Mamba1Config | None = None  # Mamba version 1 families (Jamba) only
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -164,9 +179,12 @@ class HybridConfig:
         assert len(kinds) <= 1, "a model mixes Mamba2 and Gated DeltaNet blocks"
         return kinds.pop() if kinds else None
 
-    def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n] or
-        Gated DeltaNet [h_v, d_k, d_v]. A model without recurrent blocks gets empty shapes."""
+    def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, ...]]:
+        """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n],
+        Gated DeltaNet [h_v, d_k, d_v] or Mamba1 [d_inner, n]. A model without recurrent blocks gets empty shapes."""
+        if self.mamba1 is not None:
+            m1 = self.mamba1
+            return (m1.intermediate_size, m1.conv_kernel - 1), (m1.intermediate_size, m1.state_size)
         if self.gdn is not None:
             g = self.gdn
             return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MLP, SHARED_ATTENTION, HybridConfig
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
@@ -32,6 +33,8 @@ class Block(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config)
+        elif kind == MAMBA1:
+            self.mixer = Mamba1Mixer(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config)
         elif kind == MLP:

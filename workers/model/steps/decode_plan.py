@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, RECURRENT_KINDS, SHARED_ATTENTION
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MLP, RECURRENT_KINDS, SHARED_ATTENTION
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.feed_forward import MLP as DenseMLP
@@ -53,6 +53,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
     for block in model.blocks:
         mixer = block.mixer
+        if block.kind == MAMBA1:
+            return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind not in (MAMBA, GDN, ATTENTION, MLP):
             return f"{block.kind} blocks are not covered (expert routing runs module by module)"
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]

@@ -1,0 +1,114 @@
+"""The Mamba (version 1) mixer of Jamba.
+
+in_proj → [x, z]; causal depthwise conv (SiLU) over x; x_proj(x) → [dt (r), B (n), C (n)], each RMS-normed
+(Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`); dt = softplus(dt_proj(dt)) per channel; selective scan with
+A [i, n] = −exp(A_log); y + D·x, gated by silu(z); out_proj. State comes in as a `RecurrentState` (conv window
+[i, W-1], SSM state [i, n]) and the new one is returned. Parameter names follow the hub checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels.selective_scan import selective_scan, selective_state_after, selective_step_
+from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
+from workers.model.layers.norm import RMSNorm
+from workers.model.state import RecurrentState
+
+
+@dataclass
+class SelectiveScanInputs:
+    """What one Mamba1 layer computed from its input tokens: enough to rebuild its state after any prefix."""
+
+    conv_in: torch.Tensor  # [b, l, i] inputs of the causal conv (x before the conv)
+    x: torch.Tensor  # [b, l, i] scan input (after conv + silu)
+    B: torch.Tensor  # [b, l, n] after b_layernorm
+    dt: torch.Tensor  # [b, l, i] float32, after softplus, 0 at padding
+
+
+class Mamba1Mixer(nn.Module):
+    """Selective state-space mixer (Mamba1, Jamba); `forward` has the same contract as `Mamba2Mixer.forward`."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        m = config.mamba1
+        self.config = m
+        i, n, r = m.intermediate_size, m.state_size, m.dt_rank
+        self.in_proj = nn.Linear(config.hidden_size, 2 * i, bias=m.proj_bias)
+        self.conv1d = nn.Conv1d(i, i, m.conv_kernel, groups=i, bias=m.conv_bias)
+        self.x_proj = nn.Linear(i, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, i, bias=True)
+        # A_log and D are kept in float32 whatever the weight dtype (see loader).
+        self.A_log = nn.Parameter(torch.zeros(i, n))
+        self.D = nn.Parameter(torch.ones(i))
+        self.out_proj = nn.Linear(i, config.hidden_size, bias=m.proj_bias)
+        self.dt_layernorm = RMSNorm(r, config.rms_norm_eps)
+        self.b_layernorm = RMSNorm(n, config.rms_norm_eps)
+        self.c_layernorm = RMSNorm(n, config.rms_norm_eps)
+        self.decode_kernel = "torch"  # the only one: no native, compiled or Triton Mamba1 step (yet)
+
+    def _ssm_inputs(self, x: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Conv output x [b, l, i] → (dt [b, l, i] float32 after softplus and 0 at padding, B, C [b, l, n])."""
+        m = self.config
+        time_step, B, C = self.x_proj(x).split([m.dt_rank, m.state_size, m.state_size], dim=-1)
+        B, C = self.b_layernorm(B.contiguous()), self.c_layernorm(C.contiguous())
+        dt = F.softplus(self.dt_proj(self.dt_layernorm(time_step.contiguous())).float())
+        valid = torch.arange(dt.shape[1], device=dt.device)[None, :] < num_tokens[:, None]  # [b, l]
+        return dt * valid[..., None], B, C
+
+    def forward(
+        self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState, SelectiveScanInputs]:
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the scan's inputs).
+
+        `state` None: every row starts its sequence here (zero state). `in_place` (one token per row, with a
+        state): update `state`'s tensors instead of allocating new ones — the decode loop's path, for callers that
+        never need the old state again. No host synchronisation on any path (a CUDA graph may capture it).
+        """
+        m = self.config
+        b, length, _ = hidden.shape
+        in_place = in_place and length == 1 and state is not None and state.ssm.is_contiguous()
+        # 1. Projections: x and the gate z.
+        conv_in, z = self.in_proj(hidden).split([m.intermediate_size, m.intermediate_size], dim=-1)
+        # 2. Causal conv (+ SiLU) over x, continuing the stored window.
+        weight = self.conv1d.weight.squeeze(1)
+        if in_place:
+            x, conv_state = conv_step_(conv_in, state.conv, weight, self.conv1d.bias), state.conv
+        else:
+            previous = hidden.new_zeros(b, m.intermediate_size, m.conv_kernel - 1) if state is None else state.conv
+            x, conv_state = causal_conv(conv_in, previous, weight, self.conv1d.bias, num_tokens)
+        # 3. Input-dependent dt, B, C, then the selective scan.
+        dt, B, C = self._ssm_inputs(x, num_tokens)
+        A = -torch.exp(self.A_log.float())
+        if in_place:
+            y = selective_step_(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None]
+            ssm_state = state.ssm
+        else:
+            y, ssm_state = selective_scan(x, dt, A, B, C, None if state is None else state.ssm, m.chunk_size)
+        # 4. D skip, gate, output projection.
+        y = (y + self.D.float() * x.float()) * F.silu(z.float())
+        out = self.out_proj(y.to(hidden.dtype))
+        return out, RecurrentState(conv_state, ssm_state), SelectiveScanInputs(conv_in, x, B, dt)
+
+    def state_after(
+        self, state: RecurrentState, scan: SelectiveScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> RecurrentState:
+        """The state after each row's first `num_tokens` inputs of a forward that started from `state`.
+
+        Speculative decoding's state shifting: verification runs k+1 tokens, then keeps the state after input
+        num_accepted_tokens − 1. The conv window is a gather; the SSM state [i, n] re-runs the ≤ k + 1 steps from
+        the step's start state over the kept x, dt, B, with dt zeroed past each row's count (those steps are
+        no-ops). That keeps [b, l, i] + [b, l, n] scan inputs per layer instead of l states [b, l, i, n] (n = 16
+        times more). Its shapes never depend on `num_tokens`'s values (`static_shapes` changes nothing here).
+        """
+        valid = torch.arange(scan.dt.shape[1], device=scan.dt.device)[None, :] < num_tokens[:, None]
+        A = -torch.exp(self.A_log.float())
+        return RecurrentState(
+            conv_window_after(state.conv, scan.conv_in, num_tokens),
+            selective_state_after(scan.x, scan.dt * valid[..., None], A, scan.B, state.ssm),
+        )

@@ -18,7 +18,8 @@ from workers.model.checkpoint import registry
 
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
-RECURRENT_KINDS = (MAMBA, GDN)
+SHORT_CONV = "short_conv"  # LFM2's gated short convolution: its recurrent state is the conv window alone
+RECURRENT_KINDS = (MAMBA, GDN, SHORT_CONV)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,14 @@ class GdnConfig:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short convolution: in_proj → B, C, x; C · causal_conv(B · x) over `conv_kernel` taps; out_proj."""
+
+    conv_kernel: int  # W (`conv_L_cache`)
+    bias: bool  # in_proj, conv and out_proj biases (`conv_bias`)
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention shapes and positional encoding."""
 
@@ -88,6 +97,11 @@ class AttentionConfig:
     output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
     output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
+    head_gate: bool = False  # output × sigmoid(g_proj(x)), one gate per head (LFM3)
+    sliding_window: int | None = None  # each query sees the keys of its last `sliding_window` positions (LFM3)
+    # Proportional RoPE (LFM3 full attention): pairs (i, i + head_dim / 2) rotate for i < rope_pairs only, at the
+    # frequencies theta^(-2i / head_dim) of the whole head (rotary_dim is then head_dim). None: plain RoPE.
+    rope_pairs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ class FeedForwardConfig:
     routed_scaling_factor: float = 1.0
     latent_size: int | None = None  # Nemotron-H MoE latent projection
     shared_expert_gate: bool = False  # shared MLP output × sigmoid(linear(x)) (Qwen)
+    topk_norm_eps: float = 1e-20  # sigmoid routing: top-k weights / (their sum + this) (LFM2-MoE: 1e-6)
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,16 @@ class HybridConfig:
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+    short_conv: ShortConvConfig | None = None  # LFM2 short-conv families only
+    sandwich_norms: bool = False  # every block also norms its mixer's output before the residual add (LFM3)
+    # Per block: the attention config of that block where it differs from `attention` (LFM3's sliding-window and
+    # full layers differ in RoPE and window); empty, or None at a block, means `attention`.
+    block_attention: tuple[AttentionConfig | None, ...] = ()
+
+    def attention_of(self, block: int) -> AttentionConfig:
+        """The attention config of block `block` (`attention` unless `block_attention` overrides it)."""
+        override = self.block_attention[block] if block < len(self.block_attention) else None
+        return override if override is not None else self.attention
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -145,6 +170,8 @@ class HybridConfig:
     def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n] or
         Gated DeltaNet [h_v, d_k, d_v]. A model without recurrent blocks gets empty shapes."""
+        if self.short_conv is not None:  # the conv window of B · x only: no matrix state
+            return (self.hidden_size, self.short_conv.conv_kernel - 1), (0, 0, 0)
         if self.gdn is not None:
             g = self.gdn
             return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)

@@ -8,29 +8,35 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, SHORT_CONV, AttentionConfig, HybridConfig
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.norm import RMSNorm
+from workers.model.layers.short_conv import ShortConvMixer
 
 
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
-    def __init__(self, config: HybridConfig, kind: str):
+    def __init__(self, config: HybridConfig, kind: str, attention: AttentionConfig | None = None):
+        """`attention`: this block's attention config where it differs from the model's (LFM3's layer types)."""
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Sandwich norms (LFM3): the mixer's output is normed too before the residual add.
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
         ff = config.feed_forward
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config)
         elif kind == ATTENTION:
-            self.mixer = Attention(config)
+            self.mixer = Attention(config, attention)
+        elif kind == SHORT_CONV:
+            self.mixer = ShortConvMixer(config)
         elif kind == MLP:
             self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     Lfm2Config,
@@ -62,3 +63,16 @@ def build_lfm_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     make_tokenizer().save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory
+
+
+@pytest.fixture(scope="session")
+def lfm_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """LFM family name → path of its tiny checkpoint directory (built on first use, once per session)."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_lfm_checkpoint(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get

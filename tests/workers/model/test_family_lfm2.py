@@ -161,3 +161,16 @@ def test_fused_experts_load_like_per_expert_ones(lfm_checkpoint, tmp_path):  # n
     fused, per_expert = load_checkpoint(str(model)).model, load_checkpoint(str(source)).model
     for ours, theirs in zip(fused.parameters(), per_expert.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "lfm3"])
+def test_graph_plan_steps_equal_the_module_path_and_are_capture_safe(family, lfm_checkpoint):  # noqa: F811
+    """The CUDA graph plan's static-shape steps (sliding windows masked over the whole capacity, conv windows
+    shifted without host reads), in their eager form, against the module path; and capture-safe."""
+    from tests.workers.model import test_cuda_graph
+
+    def checkpoint_dir(_: str):
+        return lfm_checkpoint(family)
+
+    test_cuda_graph.test_graph_steps_equal_the_module_path(checkpoint_dir, family)
+    test_cuda_graph.test_every_captured_step_is_capture_safe(checkpoint_dir, family)

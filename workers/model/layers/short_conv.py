@@ -40,11 +40,11 @@ class ShortConvMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, ConvScanInputs]:
+    ) -> tuple[torch.Tensor, RecurrentState, ConvScanInputs | None]:
         """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the conv's inputs).
 
         `state` None: every row starts its sequence here (zero window). `in_place` (one token per row, with a
-        state): shift `state`'s window where it is and return it.
+        state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
         """
         b, length, d = hidden.shape
         # 1. Projections: B, C, x; the conv reads u = B · x.

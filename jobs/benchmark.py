@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
                    help="how Mamba2 and Gated DeltaNet decode steps run: auto (native C kernel on CPU float32, else "
-                   "torch), torch (the reference path), compile (torch.compile; Mamba2 only) or native")  # fmt: skip
+                   "torch; Triton on CUDA), torch (the reference path), compile (torch.compile; Mamba2 only), native or "
+                   "triton")  # fmt: skip
     p.add_argument(
         "--no-decode-plan",
         action="store_true",

@@ -1,6 +1,6 @@
 """Long-context benchmark: peak memory and speed of long prompts, hybridgen against transformers, in one run.
 
-python jobs/long_context.py                                  # the README's table (bench preset, CPU; ~40 min)
+python jobs/long_context.py                                  # docs/long-contexts.md's table (bench preset, CPU; ~40 min)
 python jobs/long_context.py --lengths 4096 16384 --cases 2x4096x8 --engines hybridgen
 python jobs/long_context.py --baseline-src /path/to/older/checkout   # also run hybridgen from another source tree
 

@@ -73,7 +73,7 @@ class ModelConfig:
                                "by default on CUDA and never used on CPU)", default=False)  # fmt: skip
     enable_prefix_caching: bool = _doc("rows that share a prompt prefix (a template, a system prompt) compute it once: "
                                        "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
-                                       "not with --speculative draft or mtp)", default=True)  # fmt: skip
+                                       "with every speculative method)", default=True)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -9,6 +9,7 @@ import torch
 
 from workers.sampling import SamplingParams
 from workers.spec_decode.metrics import SpecStats
+from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
 
@@ -89,6 +90,18 @@ class Request:
         elif len(self.output) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def append_verified(self, row: list[int], num_drafts: int, tokenizer: Any | None) -> None:
+        """Add a verification's valid tokens (`row`: the rejection sampler's row, -1 placeholders after them),
+        stopping exactly where plain decoding would (eos, stop string, max_tokens), and record the drafts: only
+        accepted drafts that were kept count (a stop inside the accepted run drops the rest)."""
+        tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        num_kept = 0
+        for token in tokens:
+            num_kept += 1
+            if self.append(token, tokenizer):
+                break
+        self.spec.record(num_drafts, min(len(tokens) - 1, num_kept))
 
     def _hit_stop_string(self, tokenizer: Any) -> bool:
         text = tokenizer.decode(self.output, skip_special_tokens=True)

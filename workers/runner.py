@@ -18,9 +18,10 @@ from workers.model import HybridModel, load_checkpoint
 from workers.model.kernels import native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.model.steps import mtp_plan
+from workers.prefix_sharing import scan_chunk
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
-from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler, scan_chunk
+from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
 from workers.scorer import Scorer
 from workers.spec_decode import SpecStats, SpeculativeConfig
 from workers.spec_decode.draft_model import DraftModelProposer
@@ -30,7 +31,6 @@ from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
 
 logger = logging.getLogger(__name__)
-
 
 
 def _resolve_device(device: str) -> torch.device:

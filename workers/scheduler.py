@@ -9,12 +9,11 @@ which is the next model input. A speculative step keeps that invariant through s
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -25,65 +24,16 @@ from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.model.steps.cuda_graph import GraphPlan
 from workers.model.steps.decode_plan import DecodePlan
-from workers.prefix_cache import (
-    CHECKPOINT_MULTIPLE,
-    MIN_PREFILL_REST,
-    CheckpointStore,
-    PrefixCache,
-    PrefixHit,
-    common_prefix_length,
-)
+from workers.prefix_cache import PrefixCache, PrefixHit
+from workers.prefix_sharing import PrefixSharing
 from workers.requests import Request
 from workers.sampling import sample
-from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
+from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, observe_shadow_drafts
 from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, num_accepted_tokens
+from workers.workspace import Workspace, grown
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
-UPCOMING_PROMPTS = 64  # waiting prompts an admitted request's checkpoints are planned against
-
-
-@dataclass
-class Workspace:
-    """State slots and the plan that executes decode steps over them (`workers/executors.py`), kept by the runner
-    so successive `generate` calls reuse them (a plan's records and buffers cost 10–30 ms to set up, CUDA graph
-    captures far more). Stale slot contents are harmless: a slot's states are written at admission before they are
-    read, and attention never reads past a request's own position."""
-
-    pool: StatePool
-    plan: DecodePlan | GraphPlan | None
-    executor: str  # "module", "native" or "graph" (see workers/executors.py)
-    capture_failure: str | None = None  # why CUDA graph capture failed (the steps then run module by module)
-
-    def release(self) -> None:
-        """Free the slots' storage and drop the plan now (a larger workspace replaces this one)."""
-        self.pool.release()
-        self.plan = None
-
-    def fits(self, num_slots: int, capacity: int, tokens_per_row: int, executor: str, num_blocks: int) -> bool:
-        """Whether this workspace can serve a run needing these sizes with this executor."""
-        return (
-            self.pool.num_slots - extra_slots(self.executor) >= num_slots
-            and self.pool.capacity >= capacity
-            and self.pool.blocks.num_blocks >= num_blocks
-            and self.executor == executor
-            and (self.plan is None or self.plan.tokens_per_row >= tokens_per_row)
-        )
-
-
-def _grown(
-    workspace: Workspace, num_slots: int, capacity: int, num_blocks: int, max_capacity: int
-) -> tuple[int, int, int]:
-    """Sizes of the workspace replacing `workspace`: what the waiting requests need, never less than the old one had
-    (runs that alternate between two shapes rebuild at most once), positions at most `max_capacity` unless needed."""
-    old = workspace.pool
-    if capacity > old.capacity:  # at least doubled: a stream of ever longer requests drains the batch rarely
-        capacity = max(capacity, min(2 * old.capacity, max_capacity))
-    return (
-        max(num_slots, old.num_slots - extra_slots(workspace.executor)),
-        max(capacity, old.capacity),
-        max(num_blocks, old.blocks.num_blocks),
-    )
 
 
 class Scheduler:
@@ -110,10 +60,10 @@ class Scheduler:
         reused when it fits. `policy` decides each step's number of drafts (default: always `num_speculative_tokens`).
         `max_num_batched_tokens` bounds the tokens of every forward (`TokenBudget`); `num_kv_blocks` the KV cache
         (blocks of `DEFAULT_BLOCK_SIZE` positions, the null block included; None: room for every slot's longest
-        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` / `cuda_graphs`: execute decode and verification steps
-        through the CPU decode plan / the CUDA graph plan where the model allows (`workers/executors.py`).
-        `num_prefix_checkpoints` > 0 turns on prefix caching (`workers/prefix_cache.py`) with that many state
-        checkpoints, unless the proposer keeps states or KV of its own (draft models and MTP heads: not cached)."""
+        request). Requests wait for room; one that could never fit finishes with an error. `decode_plan` /
+        `cuda_graphs`: execute decode and verification steps through the CPU decode plan / the CUDA graph plan where
+        the model allows (`workers/executors.py`). `num_prefix_checkpoints` > 0 turns on prefix caching
+        (`workers/prefix_cache.py`, `workers/prefix_sharing.py`) with that many state checkpoints."""
         self.model, self.tokenizer = model, tokenizer
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.policy = policy if policy is not None else FixedPolicy()
@@ -123,7 +73,7 @@ class Scheduler:
         self.max_num_seqs, self.num_kv_blocks = max_num_seqs, num_kv_blocks
         self.num_prefix_checkpoints = num_prefix_checkpoints
         self.mtp = hasattr(proposer, "observe_target")  # a proposer drafting from the target's hidden states
-        self.prefix_cache: PrefixCache | None = None  # made with each workspace
+        self.sharing: PrefixSharing | None = None  # made with each workspace
         self.executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
         self.workspace = workspace
         self.pool: StatePool | None = None  # set with `plan` and `blocks` for the first requests
@@ -141,6 +91,11 @@ class Scheduler:
         self.add(requests)
         if self.waiting:
             self._fit_workspace()
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache of the current workspace (None when prefix caching is off)."""
+        return None if self.sharing is None else self.sharing.cache
 
     def add(self, requests: Sequence[Request]) -> None:
         """Queue requests; they enter free slots in order, from the next step on."""
@@ -165,7 +120,7 @@ class Scheduler:
         if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, self.executor, num_blocks):
             if workspace is not None:
                 max_capacity = max(r.max_model_len for r in self.waiting) + self.num_speculative_tokens
-                num_slots, capacity, num_blocks = _grown(workspace, num_slots, capacity, num_blocks, max_capacity)
+                num_slots, capacity, num_blocks = grown(workspace, num_slots, capacity, num_blocks, max_capacity)
                 workspace.release()
                 if proposer is not None and hasattr(proposer, "release"):
                     proposer.release()
@@ -179,11 +134,9 @@ class Scheduler:
         self.workspace, self.pool, self.plan = workspace, workspace.pool, workspace.plan
         self.blocks = self.pool.blocks
         self.blocks.reset()
-        self.prefix_cache = None
+        self.sharing = None
         if self.num_prefix_checkpoints:
-            hidden_size = self.model.config.hidden_size if self.mtp else 0
-            store = CheckpointStore(self.pool, self.num_prefix_checkpoints, hidden_size)
-            self.prefix_cache = PrefixCache(self.blocks, store, max(CHECKPOINT_MULTIPLE, scan_chunk(self.model)))
+            self.sharing = PrefixSharing(self.model, self.pool, self.num_prefix_checkpoints, proposer)
         if proposer is not None:
             proposer.start(self.pool, self.budget.max_num_batched_tokens)
         usable = self.pool.num_slots - extra_slots(workspace.executor)
@@ -248,12 +201,10 @@ class Scheduler:
                 continue
             if not self.blocks.can_ever_hold(need):
                 return  # longer than this workspace's slots: it grows when the running requests are done
-            hit = PrefixHit()
-            if self.prefix_cache is not None:
-                hit = self.prefix_cache.lookup(request.prompt)
-                if self._prefix_in_flight(request, hit.num_tokens):
-                    return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
-            shared = self._shared_blocks(hit)
+            hit = PrefixHit() if self.sharing is None else self.sharing.lookup(request, self.prefilling)
+            if hit is None:
+                return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
+            shared = hit.chain if self.sharing is None else self.sharing.shared_blocks(hit)
             reserved = self.blocks.try_reserve(need, len(shared), sum(entry.refs == 0 for entry in hit.chain))
             if reserved is None:
                 return  # waits until running requests give their room back
@@ -261,67 +212,14 @@ class Scheduler:
             request.slot, request.num_reserved, request.num_reserved_blocks = self.free_slots.pop(), need, reserved
             if self.proposer is not None:
                 self.proposer.admit([request])
-            if self.prefix_cache is not None:
-                self._start_from_cache(request, hit)
+            if self.sharing is not None:
+                self.num_prefix_hit_tokens += self.sharing.start(request, hit, self.waiting, self.prefilling)
             self.prefilling.append(request)
-
-    def _prefix_in_flight(self, request: Request, num_cached: int) -> bool:
-        """Whether a request now prefilling will checkpoint a longer prefix of `request`'s prompt than the cache
-        holds (rows of one template admitted together: the first computes the template, the others wait for it)."""
-        for other in self.prefilling:
-            for stop in other.prefill_stops:
-                if num_cached < stop and other.num_computed < stop <= len(request.prompt) - MIN_PREFILL_REST:
-                    if common_prefix_length(request.prompt, other.prompt) >= stop:
-                        return True
-        return False
-
-    def _shared_blocks(self, hit: PrefixHit) -> list:
-        """The hit's blocks a request shares. With an MTP proposer all but the last, which it gets a private copy
-        of: the head's entry at the prefix's last position pairs it with the next token, this request's own."""
-        return hit.chain[:-1] if self.mtp and hit.chain else hit.chain
-
-    def _start_from_cache(self, request: Request, hit: PrefixHit) -> None:
-        """Share the hit's KV blocks, restore its states, and plan where this prefill stops to checkpoint."""
-        cache = self.prefix_cache
-        shared = self._shared_blocks(hit)
-        cache.acquire(hit.chain)  # all of it: a block the request does not share still anchors its path
-        request.prefix_path = list(hit.chain)
-        self.blocks.share(request.slot, [entry.block for entry in shared])
-        if hit.num_tokens:
-            if len(shared) < len(hit.chain):  # the private copy of the last block
-                self.blocks.ensure(request.slot, hit.num_tokens)
-                self.blocks.copy_block(hit.chain[-1].block, self.blocks.owned[request.slot][-1])
-            cache.store.restore(hit.checkpoint, self.pool, request.slot)
-            request.num_computed = request.num_cached_tokens = hit.num_tokens
-            self.num_prefix_hit_tokens += hit.num_tokens
-            if self.mtp:  # the head catches up from the prefix's last position, with this request's next token
-                self.proposer.resume_from(request, hit.num_tokens - 1, cache.store.hidden[hit.checkpoint])
-        upcoming = [r.prompt for r in itertools.islice(self.waiting, UPCOMING_PROMPTS)]
-        stops = cache.checkpoint_positions(request.prompt, upcoming + [r.prompt for r in self.prefilling])
-        request.prefill_stops = [stop for stop in stops if stop > hit.num_tokens]
-
-    def _cache_prefill(self, requests: list[Request], hidden: torch.Tensor, chunks: list[int]) -> None:
-        """After a prefill forward (final hidden [b, l, d], chunks[i] new tokens per row): cache the prompt blocks
-        computed, checkpoint states where a prefill stopped. An MTP head first consumes the chunk (its KV of cached
-        blocks must be written before another request shares them)."""
-        cache = self.prefix_cache
-        if self.mtp:
-            self.proposer.consume_known(requests)
-        for row, request in enumerate(requests):
-            path = request.prefix_path
-            taken = cache.insert(request.prompt, request.slot, path, request.num_computed)
-            request.num_reserved_blocks -= taken  # the cache's (pinned) now
-            self.blocks.release(taken)
-            if request.num_computed in request.prefill_stops and len(path) * self.blocks.block_size == (
-                request.num_computed
-            ):
-                cache.save_checkpoint(path[-1], self.pool, request.slot, hidden[row, chunks[row] - 1])
 
     def _retire(self, request: Request) -> None:
         self._retired.add(request.index)  # the policy forgets it once it has learnt from this step
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(request.prefix_path)
-            request.prefix_path = []
+        if self.sharing is not None:
+            self.sharing.release(request)
         self.blocks.free_slot(request.slot)
         self.blocks.release(request.num_reserved_blocks)
         self.free_slots.append(request.slot)
@@ -329,7 +227,7 @@ class Scheduler:
 
     def _compact(self) -> None:
         """Keep live requests in slots 0 … n-1 (in order), so decode reads and updates states as views."""
-        live = sorted(self.running + self.prefilling, key=_slot)
+        live = sorted(self.running + self.prefilling, key=attrgetter("slot"))
         self.free_slots.sort(reverse=True)  # pop() hands out the lowest free slot
         while self.free_slots and live and self.free_slots[-1] < live[-1].slot:
             target, request = self.free_slots.pop(), live.pop()
@@ -340,8 +238,8 @@ class Scheduler:
             self.free_slots.append(request.slot)
             self.free_slots.sort(reverse=True)
             request.slot = target
-            bisect.insort(live, request, key=_slot)
-        self.running.sort(key=_slot)
+            bisect.insort(live, request, key=attrgetter("slot"))
+        self.running.sort(key=attrgetter("slot"))
 
     def _slots(self, requests: list[Request]) -> torch.Tensor:
         return torch.tensor([r.slot for r in requests], device=self.device)
@@ -368,8 +266,8 @@ class Scheduler:
         self._observe(requests, out.hidden, starts, chunks)
         for r, n in zip(requests, chunks):
             r.num_computed += n
-        if self.prefix_cache is not None:
-            self._cache_prefill(requests, out.hidden, chunks)
+        if self.sharing is not None:
+            self.sharing.after_prefill(requests, out.hidden, chunks)
         done = [row for row, r in enumerate(requests) if r.num_computed == len(r.prompt)]
         if done:
             rows = torch.tensor(done, device=self.device)
@@ -462,7 +360,7 @@ class Scheduler:
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self._decode(requests)
             self.proposer.accepted(requests, [1] * len(requests))
-            self._check_shadow(requests, shadow)
+            observe_shadow_drafts(self.policy, requests, shadow)
             return request_ids, chosen, [0] * len(requests), 0, proposal is None or not proposal.caught_up
         drafts = proposal.token_ids.to(self.device)  # [num_reqs, max_k]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
@@ -495,32 +393,6 @@ class Scheduler:
             self._observe(requests, out.hidden, cache_lens, accepted)
         self.proposer.accepted(requests, accepted)
         for request, row, k in zip(requests, rows, proposal.num_draft_tokens):
-            tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
-            num_kept = 0
-            for token in tokens:  # stop exactly where plain decoding would (eos, stop string, max_tokens)
-                num_kept += 1
-                if request.append(token, self.tokenizer):
-                    break
-            # Count only accepted drafts that were kept: a stop inside the accepted run drops the rest.
-            request.spec.record(k, min(len(tokens) - 1, num_kept))
-        self._check_shadow(requests, shadow)
+            request.append_verified(row, k, self.tokenizer)
+        observe_shadow_drafts(self.policy, requests, shadow)
         return request_ids, chosen, [n - 1 for n in accepted], drafts.shape[1], not proposal.caught_up
-
-    def _check_shadow(self, requests: list[Request], shadow: dict[int, tuple]) -> None:
-        """Whether each shadow draft is the token the step produced: acceptance evidence for the policy."""
-        rows = [i for i, (position, _) in shadow.items() if requests[i].num_tokens > position]
-        if rows:
-            accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
-            self.policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)
-
-
-def scan_chunk(model: HybridModel) -> int:
-    """The recurrent layers' prefill chunk: a continued prefill computes what one forward does only from its
-    multiples (the chunked scans' grids start at each forward's first token)."""
-    config = model.config
-    chunks = [c.chunk_size for c in (config.mamba, config.gdn) if c is not None]
-    return max(chunks, default=1)
-
-
-def _slot(request: Request) -> int:
-    return request.slot

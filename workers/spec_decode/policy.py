@@ -342,6 +342,15 @@ class AdaptivePolicy:
         self.requests.pop(request_id, None)
 
 
+def observe_shadow_drafts(policy: FixedPolicy | AdaptivePolicy, requests: list, shadow: dict[int, tuple]) -> None:
+    """Shadow drafts (`shadow`: row → (position, draft), a draft looked up for a row the step ran plain) that the
+    step's token at that position confirms or refutes: acceptance evidence for the policy."""
+    rows = [i for i, (position, _) in shadow.items() if requests[i].num_tokens > position]
+    if rows:
+        accepted = [int(requests[i].token_at(shadow[i][0]) == shadow[i][1]) for i in rows]
+        policy.observe_acceptance([requests[i].index for i in rows], [1] * len(rows), accepted)
+
+
 def make_policy(name: str, max_drafts: int, free_drafts: bool = False) -> FixedPolicy | AdaptivePolicy:
     """The policy named by `SpeculativeConfig.policy` (`free_drafts`: see `AdaptivePolicy`)."""
     if name == "fixed":

@@ -58,6 +58,8 @@ class GdnConfig:
     value_head_dim: int  # d_v
     conv_kernel: int  # W
     chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+    beta_scale: float = 1.0  # beta = beta_scale · sigmoid(b); OLMo-Hybrid's 2 allows negative eigenvalues
+    norm_eps: float | None = None  # the gated output norm's eps when it differs from rms_norm_eps (OLMo-Hybrid: 1e-5)
 
     @property
     def key_dim(self) -> int:
@@ -102,6 +104,7 @@ class AttentionConfig:
     # Proportional RoPE (LFM3 full attention): pairs (i, i + head_dim / 2) rotate for i < rope_pairs only, at the
     # frequencies theta^(-2i / head_dim) of the whole head (rotary_dim is then head_dim). None: plain RoPE.
     rope_pairs: int | None = None
+    qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ class HybridConfig:
     # Per block: the attention config of that block where it differs from `attention` (LFM3's sliding-window and
     # full layers differ in RoPE and window); empty, or None at a block, means `attention`.
     block_attention: tuple[AttentionConfig | None, ...] = ()
+    # Blocks whose norm follows the mixer, `x + norm(mixer(x))`, instead of preceding it (OLMo 2/3 attention layers).
+    post_norm_blocks: tuple[int, ...] = ()
 
     def attention_of(self, block: int) -> AttentionConfig:
         """The attention config of block `block` (`attention` unless `block_attention` overrides it)."""

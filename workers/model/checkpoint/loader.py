@@ -137,6 +137,12 @@ def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dic
             found = tuple(shapes[key])
             if found != tuple(shape):
                 problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
+        if source.cat_shape is not None:
+            found = [tuple(shapes[key]) for key in source.keys]
+            joined = (sum(shape[0] for shape in found), *found[0][1:]) if found else ()
+            if any(shape[1:] != found[0][1:] for shape in found) or joined != tuple(source.cat_shape):
+                problems.append(f"weights {list(source.keys)} have shapes {found} in the checkpoint; concatenated "
+                                f"they must give {tuple(source.cat_shape)}")  # fmt: skip
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
@@ -192,6 +198,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
+            if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
+                module.decode_kernel = "torch"
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel
@@ -231,9 +239,11 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
-    `linear_backend`: "auto" (oneDNN-packed weights on CPU float32, torch elsewhere), "torch" or "onednn".
-    `decode_kernel`: how Mamba2 decode steps run — "auto" (the native C kernel on CPU float32, else torch),
-    "torch" (the reference), "compile" or "native"; see `prepare_decode_kernel`. `mtp`: also load the checkpoint's
+    `linear_backend`: "auto" (the native kernel on CPU float32 when it builds, else oneDNN-packed weights; torch
+    elsewhere), "torch", "onednn" or "native".
+    `decode_kernel`: how the recurrent layers' decode steps run — "auto" (the native C kernel on CPU float32, Triton
+    on CUDA when it imports, else torch), "torch" (the reference), "compile", "native" or "triton"; see
+    `prepare_decode_kernel`. `mtp`: also load the checkpoint's
     multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
     `revision`: a hub repo's branch, tag or commit (default main).
     """

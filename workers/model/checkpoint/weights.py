@@ -33,6 +33,7 @@ class Source:
     combine: str = "one"  # "one" | "cat" (along dim 0) | "stack" (new dim 0)
     transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # replaces `combine` when set
     shapes: tuple[tuple[int, ...], ...] | None = None  # each key's expected shape, checked before reading
+    cat_shape: tuple[int, ...] | None = None  # the keys' shape once concatenated along dim 0, checked before reading
 
 
 def single(*alternatives: str) -> list[Source]:

@@ -1,8 +1,9 @@
 """Grouped-query attention over a slot-indexed KV cache, with NoPE or (partial) RoPE.
 
 Qwen3-Next / Qwen3.5 add an output gate (q_proj rows per head are `[q_h | gate_h]`, output × sigmoid(gate)) and
-an RMSNorm over each head of q and k before RoPE. LFM3 adds a per-head output gate from its own projection
-(`g_proj`), sliding-window layers (a mask; the cache keeps every position) and proportional RoPE.
+an RMSNorm over each head of q and k before RoPE; OLMo 2/3 and OLMo-Hybrid one RMSNorm over the whole q (k) projection.
+LFM3 adds a per-head output gate from its own projection (`g_proj`), sliding-window layers (a mask; the cache keeps
+every position) and proportional RoPE.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
         output_bias = a.bias if a.output_bias is None else a.output_bias
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, config.hidden_size, bias=output_bias)
-        self.q_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, config.rms_norm_eps) if a.qk_norm else None
+        q_norm_size, k_norm_size = a.head_dim, a.head_dim
+        if a.qk_norm_full_width:  # OLMo: one norm over all heads' channels
+            q_norm_size, k_norm_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if a.qk_norm else None
         self.g_proj = nn.Linear(config.hidden_size, a.num_heads, bias=False) if a.head_gate else None
         self.native = False  # decode steps through the native kernel (set at load for CPU float32)
 
@@ -69,6 +73,10 @@ class Attention(nn.Module):
         """hidden [b, l, d] → q [b, l, heads, hd], k, v [b, l, kv_heads, hd], gate [b, l, heads · hd] or None."""
         a = self.config
         b, length, _ = hidden.shape
+        if a.qk_norm_full_width:  # normalise the whole projections, then split them into heads
+            q = self.q_norm(self.q_proj(hidden)).view(b, length, a.num_heads, a.head_dim)
+            k = self.k_norm(self.k_proj(hidden)).view(b, length, a.num_kv_heads, a.head_dim)
+            return q, k, self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim), None
         q = self.q_proj(hidden).view(b, length, a.num_heads, -1)
         gate = None
         if a.output_gate:

@@ -1,4 +1,5 @@
-"""One pre-norm residual block: `x + residual_multiplier · mixer(norm(x))`.
+"""One pre-norm residual block: `x + residual_multiplier · mixer(norm(x))` — or, built with `post_norm`,
+`x + residual_multiplier · post_norm(mixer(x))` (OLMo 2/3 attention layers; `norm` then passes x through).
 
 The mixer is Mamba2, Gated DeltaNet, attention, a dense MLP or a MoE. The model's blocks and an MTP head's layers are
 built from it, so both read the same checkpoint layouts into the same modules.
@@ -14,20 +15,24 @@ from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
-from workers.model.layers.norm import RMSNorm
+from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.short_conv import ShortConvMixer
 
 
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
-    def __init__(self, config: HybridConfig, kind: str, attention: AttentionConfig | None = None):
-        """`attention`: this block's attention config where it differs from the model's (LFM3's layer types)."""
+    def __init__(
+        self, config: HybridConfig, kind: str, post_norm: bool = False, attention: AttentionConfig | None = None
+    ):
+        """`post_norm`: the norm follows the mixer instead of preceding it (OLMo). `attention`: this block's attention
+        config where it differs from the model's (LFM3's layer types)."""
         super().__init__()
         self.kind = kind
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Sandwich norms (LFM3): the mixer's output is normed too before the residual add.
-        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.sandwich_norms else None
+        self.norm: nn.Module = PassThroughNorm() if post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Sandwich norms (LFM3): the mixer's output is normed too, after the pre-norm and mixer.
+        with_post_norm = post_norm or config.sandwich_norms
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if with_post_norm else None
         ff = config.feed_forward
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)

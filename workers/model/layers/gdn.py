@@ -49,7 +49,7 @@ class GatedDeltaNetMixer(nn.Module):
         # A_log and dt_bias are kept in float32 whatever the weight dtype (see loader).
         self.dt_bias = nn.Parameter(torch.zeros(g.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(g.num_value_heads))
-        self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps)
+        self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps if g.norm_eps is None else g.norm_eps)
         self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
         self.decode_kernel = "torch"  # one-token steps: "torch", "native" (C, CPU) or "triton" (set at load)
 
@@ -68,10 +68,14 @@ class GatedDeltaNetMixer(nn.Module):
     def _gates(
         self, b_raw: torch.Tensor, a_raw: torch.Tensor, num_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g = −exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b)), [b, l, h_v] float32, both 0 at padding."""
+        """(g = −exp(A_log) · softplus(a + dt_bias), beta = beta_scale · sigmoid(b)), [b, l, h_v] float32, both 0
+        at padding. beta_scale is 2 for OLMo-Hybrid's negative eigenvalues (`linear_allow_neg_eigval`), else 1."""
         g = -self.A_log.float().exp() * F.softplus(a_raw.float() + self.dt_bias.float())
         valid = (torch.arange(g.shape[1], device=g.device)[None, :] < num_tokens[:, None])[..., None]  # [b, l, 1]
-        return g * valid, b_raw.float().sigmoid() * valid
+        beta = b_raw.float().sigmoid()
+        if self.config.beta_scale != 1.0:
+            beta = beta * self.config.beta_scale
+        return g * valid, beta * valid
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False

@@ -36,7 +36,8 @@ class HybridModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(
-            Block(config, kind, config.attention_of(i)) for i, kind in enumerate(config.block_kinds)
+            Block(config, kind, i in config.post_norm_blocks, config.attention_of(i))
+            for i, kind in enumerate(config.block_kinds)
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -84,7 +85,7 @@ class HybridModel(nn.Module):
                 out = attend(normed, batch, next(kv_iter))
             else:
                 out = block.mixer(normed)
-            if block.post_norm is not None:
+            if block.post_norm is not None:  # OLMo 2/3: the norm follows the mixer
                 out = block.post_norm(out)
             # The residual connection, fused with the next block's pre-norm (or the final norm).
             hidden, normed = next_norm.add_and_norm(hidden, out, self.config.residual_multiplier)

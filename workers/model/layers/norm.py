@@ -71,3 +71,20 @@ class HeadGatedRMSNorm(nn.Module):
         y = y.float()
         normed = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(out_dtype)
         return (self.weight * normed * F.silu(z.float())).to(out_dtype)
+
+
+class PassThroughNorm(nn.Module):
+    """The pre-norm slot of a post-norm block (OLMo 2/3): its mixer reads the residual stream as it is."""
+
+    native = False  # nothing to run: the decode plan declines post-norm blocks by name (`unsupported_reason`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] → x."""
+        return x
+
+    def add_and_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, alpha: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + alpha · delta, the same tensor): the residual connection, no norm after it."""
+        hidden = hidden + delta if alpha == 1.0 else torch.add(hidden, delta, alpha=alpha)
+        return hidden, hidden

@@ -44,6 +44,8 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
+    if any(block.post_norm is not None for block in model.blocks):
+        return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
     norms = [block.norm for block in model.blocks] + [model.final_norm]
     if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
@@ -59,6 +61,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
         if block.kind in RECURRENT_KINDS and mixer.decode_kernel != "native":
             name = "Mamba2" if block.kind == MAMBA else "Gated DeltaNet"
             return f"{name} decode steps do not run through the native kernel"
+        if block.kind == ATTENTION and mixer.config.qk_norm_full_width:
+            return "q/k norms over the whole projection (OLMo) are not covered"
         if block.kind == ATTENTION:
             head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]
             if not (mixer.native and all(norm.native for norm in head_norms)):

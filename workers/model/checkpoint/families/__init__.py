@@ -10,6 +10,7 @@ from workers.model.checkpoint import registry
 from workers.model.checkpoint.families import granite_bamba  # noqa: F401
 from workers.model.checkpoint.families import nemotron_h  # noqa: F401
 from workers.model.checkpoint.families import qwen  # noqa: F401
+from workers.model.checkpoint.families import olmo_hybrid  # noqa: F401
 from workers.model.checkpoint.families import dense  # noqa: F401
 from workers.model.checkpoint.families import lfm2  # noqa: F401
 

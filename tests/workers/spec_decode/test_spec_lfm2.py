@@ -76,7 +76,7 @@ CASES = [
     ("lfm2", "draft_hybrid", 1),
     ("lfm2_moe", "ngram", 5),
     ("lfm2_moe", "lfm2", 1),
-    ("lfm3", "ngram", 16),
+    ("lfm3", "ngram", 5),
     ("lfm3", "lfm2", 5),
     ("lfm3", "draft_attention", 1),
 ]

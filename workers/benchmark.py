@@ -45,15 +45,26 @@ GDN_PRESETS: dict[str, dict[str, Any]] = {
                       linear_value_head_dim=128, dtype="float32"),
 }  # fmt: skip
 PRESETS.update(GDN_PRESETS)
+# Liquid LFM2 (`lfm2`): "lfm2-bench" is LFM2's layout at the "bench" size: hidden 512, 8 layers with attention at 3
+# and 7 (short convs elsewhere, 3 taps), 8 heads / 4 KV heads, MLP 1536 (taken as is: no auto-adjust), vocab
+# 32000, tied; its recurrent state is only the conv window (512 × 2 numbers per layer).
+LFM_PRESETS: dict[str, dict[str, Any]] = {
+    "lfm2-bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=4, attention_layers=[3, 7], intermediate_size=1536, conv_L_cache=3,
+                       dtype="float32"),
+}  # fmt: skip
+PRESETS.update(LFM_PRESETS)
 
 
 def build_preset(name: str, directory: Path) -> Path:
-    """Save a random-weight checkpoint with the preset's shapes (reused when already there): GraniteMoeHybrid, or
-    text-only Qwen3.5 for the GDN presets."""
+    """Save a random-weight checkpoint with the preset's shapes (reused when already there): GraniteMoeHybrid,
+    text-only Qwen3.5 for the GDN presets, or LFM2 for the LFM presets."""
     if (directory / "config.json").exists():
         return directory
     if name in GDN_PRESETS:
         return _build_gdn_preset(name, directory)
+    if name in LFM_PRESETS:
+        return _build_lfm_preset(name, directory)
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     shape = dict(PRESETS[name])
@@ -78,6 +89,18 @@ def _build_gdn_preset(name: str, directory: Path) -> Path:
     config = Qwen3_5TextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _build_lfm_preset(name: str, directory: Path) -> Path:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    shape = dict(LFM_PRESETS[name])
+    attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
+    config = Lfm2Config(**shape, full_attn_idxs=attention, block_auto_adjust_ff_dim=False, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
 

@@ -19,7 +19,8 @@ from workers.model.checkpoint import registry
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
 MAMBA1 = "mamba1"  # Mamba version 1 (Jamba): selective scan with per-channel A [d_inner, n]
-RECURRENT_KINDS = (MAMBA, GDN, MAMBA1)
+SHORT_CONV = "short_conv"  # LFM2's gated short convolution: its recurrent state is the conv window alone
+RECURRENT_KINDS = (MAMBA, GDN, MAMBA1, SHORT_CONV)
 # Zamba2: one use of a shared transformer block (own KV cache, adapters, output projection); see layers/shared_block.py.
 SHARED_ATTENTION = "shared_attention"
 
@@ -94,6 +95,14 @@ class Mamba1Config:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short convolution: in_proj → B, C, x; C · causal_conv(B · x) over `conv_kernel` taps; out_proj."""
+
+    conv_kernel: int  # W (`conv_L_cache`)
+    bias: bool  # in_proj, conv and out_proj biases (`conv_bias`)
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention shapes and positional encoding."""
 
@@ -107,6 +116,11 @@ class AttentionConfig:
     output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
     output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
+    head_gate: bool = False  # output × sigmoid(g_proj(x)), one gate per head (LFM3)
+    sliding_window: int | None = None  # each query sees the keys of its last `sliding_window` positions (LFM3)
+    # Proportional RoPE (LFM3 full attention): pairs (i, i + head_dim / 2) rotate for i < rope_pairs only, at the
+    # frequencies theta^(-2i / head_dim) of the whole head (rotary_dim is then head_dim). None: plain RoPE.
+    rope_pairs: int | None = None
     qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo)
 
 
@@ -128,6 +142,7 @@ class FeedForwardConfig:
     routed_scaling_factor: float = 1.0
     latent_size: int | None = None  # Nemotron-H MoE latent projection
     shared_expert_gate: bool = False  # shared MLP output × sigmoid(linear(x)) (Qwen)
+    topk_norm_eps: float = 1e-20  # sigmoid routing: top-k weights / (their sum + this) (LFM2-MoE: 1e-6)
 
 
 @dataclass(frozen=True)
@@ -168,9 +183,19 @@ class HybridConfig:
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
     shared_block: SharedBlockConfig | None = None  # Zamba2's shared transformer blocks (SHARED_ATTENTION uses)
+    short_conv: ShortConvConfig | None = None  # LFM2 short-conv families only
+    sandwich_norms: bool = False  # every block also norms its mixer's output before the residual add (LFM3)
+    # Per block: the attention config of that block where it differs from `attention` (LFM3's sliding-window and
+    # full layers differ in RoPE and window); empty, or None at a block, means `attention`.
+    block_attention: tuple[AttentionConfig | None, ...] = ()
     # Blocks whose norm follows the mixer, `x + norm(mixer(x))`, instead of preceding it (OLMo 2/3 attention layers).
     post_norm_blocks: tuple[int, ...] = ()
     mamba1: Mamba1Config | None = None  # Mamba version 1 families (Jamba) only
+
+    def attention_of(self, block: int) -> AttentionConfig:
+        """The attention config of block `block` (`attention` unless `block_attention` overrides it)."""
+        override = self.block_attention[block] if block < len(self.block_attention) else None
+        return override if override is not None else self.attention
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -181,10 +206,13 @@ class HybridConfig:
 
     def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, ...]]:
         """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n],
-        Gated DeltaNet [h_v, d_k, d_v] or Mamba1 [d_inner, n]. A model without recurrent blocks gets empty shapes."""
+        Gated DeltaNet [h_v, d_k, d_v], Mamba1 [d_inner, n] or none for the short conv ((0, 0, 0)). A model without
+        recurrent blocks gets empty shapes."""
         if self.mamba1 is not None:
             m1 = self.mamba1
             return (m1.intermediate_size, m1.conv_kernel - 1), (m1.intermediate_size, m1.state_size)
+        if self.short_conv is not None:  # the conv window of B · x only: no matrix state
+            return (self.hidden_size, self.short_conv.conv_kernel - 1), (0, 0, 0)
         if self.gdn is not None:
             g = self.gdn
             return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)

@@ -2,6 +2,8 @@
 
 Qwen3-Next / Qwen3.5 add an output gate (q_proj rows per head are `[q_h | gate_h]`, output × sigmoid(gate)) and
 an RMSNorm over each head of q and k before RoPE; OLMo 2/3 and OLMo-Hybrid one RMSNorm over the whole q (k) projection.
+LFM3 adds a per-head output gate from its own projection (`g_proj`), sliding-window layers (a mask; the cache keeps
+every position) and proportional RoPE.
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ from workers.model.state import ForwardBatch, KVCache
 
 
 @functools.lru_cache(maxsize=16)
-def inverse_frequencies(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
-    """RoPE's per-pair rotation speeds [rotary_dim / 2], float32 (the native kernel reads the same tensor)."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+def inverse_frequencies(
+    theta: float, rotary_dim: int, device: torch.device, rope_pairs: int | None = None
+) -> torch.Tensor:
+    """RoPE's per-pair rotation speeds [rotary_dim / 2], float32 (the native kernel reads the same tensor).
+    `rope_pairs` (proportional RoPE): only the first pairs turn, the rest have speed 0."""
+    speeds = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+    if rope_pairs is None:
+        return speeds
+    return torch.where(torch.arange(rotary_dim // 2, device=device) < rope_pairs, speeds, 0.0)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, rope_pairs: int | None = None
+) -> torch.Tensor:
     """Rotate the first `rotary_dim` dims of each head (half-split convention); x [b, heads, l, hd], positions [b, l]."""
-    inv_freq = inverse_frequencies(theta, rotary_dim, x.device)
+    inv_freq = inverse_frequencies(theta, rotary_dim, x.device, rope_pairs)
     freqs = positions.float()[..., None] * inv_freq  # [b, l, rotary_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [b, 1, l, rotary_dim]
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -40,9 +50,10 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: i
 class Attention(nn.Module):
     """Causal self-attention whose keys/values live in a `KVCache` slot per request."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, attention: AttentionConfig | None = None):
+        """`attention`: this layer's config where it differs from `config.attention` (LFM3's layer types)."""
         super().__init__()
-        a: AttentionConfig = config.attention
+        a: AttentionConfig = attention or config.attention
         self.config = a
         q_width = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=a.bias)
@@ -55,6 +66,7 @@ class Attention(nn.Module):
             q_norm_size, k_norm_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if a.qk_norm else None
+        self.g_proj = nn.Linear(config.hidden_size, a.num_heads, bias=False) if a.head_gate else None
         self.native = False  # decode steps through the native kernel (set at load for CPU float32)
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,7 +86,20 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.g_proj is not None:  # one gate per head, as a per-channel gate: sigmoid commutes with repeating
+            gate = self.g_proj(hidden).repeat_interleave(a.head_dim, dim=-1)
         return q, k, v, gate
+
+    def _visible(self, key_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Which keys each query sees: causal, and inside the sliding window when the layer has one.
+        key_positions [span] against positions [..., 1] → bool [..., span]."""
+        mask = key_positions <= positions
+        window = self.config.sliding_window
+        return mask if window is None else mask & (key_positions > positions - window)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = self.config
+        return rotary(x, positions, a.rope_theta, a.rotary_dim, a.rope_pairs)
 
     def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Attention output [b, l, heads · hd] → o_proj (after the output gate when the model has one; through the
@@ -96,18 +121,17 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(hidden)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if a.rope_theta is not None:
-            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
-            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+            q, k = self._rotary(q, positions), self._rotary(k, positions)
         # 1. Write the valid new keys/values at their positions in each row's slot.
         rows, cols = (offsets[None, :] < batch.num_tokens[:, None]).nonzero(as_tuple=True)
         cache.write(batch.slot_ids[rows], positions[rows, cols], k[rows, :, cols], v[rows, :, cols])
         # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
         span = int((batch.cache_lens + batch.num_tokens).max())
-        if b == 1 and length * span > LONG_ATTENTION_SCORES:
+        if b == 1 and length * span > LONG_ATTENTION_SCORES and a.sliding_window is None:
             out = self._long(q, cache, batch, span)
         else:
             keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
-            mask = torch.arange(span, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, span]
+            mask = self._visible(torch.arange(span, device=hidden.device), positions[..., None])  # [b, l, span]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
             )
@@ -135,21 +159,20 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(hidden)  # [b, 1, heads, hd]: one token, so heads can move to dim 1 freely
         q = q.reshape(b, a.num_heads, 1, a.head_dim)
         k, v = k.reshape(b, a.num_kv_heads, 1, a.head_dim), v.reshape(b, a.num_kv_heads, 1, a.head_dim)
-        if self.native and native.fits(q, k, v, cache.key, cache.value):
+        if self.native and a.sliding_window is None and native.fits(q, k, v, cache.key, cache.value):
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
             if a.rope_theta is not None:  # in place, on the fresh projections
-                inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device)
+                inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device, a.rope_pairs)
                 native.rope(q, positions, inv_freq, a.rotary_dim)
                 native.rope(k, positions, inv_freq, a.rotary_dim)
             out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale)
             return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
         if a.rope_theta is not None:
-            q = rotary(q, positions[:, None], a.rope_theta, a.rotary_dim)
-            k = rotary(k, positions[:, None], a.rope_theta, a.rotary_dim)
+            q, k = self._rotary(q, positions[:, None]), self._rotary(k, positions[:, None])
         cache.write(batch.slot_ids, positions, k[:, :, 0], v[:, :, 0])
         span = int(positions.max()) + 1
         keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
-        mask = torch.arange(span, device=hidden.device)[None, :] <= positions[:, None]  # [b, span]
+        mask = self._visible(torch.arange(span, device=hidden.device), positions[:, None])  # [b, span]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )
@@ -167,8 +190,7 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(hidden)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, l, hd]
         if a.rope_theta is not None:
-            q = rotary(q, positions, a.rope_theta, a.rotary_dim)
-            k = rotary(k, positions, a.rope_theta, a.rotary_dim)
+            q, k = self._rotary(q, positions), self._rotary(k, positions)
         # 1. Write every new key/value at its position of its row's slot (positions without a block of their own
         # write into the null block: finite scratch that every read masks).
         slots = batch.slot_ids[:, None].expand(b, length).reshape(-1)
@@ -181,7 +203,7 @@ class Attention(nn.Module):
         # token's own position are masked.
         capacity = cache.blocks.max_blocks_per_slot * cache.blocks.block_size
         keys, values = cache.read(batch.slot_ids, capacity)  # [b, kv_heads, capacity, hd]
-        mask = torch.arange(capacity, device=hidden.device)[None, None, :] <= positions[..., None]  # [b, l, capacity]
+        mask = self._visible(torch.arange(capacity, device=hidden.device), positions[..., None])  # [b, l, capacity]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
         )

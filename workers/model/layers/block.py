@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MLP, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import (
+    ATTENTION,
+    GDN,
+    MAMBA,
+    MAMBA1,
+    MLP,
+    SHARED_ATTENTION,
+    SHORT_CONV,
+    AttentionConfig,
+    HybridConfig,
+)
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
@@ -18,16 +28,23 @@ from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
+from workers.model.layers.short_conv import ShortConvMixer
 
 
 class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
-    def __init__(self, config: HybridConfig, kind: str, post_norm: bool = False):
+    def __init__(
+        self, config: HybridConfig, kind: str, post_norm: bool = False, attention: AttentionConfig | None = None
+    ):
+        """`post_norm`: the norm follows the mixer instead of preceding it (OLMo). `attention`: this block's attention
+        config where it differs from the model's (LFM3's layer types)."""
         super().__init__()
         self.kind = kind
         self.norm: nn.Module = PassThroughNorm() if post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if post_norm else None
+        # Sandwich norms (LFM3): the mixer's output is normed too, after the pre-norm and mixer.
+        with_post_norm = post_norm or config.sandwich_norms
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if with_post_norm else None
         ff = config.feed_forward
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)
@@ -36,7 +53,9 @@ class Block(nn.Module):
         elif kind == MAMBA1:
             self.mixer = Mamba1Mixer(config)
         elif kind == ATTENTION:
-            self.mixer = Attention(config)
+            self.mixer = Attention(config, attention)
+        elif kind == SHORT_CONV:
+            self.mixer = ShortConvMixer(config)
         elif kind == MLP:
             self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
         elif kind == SHARED_ATTENTION:  # a use of a Zamba2 shared block; it normalises its own input

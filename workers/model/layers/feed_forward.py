@@ -67,7 +67,7 @@ class Router(nn.Module):
         top_ids = choice.topk(ff.experts_per_token, dim=-1)[1]
         weights = scores.gather(1, top_ids)
         if ff.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(-1, keepdim=True) + ff.topk_norm_eps)
         return weights * ff.routed_scaling_factor, top_ids
 
 
@@ -84,7 +84,7 @@ class MoE(nn.Module):
             torch.zeros(ff.num_experts, ff.expert_intermediate_size * (2 if ff.gated else 1), width)
         )
         self.experts_down = nn.Parameter(torch.zeros(ff.num_experts, width, ff.expert_intermediate_size))
-        # No shared MLP when its width is 0 (Jamba's MoE has none).
+        # No shared MLP when its width is 0 (Jamba's and LFM2-MoE's MoE have none).
         shared_size = ff.shared_expert_intermediate_size
         self.shared = MLP(config.hidden_size, shared_size, ff.gated, ff.bias) if shared_size else None
         self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if ff.shared_expert_gate else None

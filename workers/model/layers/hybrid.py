@@ -37,7 +37,8 @@ class HybridModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(
-            Block(config, kind, i in config.post_norm_blocks) for i, kind in enumerate(config.block_kinds)
+            Block(config, kind, i in config.post_norm_blocks, config.attention_of(i))
+            for i, kind in enumerate(config.block_kinds)
         )
         if config.shared_block is not None:  # Zamba2: the uses of its shared transformer blocks share their weights
             bind_shared_blocks(self.blocks, config)

@@ -51,6 +51,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
     norms = [block.norm for block in model.blocks] + [model.final_norm]
     if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
+    if model.config.short_conv is not None or model.config.sandwich_norms:
+        return "LFM short-conv models are not covered (their conv, gates and sandwich norms run module by module)"
     for block in model.blocks:
         mixer = block.mixer
         if block.kind == MAMBA1:

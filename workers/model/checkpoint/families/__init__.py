@@ -14,6 +14,7 @@ from workers.model.checkpoint.families import olmo_hybrid  # noqa: F401
 from workers.model.checkpoint.families import dense  # noqa: F401
 from workers.model.checkpoint.families import zamba2  # noqa: F401
 from workers.model.checkpoint.families import jamba  # noqa: F401
+from workers.model.checkpoint.families import lfm2  # noqa: F401
 
 # isort: on
 

@@ -1,0 +1,71 @@
+"""LFM2's gated short convolution (the "conv" layers of LFM2, LFM2-MoE and LFM3).
+
+in_proj → B, C, x (each d wide, in that order); u = B · x through a depthwise causal conv of W taps (no activation);
+C · that; out_proj. The recurrent state is the conv window of u alone ([b, d, W-1]); the `RecurrentState`'s matrix
+state is empty ([b, 0, 0, 0]), so the state pools, slot moves and snapshots of the other recurrent kinds carry it
+unchanged. Speculative state shifting keeps each verification's conv inputs and gathers the window after input
+num_accepted − 1 (`conv_window_after`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels.short_conv import short_conv, short_conv_step_
+from workers.model.kernels.ssd import conv_window_after
+from workers.model.state import RecurrentState
+
+
+@dataclass
+class ConvScanInputs:
+    """What one short-conv layer computed from its input tokens: enough to rebuild its window after any prefix."""
+
+    conv_in: torch.Tensor  # [b, l, d] inputs of the causal conv (B · x)
+
+
+class ShortConvMixer(nn.Module):
+    """The gated short convolution over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        c, d = config.short_conv, config.hidden_size
+        self.in_proj = nn.Linear(d, 3 * d, bias=c.bias)
+        self.conv1d = nn.Conv1d(d, d, c.conv_kernel, groups=d, bias=c.bias)
+        self.out_proj = nn.Linear(d, d, bias=c.bias)
+        self.decode_kernel = "torch"  # no native or Triton kernel of its own (see decode_plan.unsupported_reason)
+
+    def forward(
+        self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState, ConvScanInputs | None]:
+        """hidden [b, l, d] → (out [b, l, d], state after each row's last valid token, the conv's inputs).
+
+        `state` None: every row starts its sequence here (zero window). `in_place` (one token per row, with a
+        state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
+        """
+        b, length, d = hidden.shape
+        # 1. Projections: B, C, x; the conv reads u = B · x.
+        gate_b, gate_c, x = self.in_proj(hidden).chunk(3, dim=-1)
+        u = gate_b * x
+        weight = self.conv1d.weight.squeeze(1)  # [d, W]
+        # 2. The causal conv, continuing the stored window (in place for decode steps).
+        if in_place and state is not None and length == 1:
+            return self.out_proj(gate_c * short_conv_step_(u, state.conv, weight, self.conv1d.bias)), state, None
+        if state is None:
+            window = hidden.new_zeros(b, d, weight.shape[1] - 1)
+            matrix = hidden.new_zeros(b, 0, 0, 0, dtype=torch.float32)
+        else:
+            window, matrix = state.conv, state.ssm
+        conv, new_window = short_conv(u, window, weight, self.conv1d.bias, num_tokens)
+        # 3. Output gate C, output projection.
+        return self.out_proj(gate_c * conv), RecurrentState(new_window, matrix), ConvScanInputs(u)
+
+    def state_after(
+        self, state: RecurrentState, scan: ConvScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> RecurrentState:
+        """The state after each row's first `num_tokens` inputs of a forward that started from `state`: the window
+        ending at input num_tokens − 1 (a gather; the same with `static_shapes`, nothing is read on the host)."""
+        return RecurrentState(conv_window_after(state.conv, scan.conv_in, num_tokens), state.ssm)

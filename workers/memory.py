@@ -92,6 +92,8 @@ def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logi
     if config.gdn is not None:
         g = config.gdn
         widths.append(3 * (g.conv_dim + 2 * g.value_dim + 2 * g.num_value_heads))
+    if config.kda is not None:  # conv inputs and outputs, the gate and the per-channel decay
+        widths.append(3 * (2 * config.kda.conv_dim + 2 * config.kda.qkv_dim))
     ff = config.feed_forward
     widths.append(3 * max(ff.intermediate_size, ff.shared_expert_intermediate_size + ff.expert_intermediate_size))
     per_token = 4 * sum(widths)
@@ -158,7 +160,7 @@ def kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int
     if num_layers is None:
         num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
     a = config.attention
-    return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return num_layers * a.num_kv_heads * sum(a.cache_widths) * torch.empty(0, dtype=dtype).element_size()
 
 
 def state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:

@@ -18,7 +18,8 @@ from workers.model.checkpoint import registry
 
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
-RECURRENT_KINDS = (MAMBA, GDN)
+KDA = "kda"  # Kimi Delta Attention (Kimi-Linear): the delta rule with a per-channel decay
+RECURRENT_KINDS = (MAMBA, GDN, KDA)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,44 @@ class GdnConfig:
 
 
 @dataclass(frozen=True)
+class KdaConfig:
+    """Shapes of the Kimi Delta Attention mixers (Kimi-Linear): q, k and v share the head count and head dim."""
+
+    num_heads: int  # h
+    head_dim: int  # d: key and value head dim alike
+    conv_kernel: int  # W
+    chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of each of q, k and v: heads × head dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convs: q, k and v together."""
+        return 3 * self.qkv_dim
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention shapes (DeepSeek-V2 style, as Kimi-Linear uses it without RoPE)."""
+
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj; else q_a_proj → RMSNorm → q_b_proj
+    kv_lora_rank: int  # width of the cached latent
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the shared key part stored beside the latent (unrotated in Kimi-Linear)
+    v_head_dim: int
+    bias: bool  # q_a_proj, kv_a_proj_with_mqa and o_proj biases
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each query / key head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention shapes and positional encoding."""
 
@@ -88,6 +127,14 @@ class AttentionConfig:
     output_gate: bool = False  # q_proj rows per head are [q_h | gate_h]; output × sigmoid(gate) (Qwen)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen)
     output_bias: bool | None = None  # o_proj bias when it differs from `bias` (Qwen2: q/k/v only)
+    # Width of each cached value head when it differs from head_dim: latent attention caches one "key" head
+    # [latent | rope key] (head_dim wide) and no value (0).
+    cache_value_dim: int | None = None
+
+    @property
+    def cache_widths(self) -> tuple[int, int]:
+        """(key, value) widths of one cached KV head."""
+        return self.head_dim, self.head_dim if self.cache_value_dim is None else self.cache_value_dim
 
 
 @dataclass(frozen=True)
@@ -134,6 +181,8 @@ class HybridConfig:
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+    kda: KdaConfig | None = None  # Kimi Delta Attention families only
+    mla: MlaConfig | None = None  # latent attention families only: attention blocks are `MultiHeadLatentAttention`
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -144,7 +193,11 @@ class HybridConfig:
 
     def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n] or
-        Gated DeltaNet [h_v, d_k, d_v]. A model without recurrent blocks gets empty shapes."""
+        Gated DeltaNet [h_v, d_k, d_v] (Kimi Delta Attention [h, d, d]). A model without recurrent blocks gets empty
+        shapes."""
+        if self.kda is not None:
+            k = self.kda
+            return (k.conv_dim, k.conv_kernel - 1), (k.num_heads, k.head_dim, k.head_dim)
         if self.gdn is not None:
             g = self.gdn
             return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MAMBA, MLP, HybridConfig
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.norm import RMSNorm
 
 
@@ -29,6 +31,10 @@ class Block(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config)
+        elif kind == KDA:
+            self.mixer = KimiDeltaAttentionMixer(config)
+        elif kind == ATTENTION and config.mla is not None:
+            self.mixer = MultiHeadLatentAttention(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config)
         elif kind == MLP:

@@ -1,5 +1,5 @@
 """Kimi-Linear against transformers' own modeling code: log-probs, greedy generation, the latent KV cache, state
-continuation and ragged batches, on tiny random checkpoints of two layouts (`tests/kimi_models.py`)."""
+continuation, ragged batches and CUDA graph steps, on tiny random checkpoints (`tests/kimi_models.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 from transformers import DynamicCache, KimiLinearForCausalLM
 
 from tests.kimi_models import build_kimi_checkpoint
+from tests.workers.model.test_cuda_graph import test_every_captured_step_is_capture_safe as assert_capture_safe
+from tests.workers.model.test_cuda_graph import test_graph_steps_equal_the_module_path as assert_graph_steps_exact
 from tests.workers.test_oracle import assert_same_greedy
 from workers import ModelRunner, SamplingParams
 from workers.memory import kv_bytes_per_token
@@ -57,8 +59,8 @@ def test_score_matches_transformers(family, kimi):
 
 def test_greedy_generate_matches_transformers(kimi):
     path, hf = kimi("kimi_linear")
-    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=3)  # 4 prompts through 3 slots: a slot gets reused
-    prompts = _tokens(2, [1, 17, 29, 40])
+    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=2)  # 3 prompts through 2 slots: a slot gets reused
+    prompts = _tokens(2, [1, 17, 40])
     results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
@@ -164,3 +166,11 @@ def test_ragged_batch_rows_equal_rows_run_alone(loaded):
         torch.testing.assert_close(hidden[i : i + 1, : len(row)], alone, **TOL)
         _assert_states_close([type(s)(s.conv[i : i + 1], s.ssm[i : i + 1]) for s in states], alone_states)
         torch.testing.assert_close(pool.slot_kv(slots[i], len(row))[0], alone_pool.slot_kv(0, len(row))[0], **TOL)
+
+
+def test_graph_steps_of_a_dense_kimi_model_equal_the_module_path_and_are_capture_safe(kimi):
+    """Without experts a Kimi-Linear model's decode and verification steps run as CUDA graphs: the latent
+    attention's static form and the KDA steps give the module path's logits and states, and capture safely."""
+    path = kimi("kimi_linear_dense")[0]
+    assert_graph_steps_exact(lambda family: path, "kimi_linear_dense")
+    assert_capture_safe(lambda family: path, "kimi_linear_dense")

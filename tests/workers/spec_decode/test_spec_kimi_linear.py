@@ -6,11 +6,10 @@ states are shifted)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.kimi_models import build_kimi_checkpoint
-from tests.workers.spec_decode.test_greedy_exactness import PARAMS as SPEC_PARAMS
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as spec_prompts
+from tests.workers.spec_decode.test_state_shifting import PARAMS as SHIFT_PARAMS
 from tests.workers.spec_decode.test_state_shifting import (
     K,
     ScriptedProposer,
@@ -18,10 +17,11 @@ from tests.workers.spec_decode.test_state_shifting import (
     _prompts,
     _requests,
 )
-from tests.workers.spec_decode.test_state_shifting import PARAMS as SHIFT_PARAMS
-from workers import ModelRunner, SpeculativeConfig
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
+
+SPEC_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,12 @@ def test_forced_acceptance_patterns_keep_states_exact(kimi_dir):
     assert {r.index: r.output for r in scheduler.finished} == reference
 
 
-def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir):
-    target = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=3, linear_backend="torch")
-    draft_runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear_qlora")), linear_backend="torch")
-    prompts = _prompts(seed=3)[:4]
-    reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, SHIFT_PARAMS))}
+def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir, checkpoint_dir):
+    """A Kimi-Linear draft (KDA and latent attention, no experts) for a small attention-only target: after every
+    step the draft's states and latent cache equal a fresh prefill of the tokens it has seen."""
+    target = ModelRunner.from_pretrained(str(checkpoint_dir("draft_attention")), max_num_seqs=3, linear_backend="torch")
+    draft_runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear_dense")), linear_backend="torch")
+    prompts = _prompts(seed=3)[:3]
     proposer = DraftModelProposer(draft_runner.model)
     scheduler = Scheduler(target.model, _requests(prompts), 3, None, proposer, 3)
     steps_checked = 0
@@ -68,8 +69,7 @@ def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir):
                 tokens = (request.prompt + request.output)[:covered]
                 _assert_slot_matches(proposer.pool, request.slot, draft_runner.model, tokens)
                 steps_checked += 1
-    assert steps_checked > 10
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert steps_checked > 6
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def plain_outputs(kimi_dir):
 
 @pytest.mark.parametrize(
     ("method", "batch"),
-    [("ngram-fixed", 1), ("ngram-fixed", 5), ("ngram", 16), ("attention", 1), ("hybrid", 16), ("kimi", 5)],
+    [("ngram-fixed", 1), ("ngram", 5), ("ngram", 16), ("attention", 5), ("hybrid", 16), ("kimi", 1)],
 )
 def test_greedy_speculative_equals_greedy_plain(method, batch, kimi_dir, checkpoint_dir, plain_outputs):
     if method.startswith("ngram"):

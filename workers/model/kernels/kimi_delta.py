@@ -89,6 +89,7 @@ def chunked_kda(
     exponent is ≤ 0, so no factor overflows however fast a channel decays.
     """
     b, length, h, _ = k.shape
+    chunk_size = min(chunk_size, -(-length // 8) * 8)  # a short input: one chunk, padded to a multiple of 8 only
     # 1. Chunk everything: [b, h, n, C, ...]; padding positions have g = beta = 0 (no-ops).
     q, k, v, g = (_to_chunks(x.float(), chunk_size) for x in (q, k, v, g))
     beta = _to_chunks(beta.float(), chunk_size)

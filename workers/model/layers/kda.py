@@ -58,6 +58,7 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(k.num_heads))
         self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.decode_kernel = "torch"  # one-token steps run in PyTorch (no native or Triton KDA step yet)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""

@@ -98,6 +98,8 @@ def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logi
         m1 = config.mamba1
         widths.append(3 * (5 * m1.intermediate_size + m1.dt_rank + 2 * m1.state_size))
         scan_bytes = 3 * 4 * max(CHUNK_ELEMENTS, max_logit_rows * m1.intermediate_size * m1.state_size)
+    if config.kda is not None:  # conv inputs and outputs, the gate and the per-channel decay
+        widths.append(3 * (2 * config.kda.conv_dim + 2 * config.kda.qkv_dim))
     ff = config.feed_forward
     widths.append(3 * max(ff.intermediate_size, ff.shared_expert_intermediate_size + ff.expert_intermediate_size))
     per_token = 4 * sum(widths)
@@ -165,7 +167,7 @@ def kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int
         num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
         num_layers += config.block_kinds.count(SHARED_ATTENTION)  # Zamba2: each use of a shared block has its KV
     a = config.attention
-    return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return num_layers * a.num_kv_heads * sum(a.cache_widths) * torch.empty(0, dtype=dtype).element_size()
 
 
 def state_bytes_per_slot(config: HybridConfig, dtype: torch.dtype) -> int:

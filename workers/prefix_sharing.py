@@ -32,7 +32,7 @@ def scan_chunk(model: HybridModel) -> int:
     """The recurrent layers' prefill chunk: a continued prefill computes what one forward does only from its
     multiples (the chunked scans' grids start at each forward's first token)."""
     config = model.config
-    chunks = [c.chunk_size for c in (config.mamba, config.gdn) if c is not None]
+    chunks = [c.chunk_size for c in (config.mamba, config.gdn, config.kda) if c is not None]
     return max(chunks, default=1)
 
 

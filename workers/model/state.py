@@ -121,10 +121,11 @@ class StatePool:
             blocks = BlockTable.fully_assigned(num_slots, capacity, DEFAULT_BLOCK_SIZE, device)
         self.blocks = blocks
         kv_shape = (num_attention, a.num_kv_heads, blocks.num_blocks * blocks.block_size, a.head_dim)
+        value_shape = (*kv_shape[:-1], a.cache_widths[1])  # latent attention caches no value (width 0)
         # Empty, zeroed block by block as blocks are handed out: memory no request uses is never touched (on CPU
         # it is never paged in).
         self.key = torch.empty(kv_shape, device=device, dtype=dtype)
-        self.value = torch.empty(kv_shape, device=device, dtype=dtype)
+        self.value = torch.empty(value_shape, device=device, dtype=dtype)
         if num_attention:
             blocks.attach([self.key, self.value])
 
@@ -179,7 +180,7 @@ class StatePool:
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one position takes across this pool's attention layers."""
         layers, heads, _, head_dim = self.key.shape
-        return 2 * layers * heads * head_dim * self.key.element_size()
+        return layers * heads * (head_dim + self.value.shape[-1]) * self.key.element_size()
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -191,8 +192,9 @@ def paged_kv_cache(blocks: BlockTable, config: HybridConfig, device: torch.devic
     """A standalone attention-layer cache paged over `blocks` (an MTP head's, following the target's positions)."""
     a = config.attention
     shape = (a.num_kv_heads, blocks.num_blocks * blocks.block_size, a.head_dim)
+    value_shape = (*shape[:-1], a.cache_widths[1])
     cache = KVCache(
-        torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype), blocks
+        torch.empty(shape, device=device, dtype=dtype), torch.empty(value_shape, device=device, dtype=dtype), blocks
     )
     blocks.attach([cache.key, cache.value])
     return cache

@@ -20,7 +20,8 @@ from workers.model.checkpoint import registry
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
 MAMBA1 = "mamba1"  # Mamba version 1 (Jamba): selective scan with per-channel A [d_inner, n]
 SHORT_CONV = "short_conv"  # LFM2's gated short convolution: its recurrent state is the conv window alone
-RECURRENT_KINDS = (MAMBA, GDN, MAMBA1, SHORT_CONV)
+KDA = "kda"  # Kimi Delta Attention (Kimi-Linear): the delta rule with a per-channel decay
+RECURRENT_KINDS = (MAMBA, GDN, MAMBA1, SHORT_CONV, KDA)
 # Zamba2: one use of a shared transformer block (own KV cache, adapters, output projection); see layers/shared_block.py.
 SHARED_ATTENTION = "shared_attention"
 
@@ -100,6 +101,41 @@ class ShortConvConfig:
 
     conv_kernel: int  # W (`conv_L_cache`)
     bias: bool  # in_proj, conv and out_proj biases (`conv_bias`)
+class KdaConfig:
+    """Shapes of the Kimi Delta Attention mixers (Kimi-Linear): q, k and v share the head count and head dim."""
+
+    num_heads: int  # h
+    head_dim: int  # d: key and value head dim alike
+    conv_kernel: int  # W
+    chunk_size: int = 64  # the chunked delta rule's block length (prefill)
+
+    @property
+    def qkv_dim(self) -> int:
+        """Width of each of q, k and v: heads × head dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convs: q, k and v together."""
+        return 3 * self.qkv_dim
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention shapes (DeepSeek-V2 style, as Kimi-Linear uses it without RoPE)."""
+
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj; else q_a_proj → RMSNorm → q_b_proj
+    kv_lora_rank: int  # width of the cached latent
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the shared key part stored beside the latent (unrotated in Kimi-Linear)
+    v_head_dim: int
+    bias: bool  # q_a_proj, kv_a_proj_with_mqa and o_proj biases
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each query / key head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -122,6 +158,14 @@ class AttentionConfig:
     # frequencies theta^(-2i / head_dim) of the whole head (rotary_dim is then head_dim). None: plain RoPE.
     rope_pairs: int | None = None
     qk_norm_full_width: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo)
+    # Width of each cached value head when it differs from head_dim: latent attention caches one "key" head
+    # [latent | rope key] (head_dim wide) and no value (0).
+    cache_value_dim: int | None = None
+
+    @property
+    def cache_widths(self) -> tuple[int, int]:
+        """(key, value) widths of one cached KV head."""
+        return self.head_dim, self.head_dim if self.cache_value_dim is None else self.cache_value_dim
 
 
 @dataclass(frozen=True)
@@ -196,6 +240,8 @@ class HybridConfig:
         """The attention config of block `block` (`attention` unless `block_attention` overrides it)."""
         override = self.block_attention[block] if block < len(self.block_attention) else None
         return override if override is not None else self.attention
+    kda: KdaConfig | None = None  # Kimi Delta Attention families only
+    mla: MlaConfig | None = None  # latent attention families only: attention blocks are `MultiHeadLatentAttention`
 
     @property
     def recurrent_kind(self) -> str | None:
@@ -206,13 +252,16 @@ class HybridConfig:
 
     def recurrent_state_shapes(self) -> tuple[tuple[int, int], tuple[int, ...]]:
         """Per request and recurrent layer: (conv window [c, W-1], float32 state) — Mamba2 [h, p, n],
-        Gated DeltaNet [h_v, d_k, d_v], Mamba1 [d_inner, n] or none for the short conv ((0, 0, 0)). A model without
-        recurrent blocks gets empty shapes."""
+        Gated DeltaNet [h_v, d_k, d_v], Kimi Delta Attention [h, d, d], Mamba1 [d_inner, n] or none for the short
+        conv ((0, 0, 0)). A model without recurrent blocks gets empty shapes."""
         if self.mamba1 is not None:
             m1 = self.mamba1
             return (m1.intermediate_size, m1.conv_kernel - 1), (m1.intermediate_size, m1.state_size)
         if self.short_conv is not None:  # the conv window of B · x only: no matrix state
             return (self.hidden_size, self.short_conv.conv_kernel - 1), (0, 0, 0)
+        if self.kda is not None:
+            k = self.kda
+            return (k.conv_dim, k.conv_kernel - 1), (k.num_heads, k.head_dim, k.head_dim)
         if self.gdn is not None:
             g = self.gdn
             return (g.conv_dim, g.conv_kernel - 1), (g.num_value_heads, g.key_head_dim, g.value_head_dim)

@@ -12,6 +12,7 @@ from torch import nn
 from workers.model.checkpoint.config import (
     ATTENTION,
     GDN,
+    KDA,
     MAMBA,
     MAMBA1,
     MLP,
@@ -24,8 +25,10 @@ from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
 from workers.model.layers.short_conv import ShortConvMixer
@@ -52,6 +55,10 @@ class Block(nn.Module):
             self.mixer = GatedDeltaNetMixer(config)
         elif kind == MAMBA1:
             self.mixer = Mamba1Mixer(config)
+        elif kind == KDA:
+            self.mixer = KimiDeltaAttentionMixer(config)
+        elif kind == ATTENTION and config.mla is not None:
+            self.mixer = MultiHeadLatentAttention(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config, attention)
         elif kind == SHORT_CONV:

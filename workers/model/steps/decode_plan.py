@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MLP, RECURRENT_KINDS, SHARED_ATTENTION
+from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MAMBA, MAMBA1, MLP, RECURRENT_KINDS, SHARED_ATTENTION
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.feed_forward import MLP as DenseMLP
@@ -25,6 +25,7 @@ from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.state import StatePool
 from workers.model.steps.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
 
@@ -57,6 +58,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
         mixer = block.mixer
         if block.kind == MAMBA1:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
+        if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
+            return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
         if block.kind not in (MAMBA, GDN, ATTENTION, MLP):
             return f"{block.kind} blocks are not covered (expert routing runs module by module)"
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]

@@ -15,6 +15,7 @@ from workers.model.checkpoint.families import dense  # noqa: F401
 from workers.model.checkpoint.families import zamba2  # noqa: F401
 from workers.model.checkpoint.families import jamba  # noqa: F401
 from workers.model.checkpoint.families import lfm2  # noqa: F401
+from workers.model.checkpoint.families import kimi_linear  # noqa: F401
 
 # isort: on
 

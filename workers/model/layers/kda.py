@@ -1,0 +1,131 @@
+"""The Kimi Delta Attention mixer of Kimi-Linear (its "linear_attention" layers).
+
+in_proj → causal depthwise convs (SiLU) over q, k, v → l2norm q and k, q · d^-0.5 → the Kimi delta rule with a
+decay per key channel, g = −exp(A_log) · softplus(f_b(f_a(x)) + dt_bias), and beta = sigmoid(b(x)) → per-head
+gated RMSNorm (weight · rmsnorm(o) · sigmoid(g_b(g_a(x)))) → o_proj.
+Our `in_proj` holds every projection of the input as one matrix with rows `[q | k | v | f_a | g_a | b]` and
+`conv1d` the three short convs stacked `[q | k | v]` (the loader concatenates them). State comes in as a
+`RecurrentState` (conv window [3·h·d, W-1], delta-rule state [h, d, d]) and the new one is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels.gated_delta import l2norm
+from workers.model.kernels.kimi_delta import chunked_kda, kda_scan, kda_state_after, kda_step_
+from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
+from workers.model.state import DeltaScanInputs, RecurrentState
+
+# Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
+# rule runs token by token; longer inputs (prompts) take the chunked form.
+RECURRENT_MAX_TOKENS = 8
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """KDA's output norm: weight · rmsnorm(y) · sigmoid(gate) over each head's channels, in float32."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, gate [..., heads, head_dim] → [..., heads, head_dim] in `out_dtype`."""
+        y = y.float()
+        normed = self.weight.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (normed * torch.sigmoid(gate.float())).to(out_dtype)
+
+
+class KimiDeltaAttentionMixer(nn.Module):
+    """Kimi Delta Attention over explicit state; `forward` has the recurrent mixer contract of
+    `GatedDeltaNetMixer.forward` (scan inputs carry a per-channel g [b, l, h, d])."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        k = config.kda
+        self.config = k
+        d, width = k.head_dim, k.qkv_dim
+        self.in_proj = nn.Linear(config.hidden_size, k.conv_dim + 2 * d + k.num_heads, bias=False)
+        self.conv1d = nn.Conv1d(k.conv_dim, k.conv_dim, k.conv_kernel, groups=k.conv_dim, bias=False)
+        self.f_b_proj = nn.Linear(d, width, bias=False)
+        self.g_b_proj = nn.Linear(d, width, bias=False)
+        # A_log and dt_bias are kept in float32 whatever the weight dtype (see loader).
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.A_log = nn.Parameter(torch.zeros(k.num_heads))
+        self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.decode_kernel = "torch"  # one-token steps run in PyTorch (no native or Triton KDA step yet)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""
+        k = self.config
+        b, length, _ = qkv.shape
+        q, key, v = (x.reshape(b, length, k.num_heads, k.head_dim) for x in qkv.float().split(k.qkv_dim, dim=-1))
+        return l2norm(q) * k.head_dim**-0.5, l2norm(key), v
+
+    def _gates(
+        self, f_low: torch.Tensor, b_raw: torch.Tensor, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g = −exp(A_log) · softplus(f_b(f_a) + dt_bias) [b, l, h, d], beta = sigmoid(b) [b, l, h]), float32,
+        both 0 at padding."""
+        k = self.config
+        b, length, _ = f_low.shape
+        raw = self.f_b_proj(f_low).float() + self.dt_bias.float()
+        g = -self.A_log.float().exp()[:, None] * F.softplus(raw.view(b, length, k.num_heads, k.head_dim))
+        valid = torch.arange(length, device=g.device)[None, :] < num_tokens[:, None]  # [b, l]
+        return g * valid[..., None, None], b_raw.float().sigmoid() * valid[..., None]
+
+    def forward(
+        self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+        """hidden [b, l, hidden] → (out [b, l, hidden], state after each row's last valid token, the scan's inputs).
+
+        `state` None: every row starts its sequence here (zero state). `in_place` (with a state, one token per
+        row): write the new state into `state`'s tensors and return them (the decode loop's pool views).
+        """
+        k = self.config
+        b, length, _ = hidden.shape
+        # 1. Projections.
+        conv_in, f_low, g_low, b_raw = self.in_proj(hidden).split([k.conv_dim, k.head_dim, k.head_dim, k.num_heads], -1)
+        in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
+        # 2. Causal convs (+ SiLU) over q, k, v, continuing the stored window.
+        weight = self.conv1d.weight.squeeze(1)
+        if in_place:
+            qkv, conv_state = conv_step_(conv_in, state.conv, weight, None), state.conv
+        else:
+            previous = hidden.new_zeros(b, k.conv_dim, k.conv_kernel - 1) if state is None else state.conv
+            qkv, conv_state = causal_conv(conv_in, previous, weight, None, num_tokens)
+        q, key, v = self._heads(qkv)
+        decay, beta = self._gates(f_low, b_raw, num_tokens)
+        # 3. The delta rule: in place for decode, token by token from a kept state for a few tokens, else chunked.
+        if in_place:
+            delta_state = kda_step_(key[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state.ssm)
+            o = (q[:, 0].unsqueeze(-2) @ delta_state).transpose(1, 2)  # [b, 1, h, d]
+        elif state is not None and length <= RECURRENT_MAX_TOKENS:
+            o, delta_state = kda_scan(q, key, v, decay, beta, state.ssm)
+        else:
+            start = hidden.new_zeros(b, k.num_heads, k.head_dim, k.head_dim, dtype=torch.float32)
+            o, delta_state = chunked_kda(q, key, v, decay, beta, start if state is None else state.ssm, k.chunk_size)
+        # 4. Gated norm per head, output projection.
+        gate = self.g_b_proj(g_low).view(b, length, k.num_heads, k.head_dim)
+        y = self.o_norm(o, gate, hidden.dtype)
+        out = self.o_proj(y.reshape(b, length, k.qkv_dim))
+        new_state = state if in_place else RecurrentState(conv_state, delta_state)
+        return out, new_state, DeltaScanInputs(conv_in, key, v, decay, beta)
+
+    def state_after(
+        self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+    ) -> RecurrentState:
+        """The state after each row's first `num_tokens` inputs of a forward that started from `state`: the conv
+        window is a gather, the delta-rule state re-runs the accepted prefix (≤ k + 1 steps) from the step's start
+        state over the kept k, v, g, beta (as `GatedDeltaNetMixer.state_after` does). `static_shapes`: re-run all l
+        steps (those past a row's count are exact no-ops) instead of reading the largest count on the host."""
+        num_steps = scan.k.shape[1] if static_shapes else None
+        return RecurrentState(
+            conv_window_after(state.conv, scan.conv_in, num_tokens),
+            kda_state_after(scan.k, scan.v, scan.g, scan.beta, state.ssm, num_tokens, num_steps),
+        )

@@ -96,15 +96,14 @@ def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(f
     assert 0 < delta < 0.5, delta
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_5"])
 def test_int8_decode_plan_equals_module_path(family, runners):
     planned = runners(family, "int8").generate(PROMPTS, PARAMS)
     modules = runners(family, "int8", decode_plan=False).generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in planned] == [r.token_ids for r in modules]
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "method"), [("granite_dense", "ngram"), ("qwen3_5", "self")])
 def test_int8_greedy_speculative_equals_greedy_plain(family, method, runners, checkpoint_dir):
     if method == "ngram":
         speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, policy="fixed")

@@ -160,13 +160,15 @@ def load_weights(
             blocks.setdefault(_block_of(name), []).append(name)
     with torch.no_grad():
         for name, source in plan.items():
-            tensor = _read(source, tensors)
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            del tensor
+            plain = source.combine == "one" and source.transform is None
+            if not (plain and tensors.read_into(source.keys[0], params[name].data)):  # else read, then copied
+                tensor = _read(source, tensors)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+                del tensor
             block = _block_of(name)
             if prepare is not None and block in blocks and name == blocks[block][-1]:
                 for done in blocks[block]:  # no reference left to the weights `prepare` replaces

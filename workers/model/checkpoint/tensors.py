@@ -128,8 +128,18 @@ class CheckpointTensors:
             return self._dequantize(key, tensor, self._raw(self._entries[scale_key]))
         return tensor
 
-    def _raw(self, entry: _Entry) -> torch.Tensor:
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+    def read_into(self, key: str, out: torch.Tensor) -> bool:
+        """Read `key` straight into `out` (a contiguous CPU tensor of its shape and stored dtype: no temporary
+        copy); False, reading nothing, when `out` is not such a tensor or the weight is FP8."""
+        entry = self._entries[key]
+        fits = out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
+        if not fits or tuple(out.shape) != entry.shape or entry.dtype in FP8_DTYPES:
+            return False
+        self._raw(entry, out)
+        return True
+
+    def _raw(self, entry: _Entry, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         with open(entry.path, "rb", buffering=0) as f:
             done, total = 0, entry.end - entry.begin

@@ -202,14 +202,14 @@ def pack_panels_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = int(load().linear_panel_width())
     out_features, in_features = weight.shape
     weight = weight.float()
-    scale = weight.abs().amax(dim=1) / 127
+    scale = torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)) / 127  # max |w| without a copy of |w|
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     num_panels = -(-out_features // width)
     panels = torch.zeros(num_panels, in_features, width, dtype=torch.int8)
-    step = max(1, (8 << 20) // (4 * width * max(1, in_features)))  # panels per pass: ~8 MiB of float temporaries
+    step = max(1, (2 << 20) // (4 * width * max(1, in_features)))  # panels per pass: ~2 MiB of float temporaries
     for first in range(0, num_panels, step):  # no float copy of the whole weight
         rows = slice(first * width, min(out_features, (first + step) * width))
-        q = torch.round(weight[rows] / scale[rows, None]).clamp_(-127, 127).to(torch.int8)
+        q = (weight[rows] / scale[rows, None]).round_().clamp_(-127, 127).to(torch.int8)
         count = -(-q.shape[0] // width)
         padded = q.new_zeros(count * width, in_features)
         padded[: q.shape[0]] = q

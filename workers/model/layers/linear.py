@@ -83,7 +83,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] float32) with weight ≈ q · scale[:, None] (the
     rule `native.pack_panels_int8` packs)."""
     weight = weight.float()
-    scale = weight.abs().amax(dim=1) / 127
+    scale = torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)) / 127  # max |w| without a copy of |w|
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 

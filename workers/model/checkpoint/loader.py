@@ -29,9 +29,9 @@ DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
 FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
-# quantization="int8" quantizes the LM head too: measured on the demo prompts, it moves log-probs by little more
-# than the blocks' quantization does, and it is a tenth of granite-4.0-h-1b's weights read at every step.
-QUANTIZE_LM_HEAD = True
+# quantization="int8" leaves the LM head in float32: measured on the demo prompts (200, 64 greedy tokens), an int8
+# head took greedy agreement with float32 from 96.5 % to 92.8 % and max |Δ log-prob| from 0.034 to 0.040.
+QUANTIZE_LM_HEAD = False
 # What we fetch from the hub: configs, safetensors, tokenizer files. Never code, never pickles.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 

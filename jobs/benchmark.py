@@ -39,6 +39,7 @@ from workers.benchmark import (
 )
 from workers.job_benchmark import bench_prefix, bench_shards
 from workers.model.checkpoint.loader import DECODE_KERNELS
+from workers.model.layers.linear import QUANTIZATIONS
 from workers.model.steps import cuda_graph
 from workers.model.steps.decode_plan import unsupported_reason
 
@@ -58,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="auto", help="weight dtype (auto: float32 on CPU, the checkpoint's on GPU)")
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATIONS),
+        default=None,
+        help="weight quantization (CPU): int8 linear weights quantized per output channel at load",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per run")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (score: tokens per row)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
@@ -219,6 +226,7 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
             speculative=SpeculativeConfig(args.speculative, k, draft_model=draft, policy=policy),
             decode_kernel=args.decode_kernel,
             decode_plan=not args.no_decode_plan,
+            quantization=args.quantization,
         )  # fmt: skip
         for label, policy, k in _spec_variants(args)
     }
@@ -281,7 +289,8 @@ def bench_job_shards(args: argparse.Namespace) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         return ModelRunner.from_pretrained(str(path), device=args.device, dtype=args.dtype,
-                                           max_num_seqs=max(args.batch_sizes))  # fmt: skip
+                                           max_num_seqs=max(args.batch_sizes),
+                                           quantization=args.quantization)  # fmt: skip
 
     rows = bench_shards(load, args.num_rows, args.prompt_len, shard_rows, args.new_tokens, args.repeats)
     print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
@@ -335,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         decode_kernel=args.decode_kernel,
         decode_plan=not args.no_decode_plan,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+        quantization=args.quantization,
     )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
+                              "quantization": args.quantization,
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
                               "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
                               "args": vars(args)}  # fmt: skip
@@ -364,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             result["roofline_batch1"] = _roofline(runner, result["generate"], bandwidth, args)
     print(
         f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}  "
+        f"quantization: {args.quantization or 'none'}  "
         f"decode kernel: {result['decode_kernel']}  decode plan: {result['decode_plan']}  "
         f"CUDA graphs: {result['cuda_graphs']}"
     )

@@ -57,7 +57,9 @@ class Job:
 def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **task_fields: Any) -> WorkerSpec:
     """The `WorkerSpec` of a job's workers: the model section (a hub model at the commit `revision`, resolved by
     the driver) plus task-specific fields."""
+    quantization = None if model.quantization == "none" else model.quantization
     return WorkerSpec(task=task, model=model.model, revision=revision, device=model.device, dtype=model.dtype,
+                      quantization=quantization,
                       max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
                       max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
                       gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,

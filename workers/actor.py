@@ -46,6 +46,7 @@ class WorkerSpec:
     revision: str | None = None  # a hub model's commit, resolved once by the driver (None: a local directory)
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str | None = None  # "int8": CPU linear weights quantized at load
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -154,6 +155,7 @@ class ShardWorker:
             cuda_graphs=False if spec.enforce_eager else None,
             enable_prefix_caching=spec.enable_prefix_caching,
             revision=spec.revision,
+            quantization=spec.quantization,
         )
 
     def ready(self) -> dict[str, Any]:

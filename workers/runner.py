@@ -188,6 +188,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         enable_prefix_caching: bool = True,
         revision: str | None = None,
+        quantization: str | None = None,
     ) -> ModelRunner:
         """Load a local HF model directory or hub repo id (safetensors only; a hub repo at `revision`, a branch, tag
         or commit, default main) onto `device` ('cpu', 'cuda', 'auto').
@@ -199,10 +200,12 @@ class ModelRunner:
         (the reference path). `decode_kernel`: how Mamba2 decode steps and the per-token elementwise work run —
         "auto" (native C kernels on CPU float32, else torch), "native", "compile" (torch.compile) or "torch" (the
         reference path). `decode_plan`, `max_num_batched_tokens`, `max_memory`, `gpu_memory_utilization`,
-        `cuda_graphs`, `enable_prefix_caching`: see `__init__`.
+        `cuda_graphs`, `enable_prefix_caching`: see `__init__`. `quantization` (vLLM's name): None, or "int8" (CPU:
+        linear weights quantized per output channel at load, for the target and a draft model alike).
         """
         mtp = speculative is not None and speculative.method == "mtp"
-        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp, revision)
+        checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp, revision,
+                                     quantization)  # fmt: skip
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -212,7 +215,7 @@ class ModelRunner:
         if speculative is not None and speculative.method == "draft":
             device_used = checkpoint.model.embed_tokens.weight.device
             draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel,
-                                    revision=speculative.draft_revision)  # fmt: skip
+                                    revision=speculative.draft_revision, quantization=quantization)  # fmt: skip
             _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,

@@ -2,6 +2,8 @@
 
 - `csrc/linear.c`: linear layers over weights packed in column panels, streamed at close to memory bandwidth
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
+- `csrc/linear_int8.c`: the same panels holding int8 weights (quantization="int8"), widened to float32 in
+  registers: a quarter of the bytes to stream.
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
@@ -13,7 +15,7 @@
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
-They are float32-only. The PyTorch paths stay the reference: tests compare each kernel with it, and everything
+They are float32-only (but for the int8 weights of `linear_int8.c`). The PyTorch paths stay the reference: tests compare each kernel with it, and everything
 works without a compiler (slower).
 
 Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`) by `kernel_cache.py`,
@@ -76,6 +78,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panel_width.restype = i64
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.linear_panels_int8.restype = None
+    lib.linear_panels_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
@@ -164,13 +168,19 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P from the kernel)."""
+    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P from the kernel).
+
+    Written straight into the panels (no padded copy of the weight first: loading peaks at one layer's weight
+    more than the packed model, not two)."""
     width = int(load().linear_panel_width())
     out_features, in_features = weight.shape
-    num_panels = -(-out_features // width)
-    padded = weight.new_zeros(num_panels * width, in_features)
-    padded[:out_features] = weight
-    return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+    num_panels, full = -(-out_features // width), out_features // width
+    panels = weight.new_empty(num_panels, in_features, width)
+    panels[:full] = weight[: full * width].view(full, width, in_features).transpose(1, 2)
+    if full < num_panels:  # the last panel's missing columns are zeros
+        panels[full].zero_()
+        panels[full, :, : out_features - full * width] = weight[full * width :].t()
+    return panels
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -183,6 +193,44 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     if rows:
         lib.linear_panels(pointer(x), pointer(panels), pointer(bias), pointer(out), rows, out_features,
                           in_features, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def pack_panels_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] weight quantized symmetrically per output channel (w ≈ q · scale[n], q in [-127, 127], rounded to
+    nearest) and packed as `pack_panels` does: (int8 panels [ceil(N / P), K, P], float32 scale [N])."""
+    width = int(load().linear_panel_width())
+    out_features, in_features = weight.shape
+    weight = weight.float()
+    scale = torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)) / 127  # max |w| without a copy of |w|
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    num_panels = -(-out_features // width)
+    panels = torch.zeros(num_panels, in_features, width, dtype=torch.int8)
+    step = max(1, (2 << 20) // (4 * width * max(1, in_features)))  # panels per pass: ~2 MiB of float temporaries
+    for first in range(0, num_panels, step):  # no float copy of the whole weight
+        rows = slice(first * width, min(out_features, (first + step) * width))
+        q = (weight[rows] / scale[rows, None]).round_().clamp_(-127, 127).to(torch.int8)
+        count = -(-q.shape[0] // width)
+        padded = q.new_zeros(count * width, in_features)
+        padded[: q.shape[0]] = q
+        panels[first : first + count] = padded.view(count, width, in_features).transpose(1, 2)
+    return panels, scale.contiguous()
+
+
+def linear_int8(
+    x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [M, K] · (q · scale)ᵀ (+ bias) → [M, out_features], with q, scale from `pack_panels_int8`; CPU."""
+    lib = load()
+    rows, in_features = x.shape
+    if panels.dtype != torch.int8 or panels.shape[1] != in_features or panels.shape[0] * panels.shape[2] < out_features:
+        raise ValueError(
+            f"x {tuple(x.shape)} does not fit int8 panels {tuple(panels.shape)} for {out_features} outputs"
+        )
+    out = torch.empty(rows, out_features)
+    if rows:
+        lib.linear_panels_int8(pointer(x), panels.data_ptr(), pointer(scale), pointer(bias), pointer(out), rows,
+                               out_features, in_features, torch.get_num_threads())  # fmt: skip
     return out
 
 

@@ -15,6 +15,8 @@ from torch import nn
 from workers.model.kernels import native
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
+QUANTIZATIONS = ("int8",)  # vLLM's option name; None keeps the checkpoint's weights in the model dtype
+FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
 
@@ -36,18 +38,54 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only)."""
+    """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only).
 
-    def __init__(self, linear: nn.Linear):
+    `quantization="int8"`: the panels hold the weight quantized per output channel (int8, `scale` [out]) and the
+    int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None for float32 panels."""
+
+    def __init__(self, linear: nn.Linear, quantization: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.panels = native.pack_panels(linear.weight.detach().float())
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.scale: torch.Tensor | None = None
+        if quantization == "int8":
+            self.panels, self.scale = native.pack_panels_int8(linear.weight.detach())
+        else:
+            self.panels = native.pack_panels(linear.weight.detach().float())
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] → [..., out]."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        return native.linear(rows, self.panels, self.bias, self.out_features).reshape(*x.shape[:-1], self.out_features)
+        if self.scale is not None:
+            out = native.linear_int8(rows, self.panels, self.scale, self.bias, self.out_features)
+        else:
+            out = native.linear(rows, self.panels, self.bias, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """A Linear with int8 weights quantized per output channel, multiplied by PyTorch (weights widened to float at
+    each call: the reference for the native int8 kernel, and the path where it cannot run)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_int8, self.scale = quantize_int8(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in] → [..., out]: (x · qᵀ) · scale (+ bias), in x's dtype."""
+        out = nn.functional.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] float32) with weight ≈ q · scale[:, None] (the
+    rule `native.pack_panels_int8` packs)."""
+    weight = weight.float()
+    scale = torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)) / 127  # max |w| without a copy of |w|
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,16 +93,23 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def prepare_linears(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def prepare_linears(
+    model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> str:
     """Switch every nn.Linear of `model` to the chosen backend after its weights are loaded; returns the one used.
 
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
+    `quantization="int8"` (CPU): the weights quantized per output channel, multiplied by the native int8 kernel
+    ("auto", "native") or widened by PyTorch at each call ("torch"); gates named in `FLOAT_LINEARS` stay float.
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend={backend!r} is invalid: must be one of {', '.join(LINEAR_BACKENDS)}")
+    check_quantization(quantization, device, dtype)
     cpu_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
     if backend == "onednn" and not onednn_available(device, dtype):
         raise ValueError("linear_backend='onednn' needs a CPU, float32 weights and a torch built with oneDNN")
+    if backend == "onednn" and quantization is not None:
+        raise ValueError(f"linear_backend='onednn' has no {quantization} weights: use 'auto', 'native' or 'torch'")
     if backend == "native":
         if not cpu_float32:
             raise ValueError(f"linear_backend='native' needs a CPU and float32 weights, not {device} / {dtype}")
@@ -73,21 +118,42 @@ def prepare_linears(model: nn.Module, backend: str, device: torch.device, dtype:
         backend = "torch"
         if cpu_float32 and native.available():
             backend = "native"
-        elif onednn_available(device, dtype):
+        elif onednn_available(device, dtype) and quantization is None:
             backend = "onednn"
-    replacement = {"native": NativeLinear, "onednn": PackedLinear}.get(backend)
     replaced: dict[int, nn.Module] = {}  # a Linear shared by several parents (Zamba2's shared blocks) is replaced once
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if not isinstance(child, nn.Linear):
-                    continue
-                if replacement is not None:
+                if isinstance(child, nn.Linear):
                     if id(child) not in replaced:
-                        replaced[id(child)] = replacement(child)
+                        kind = None if name in FLOAT_LINEARS else quantization
+                        replaced[id(child)] = _replacement(child, backend, kind)
                     setattr(parent, name, replaced[id(child)])
-                elif child.weight.is_contiguous():
-                    # Same shape, transposed strides: F.linear then multiplies by a contiguous [in, out] matrix,
-                    # which BLAS runs as a faster matrix-vector product for decode-sized batches.
-                    child.weight.data = child.weight.data.t().contiguous().t()
     return backend
+
+
+def _replacement(linear: nn.Linear, backend: str, quantization: str | None) -> nn.Module:
+    """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path)."""
+    if backend == "native":
+        return NativeLinear(linear, quantization)
+    if quantization == "int8":
+        return Int8Linear(linear)
+    if backend == "onednn":
+        return PackedLinear(linear)
+    if linear.weight.is_contiguous():
+        # Same shape, transposed strides: F.linear then multiplies by a contiguous [in, out] matrix, which BLAS
+        # runs as a faster matrix-vector product for decode-sized batches.
+        linear.weight.data = linear.weight.data.t().contiguous().t()
+    return linear
+
+
+def check_quantization(quantization: str | None, device: torch.device | str, dtype: torch.dtype) -> None:
+    """`ValueError` naming the allowed values unless `quantization` can run on `device` with `dtype` weights."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is invalid: must be one of {', '.join(QUANTIZATIONS)} "
+                         "(or None for the checkpoint's weights in dtype)")  # fmt: skip
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization={quantization!r} runs on CPU with float32 activations (dtype 'auto' or "
+                         f"'float32'), not {device} / {dtype}")  # fmt: skip

@@ -36,7 +36,14 @@ from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.state import KVCache
-from workers.model.steps.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
+from workers.model.steps.plan_records import (
+    RECORD_WORDS,
+    Op,
+    Recorder,
+    linear_record,
+    record_attention_inputs,
+    scratch_rows,
+)
 
 PADDING_POSITION = -1  # a feed position that is padding (OP_ATTENTION_PADDED skips it)
 
@@ -73,7 +80,7 @@ def _is_linear(module: torch.nn.Module) -> bool:
 
 def _linear(rec: Recorder, layer: NativeLinear, x: torch.Tensor, y: torch.Tensor) -> None:
     """y [m, out] = layer(x [m, in]) for however many rows x has."""
-    rec.emit(Op.LINEAR, [x, layer.panels, layer.bias, y, x.shape[0], layer.out_features, layer.in_features])
+    rec.emit(*linear_record(layer, x, y, x.shape[0]))
 
 
 class MtpPlan:

@@ -40,6 +40,7 @@ class Op(enum.IntEnum):
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22
+    LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8")
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
@@ -49,7 +50,7 @@ RECORD_WORDS = 1 + NUM_INTS + NUM_FLOATS
 def _pointer(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if not native.fits(t) and not (t.dtype == torch.int64 and t.is_contiguous()):
+    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int8) and t.is_contiguous()):
         raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
@@ -79,12 +80,19 @@ class Recorder:
 
     def linear(self, layer: NativeLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = layer(x) for the native linear `layer`, over all rows · length tokens."""
-        self.emit(Op.LINEAR, [x, layer.panels, layer.bias, y, self.rows * self.length, layer.out_features,
-                           layer.in_features])  # fmt: skip
+        self.emit(*linear_record(layer, x, y, self.rows * self.length))
 
     def tensor(self) -> torch.Tensor:
         """The records as one [num_records, RECORD_WORDS] int64 tensor (what the C side walks)."""
         return torch.tensor(self.records, dtype=torch.int64).view(-1, RECORD_WORDS)
+
+
+def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[Op, list]:
+    """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32 or int8 panels (`layer.scale` set)."""
+    if layer.scale is not None:
+        return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
+                                layer.in_features]  # fmt: skip
+    return Op.LINEAR, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features]
 
 
 def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: object) -> tuple[torch.Tensor, ...]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, ATTENTION_KINDS, RECURRENT_KINDS, HybridConfig
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
 
@@ -156,7 +156,7 @@ def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:
 def kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """KV cache bytes one position takes in `num_layers` attention layers (default: the model's)."""
     if num_layers is None:
-        num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
+        num_layers = sum(kind in ATTENTION_KINDS for kind in config.block_kinds)
     a = config.attention
     return 2 * num_layers * a.num_kv_heads * a.head_dim * torch.empty(0, dtype=dtype).element_size()
 

@@ -19,6 +19,11 @@ from workers.model.checkpoint import registry
 # Block kinds. Recurrent blocks (Mamba2, Gated DeltaNet) hold a per-request state; a model has one recurrent kind.
 MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
 RECURRENT_KINDS = (MAMBA, GDN)
+# Falcon-H1's layer: Mamba2 and attention side by side on one normed input, outputs summed; it holds a Mamba2 state
+# (so it counts as recurrent) and a KV cache.
+PARALLEL = "parallel"
+RECURRENT_KINDS = (*RECURRENT_KINDS, PARALLEL)
+ATTENTION_KINDS = (ATTENTION, PARALLEL)  # the blocks that hold a KV cache
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,14 @@ class MambaConfig:
     proj_bias: bool
     dt_min: float  # softplus(dt) is clamped to [dt_min, dt_max]
     dt_max: float
+    out_proj_bias: bool | None = None  # when it differs from proj_bias (Falcon-H1's projectors_bias)
+    rms_norm: bool = True  # False: y · silu(z) without a norm (Falcon-H1's mamba_rms_norm)
+    norm_before_gate: bool = False  # rmsnorm(y) · silu(z) instead of rmsnorm(y · silu(z))
+
+    @property
+    def fused_kernels_fit(self) -> bool:
+        """Whether the native and Triton Mamba2 kernels compute this mixer (they fuse rmsnorm(y · silu(z)))."""
+        return self.rms_norm and not self.norm_before_gate
 
     @property
     def intermediate_size(self) -> int:
@@ -134,6 +147,8 @@ class HybridConfig:
     zero_centred_norms: bool = False  # checkpoint RMSNorm weights w scale by (1 + w) (Qwen); the loader adds 1
     mtp_block_kinds: tuple[str, ...] = ()  # the blocks of one MTP layer (used only when its head is loaded)
     mtp_num_layers: int = 1  # MTP layers the config declares (0 or unset read as 1: the weights tell if there is one)
+    # Multipliers the family's weight map folds into the weights it reads, by name (Falcon-H1's μP multipliers).
+    weight_multipliers: tuple[tuple[str, float], ...] = ()
 
     @property
     def recurrent_kind(self) -> str | None:

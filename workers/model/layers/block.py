@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, PARALLEL, HybridConfig
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.norm import RMSNorm
+from workers.model.layers.parallel import ParallelMixer
 
 
 class Block(nn.Module):
@@ -31,6 +32,8 @@ class Block(nn.Module):
             self.mixer = GatedDeltaNetMixer(config)
         elif kind == ATTENTION:
             self.mixer = Attention(config)
+        elif kind == PARALLEL:
+            self.mixer = ParallelMixer(config)
         elif kind == MLP:
             self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
         else:

@@ -11,6 +11,7 @@ from workers.model.checkpoint.families import granite_bamba  # noqa: F401
 from workers.model.checkpoint.families import nemotron_h  # noqa: F401
 from workers.model.checkpoint.families import qwen  # noqa: F401
 from workers.model.checkpoint.families import dense  # noqa: F401
+from workers.model.checkpoint.families import falcon_h1  # noqa: F401
 
 # isort: on
 

@@ -48,7 +48,7 @@ def test_score_and_greedy_match_transformers(variant, falcon_dir, hf):
     print(f"{variant}: max |Δ logprob| = {worst:.2e}")
     assert worst < 1e-4
     assert torch.tensor(score.token_logprobs).std() > 0.3  # far from uniform: the model reads its input
-    prompts = _prompts(2, [1, 8, 17, 29, 40])  # ragged, across the SSD chunk size (16)
+    prompts = _prompts(2, [1, 17, 40])  # ragged, across the SSD chunk size (16)
     results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         reference, margins = _hf_greedy(hf[variant], prompt, 8)

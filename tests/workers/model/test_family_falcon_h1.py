@@ -49,9 +49,9 @@ def test_score_and_greedy_match_transformers(variant, falcon_dir, hf):
     assert worst < 1e-4
     assert torch.tensor(score.token_logprobs).std() > 0.3  # far from uniform: the model reads its input
     prompts = _prompts(2, [1, 17, 40])  # ragged, across the SSD chunk size (16)
-    results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for prompt, result in zip(prompts, results):
-        reference, margins = _hf_greedy(hf[variant], prompt, 8)
+        reference, margins = _hf_greedy(hf[variant], prompt, 6)
         assert_same_greedy(result.token_ids, reference, margins)
 
 

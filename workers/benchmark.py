@@ -54,6 +54,22 @@ LFM_PRESETS: dict[str, dict[str, Any]] = {
                        dtype="float32"),
 }  # fmt: skip
 PRESETS.update(LFM_PRESETS)
+# Falcon-H1 (`falcon_h1`): every layer runs Mamba2 and attention in parallel, then an MLP. "falcon-h1-bench" is the
+# "bench" size: hidden 512, 8 layers, MLP 1536, vocab 32000, tied; Mamba2 16 heads × 64 with state 128 (the "bench"
+# mixer), attention 8 heads / 2 KV heads of 64 in every layer; Falcon-H1-0.5B's μP multipliers and gated RMSNorm
+# in the mixer (as Falcon-H1-1.5B … 34B).
+FALCON_H1_PRESETS: dict[str, dict[str, Any]] = {
+    "falcon-h1-bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=64, intermediate_size=1536, mamba_d_ssm=1024,
+                            mamba_n_heads=16, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+                            mamba_chunk_size=128, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                            embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625,
+                            attention_out_multiplier=0.9375, key_multiplier=0.390625, ssm_in_multiplier=1.25,
+                            ssm_out_multiplier=0.23570226039551587, mlp_multipliers=[0.8838834764831844, 0.5859375],
+                            ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+                            dtype="float32"),
+}  # fmt: skip
+PRESETS.update(FALCON_H1_PRESETS)
 
 
 def build_preset(name: str, directory: Path) -> Path:
@@ -65,6 +81,8 @@ def build_preset(name: str, directory: Path) -> Path:
         return _build_gdn_preset(name, directory)
     if name in LFM_PRESETS:
         return _build_lfm_preset(name, directory)
+    if name in FALCON_H1_PRESETS:
+        return _build_falcon_h1_preset(name, directory)
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     shape = dict(PRESETS[name])
@@ -101,6 +119,17 @@ def _build_lfm_preset(name: str, directory: Path) -> Path:
     config = Lfm2Config(**shape, full_attn_idxs=attention, block_auto_adjust_ff_dim=False, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Lfm2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _build_falcon_h1_preset(name: str, directory: Path) -> Path:
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    shape = dict(FALCON_H1_PRESETS[name])
+    dtype = shape.pop("dtype")
+    torch.manual_seed(0)
+    model = FalconH1ForCausalLM(FalconH1Config(**shape, tie_word_embeddings=True)).to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
 

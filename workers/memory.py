@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, ATTENTION_KINDS, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.kernels.selective_scan import CHUNK_ELEMENTS
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
@@ -164,7 +164,7 @@ def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:
 def kv_bytes_per_token(config: HybridConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """KV cache bytes one position takes in `num_layers` attention layers (default: the model's)."""
     if num_layers is None:
-        num_layers = sum(kind == ATTENTION for kind in config.block_kinds)
+        num_layers = sum(kind in ATTENTION_KINDS for kind in config.block_kinds)
         num_layers += config.block_kinds.count(SHARED_ATTENTION)  # Zamba2: each use of a shared block has its KV
     a = config.attention
     return num_layers * a.num_kv_heads * sum(a.cache_widths) * torch.empty(0, dtype=dtype).element_size()

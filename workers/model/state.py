@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import ATTENTION_KINDS, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.kv_blocks import BlockTable
 
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block (vLLM's default)
@@ -110,7 +110,7 @@ class StatePool:
         with the scheduler, and with a draft model's pool); None gives every slot `capacity` positions up front."""
         a = config.attention
         num_recurrent = sum(kind in RECURRENT_KINDS for kind in config.block_kinds)
-        num_attention = sum(kind == ATTENTION for kind in config.block_kinds)
+        num_attention = sum(kind in ATTENTION_KINDS for kind in config.block_kinds)
         num_attention += config.block_kinds.count(SHARED_ATTENTION)  # Zamba2: each use of a shared block has its KV
         conv_shape, state_shape = config.recurrent_state_shapes()
         self.num_slots, self.capacity = num_slots, capacity

@@ -21,7 +21,11 @@ MAMBA, GDN, ATTENTION, MLP, MOE = "mamba", "gdn", "attention", "mlp", "moe"
 MAMBA1 = "mamba1"  # Mamba version 1 (Jamba): selective scan with per-channel A [d_inner, n]
 SHORT_CONV = "short_conv"  # LFM2's gated short convolution: its recurrent state is the conv window alone
 KDA = "kda"  # Kimi Delta Attention (Kimi-Linear): the delta rule with a per-channel decay
-RECURRENT_KINDS = (MAMBA, GDN, MAMBA1, SHORT_CONV, KDA)
+# Falcon-H1's layer: Mamba2 and attention side by side on one normed input, outputs summed; it holds a Mamba2 state
+# (so it counts as recurrent) and a KV cache.
+PARALLEL = "parallel"
+RECURRENT_KINDS = (MAMBA, GDN, MAMBA1, SHORT_CONV, KDA, PARALLEL)
+ATTENTION_KINDS = (ATTENTION, PARALLEL)  # the blocks that hold a KV cache of their own (Zamba2's uses: see below)
 # Zamba2: one use of a shared transformer block (own KV cache, adapters, output projection); see layers/shared_block.py.
 SHARED_ATTENTION = "shared_attention"
 
@@ -41,6 +45,14 @@ class MambaConfig:
     dt_min: float  # softplus(dt) is clamped to [dt_min, dt_max]
     dt_max: float
     norm_eps: float | None = None  # the gated norm's epsilon when it is not rms_norm_eps (Zamba2: 1e-5)
+    out_proj_bias: bool | None = None  # when it differs from proj_bias (Falcon-H1's projectors_bias)
+    rms_norm: bool = True  # False: y · silu(z) without a norm (Falcon-H1's mamba_rms_norm)
+    norm_before_gate: bool = False  # rmsnorm(y) · silu(z) instead of rmsnorm(y · silu(z))
+
+    @property
+    def fused_kernels_fit(self) -> bool:
+        """Whether the native and Triton Mamba2 kernels compute this mixer (they fuse rmsnorm(y · silu(z)))."""
+        return self.rms_norm and not self.norm_before_gate
 
     @property
     def intermediate_size(self) -> int:
@@ -235,13 +247,15 @@ class HybridConfig:
     # Blocks whose norm follows the mixer, `x + norm(mixer(x))`, instead of preceding it (OLMo 2/3 attention layers).
     post_norm_blocks: tuple[int, ...] = ()
     mamba1: Mamba1Config | None = None  # Mamba version 1 families (Jamba) only
+    kda: KdaConfig | None = None  # Kimi Delta Attention families only
+    mla: MlaConfig | None = None  # latent attention families only: attention blocks are `MultiHeadLatentAttention`
+    # Multipliers the family's weight map folds into the weights it reads, by name (Falcon-H1's μP multipliers).
+    weight_multipliers: tuple[tuple[str, float], ...] = ()
 
     def attention_of(self, block: int) -> AttentionConfig:
         """The attention config of block `block` (`attention` unless `block_attention` overrides it)."""
         override = self.block_attention[block] if block < len(self.block_attention) else None
         return override if override is not None else self.attention
-    kda: KdaConfig | None = None  # Kimi Delta Attention families only
-    mla: MlaConfig | None = None  # latent attention families only: attention blocks are `MultiHeadLatentAttention`
 
     @property
     def recurrent_kind(self) -> str | None:

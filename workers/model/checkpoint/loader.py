@@ -218,7 +218,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             kernel = "torch"
     for module in model.modules():
         if isinstance(module, Mamba2Mixer):
-            module.decode_kernel = kernel
+            fused = kernel in ("native", "triton")  # their fused gated norm is rmsnorm(y · silu(z)) only
+            module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
             if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)

@@ -16,6 +16,7 @@ from workers.model.checkpoint.config import (
     MAMBA,
     MAMBA1,
     MLP,
+    PARALLEL,
     SHARED_ATTENTION,
     SHORT_CONV,
     AttentionConfig,
@@ -30,6 +31,7 @@ from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
+from workers.model.layers.parallel import ParallelMixer
 from workers.model.layers.shared_block import SharedBlockUse
 from workers.model.layers.short_conv import ShortConvMixer
 
@@ -63,6 +65,8 @@ class Block(nn.Module):
             self.mixer = Attention(config, attention)
         elif kind == SHORT_CONV:
             self.mixer = ShortConvMixer(config)
+        elif kind == PARALLEL:
+            self.mixer = ParallelMixer(config)
         elif kind == MLP:
             self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
         elif kind == SHARED_ATTENTION:  # a use of a Zamba2 shared block; it normalises its own input

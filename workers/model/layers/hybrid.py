@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, PARALLEL, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.layers.block import Block
 from workers.model.layers.mtp import MtpHead
 from workers.model.layers.norm import RMSNorm
@@ -81,7 +81,9 @@ class HybridModel(nn.Module):
         next_norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
         for block, next_norm in zip(self.blocks, next_norms):
             if block.kind in RECURRENT_KINDS:
-                out, state, scan = block.mixer(normed, next(state_iter), batch.num_tokens, in_place)
+                # A parallel block (Falcon-H1) also runs attention: it takes the batch and its KV cache too.
+                extra = (batch, next(kv_iter), static_shapes) if block.kind == PARALLEL else ()
+                out, state, scan = block.mixer(normed, next(state_iter), batch.num_tokens, in_place, *extra)
                 output.mamba_states.append(state)
                 if keep_scan_inputs:
                     output.scan_inputs.append(scan)

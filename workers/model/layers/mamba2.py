@@ -22,7 +22,7 @@ from workers.model.kernels.ssd import (
     ssm_step,
     ssm_step_,
 )
-from workers.model.layers.norm import GatedRMSNorm
+from workers.model.layers.norm import GatedRMSNorm, SiluGate
 from workers.model.state import MambaState, ScanInputs
 
 # Up to this many new tokens per row from a kept state (speculative verification: k + 1; a draft model's steps),
@@ -43,10 +43,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(m.num_heads))
         self.A_log = nn.Parameter(torch.zeros(m.num_heads))
         self.D = nn.Parameter(torch.ones(m.num_heads))
-        self.norm = GatedRMSNorm(
-            m.intermediate_size, m.num_groups, config.rms_norm_eps if m.norm_eps is None else m.norm_eps
-        )
-        self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=m.proj_bias)
+        if m.rms_norm:
+            eps = config.rms_norm_eps if m.norm_eps is None else m.norm_eps
+            self.norm: nn.Module = GatedRMSNorm(m.intermediate_size, m.num_groups, eps, m.norm_before_gate)
+        else:
+            self.norm = SiluGate()
+        out_bias = m.proj_bias if m.out_proj_bias is None else m.out_proj_bias
+        self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=out_bias)
         self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile", "native" or "triton" (set at load)
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:

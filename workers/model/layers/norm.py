@@ -42,20 +42,34 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba2's grouped gated norm (norm_before_gate=False): rmsnorm(y · silu(z)) per group of channels."""
+    """Mamba2's grouped gated norm (norm_before_gate=False): rmsnorm(y · silu(z)) per group of channels.
 
-    def __init__(self, size: int, num_groups: int, eps: float):
+    `norm_before_gate` (a Falcon-H1 variant): rmsnorm(y) · silu(z) instead."""
+
+    def __init__(self, size: int, num_groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.num_groups = num_groups
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """y, z [..., d] → [..., d] in `out_dtype`."""
-        gated = y.float() * F.silu(z.float())
+        gated = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         grouped = gated.view(*gated.shape[:-1], self.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+        normed = self.weight.float() * grouped.view_as(gated)
+        if self.norm_before_gate:
+            normed = normed * F.silu(z.float())
+        return normed.to(out_dtype)
+
+
+class SiluGate(nn.Module):
+    """The gate without a norm (Falcon-H1 with mamba_rms_norm false): y · silu(z); no weights."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., d] → [..., d] in `out_dtype`."""
+        return (y.float() * F.silu(z.float())).to(out_dtype)
 
 
 class HeadGatedRMSNorm(nn.Module):

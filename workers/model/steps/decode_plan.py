@@ -10,6 +10,7 @@ It covers models whose every block runs native on the module path: Mamba2 and Ga
 native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
+Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
 Anything else (MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -17,7 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MAMBA, MAMBA1, MLP, RECURRENT_KINDS, SHARED_ATTENTION
+from workers.model.checkpoint.config import (
+    ATTENTION,
+    ATTENTION_KINDS,
+    GDN,
+    KDA,
+    MAMBA,
+    MAMBA1,
+    MLP,
+    PARALLEL,
+    RECURRENT_KINDS,
+    SHARED_ATTENTION,
+)
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.feed_forward import MLP as DenseMLP
@@ -43,6 +55,13 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
     return b, length
 
 
+def _branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """(recurrent mixer, attention) of a block: a parallel block (Falcon-H1) has both, others one or neither."""
+    if block.kind == PARALLEL:
+        return block.mixer.mamba, block.mixer.self_attn
+    return (block.mixer if block.kind in RECURRENT_KINDS else None), (block.mixer if block.kind == ATTENTION else None)
+
+
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
     if SHARED_ATTENTION in model.config.block_kinds:
@@ -60,19 +79,22 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
-        if block.kind not in (MAMBA, GDN, ATTENTION, MLP):
+        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, PARALLEL):
             return f"{block.kind} blocks are not covered (expert routing runs module by module)"
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
         if not all(isinstance(m, NativeLinear) for m in linears):
             return f"a {block.kind} block has linears outside the native kernel"
-        if block.kind in RECURRENT_KINDS and mixer.decode_kernel != "native":
-            name = "Mamba2" if block.kind == MAMBA else "Gated DeltaNet"
+        recurrent, attention = _branches(block)
+        if recurrent is not None and recurrent.decode_kernel != "native":
+            name = "Gated DeltaNet" if block.kind == GDN else "Mamba2"
+            if name == "Mamba2" and not recurrent.config.fused_kernels_fit:
+                return "the Mamba2 mixers' norm variant (no norm, or norm before the gate) has no native kernel"
             return f"{name} decode steps do not run through the native kernel"
-        if block.kind == ATTENTION and mixer.config.qk_norm_full_width:
+        if attention is not None and attention.config.qk_norm_full_width:
             return "q/k norms over the whole projection (OLMo) are not covered"
-        if block.kind == ATTENTION:
-            head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]
-            if not (mixer.native and all(norm.native for norm in head_norms)):
+        if attention is not None:
+            head_norms = [norm for norm in (attention.q_norm, attention.k_norm) if norm is not None]
+            if not (attention.native and all(norm.native for norm in head_norms)):
                 return "attention decode steps do not run through the native kernel"
         if block.kind == MLP and not mixer.native:
             return "MLP activations do not run through the native kernels"
@@ -114,19 +136,23 @@ class DecodePlan:
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
-        recurrent = next((b.mixer for b in model.blocks if b.kind in RECURRENT_KINDS), None)
+        recurrent = next((_branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS), None)
         self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
         # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
         # tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
         self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
         a = config.attention
-        attention = ATTENTION in config.block_kinds
+        attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
         self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
         gated = attention and a.output_gate  # q_proj rows [q_h | gate_h] are split into these two
         self.query, self.gate = (torch.empty(tokens, a.num_heads * a.head_dim if gated else 0) for _ in range(2))
         self.logits = torch.empty(tokens, config.vocab_size)
+        # A parallel block's attention output (its Mamba2 output is in `mixed`), and the scratch norm of their sum.
+        self.branch, self.branch_normed = (
+            torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
+        )
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
@@ -225,6 +251,9 @@ class DecodePlan:
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
+            elif block.kind == PARALLEL:
+                self._record_parallel(rec, block, recurrent_layer, attention_layer)
+                attention_layer += 1
             else:
                 self._record_mlp(rec, block.mixer)
             recurrent_layer += block.kind in RECURRENT_KINDS
@@ -277,7 +306,7 @@ class DecodePlan:
         """One shift record per recurrent layer: advance the states the verification left by each row's accepted
         tokens, from the layer's kept in_proj outputs (the keep kernels of csrc/mamba_decode.c, gdn_decode.c)."""
         rec = Recorder(b, length)
-        mixers = [block.mixer for block in self.model.blocks if block.kind in RECURRENT_KINDS]
+        mixers = [_branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
             if isinstance(mixer, GatedDeltaNetMixer):
@@ -292,7 +321,22 @@ class DecodePlan:
                      (m.dt_min, m.dt_max))  # fmt: skip
         return rec.tensor()
 
-    def _record_attention(self, rec: Recorder, attention: Attention, layer: int) -> None:
+    def _record_parallel(
+        self, rec: Recorder, block: torch.nn.Module, recurrent_layer: int, attention_layer: int
+    ) -> None:
+        """Falcon-H1's block: the Mamba2 branch into `mixed`, the attention branch (reading the same `normed`) into
+        `branch`, then mixed += branch — ADD_RMS_NORM with α = 1 adds exactly as the module path's `out + attention`
+        does; the norm it also computes goes to scratch."""
+        n, d = rec.rows * rec.length, self.model.config.hidden_size
+        self._record_mamba(rec, block.mixer.mamba, recurrent_layer)
+        self._record_attention(rec, block.mixer.self_attn, attention_layer, self.branch[:n])
+        rec.emit(Op.ADD_RMS_NORM, [self.mixed[:n], self.branch[:n], block.norm.weight, self.branch_normed[:n], n, d],
+                 (1.0, block.norm.eps))  # fmt: skip
+
+    def _record_attention(
+        self, rec: Recorder, attention: Attention, layer: int, into: torch.Tensor | None = None
+    ) -> None:
+        """An attention block's records; its o_proj writes `into` (default: `mixed`)."""
         a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
         width = a.num_heads * a.head_dim
         q, keys, values, out = record_attention_inputs(rec, attention, self)
@@ -314,7 +358,7 @@ class DecodePlan:
                  (a.scale,))  # fmt: skip
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
-        rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n])
+        rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)
 
     def _record_mlp(self, rec: Recorder, mlp: DenseMLP) -> None:
         n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features

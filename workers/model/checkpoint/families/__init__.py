@@ -16,6 +16,7 @@ from workers.model.checkpoint.families import zamba2  # noqa: F401
 from workers.model.checkpoint.families import jamba  # noqa: F401
 from workers.model.checkpoint.families import lfm2  # noqa: F401
 from workers.model.checkpoint.families import kimi_linear  # noqa: F401
+from workers.model.checkpoint.families import falcon_h1  # noqa: F401
 
 # isort: on
 

@@ -1,7 +1,6 @@
 """Benchmark hybridgen against transformers on the same weights and prompts, in one run; prints a table, writes JSON.
 
-python jobs/benchmark.py                                  # bench model (hidden 512, 8 layers), CPU, float32
-python jobs/benchmark.py --task score                     # scored tokens/s vs transformers' forward
+python jobs/benchmark.py [--quantization int8] [--task score]  # bench model (hidden 512, 8 layers), CPU; or scoring
 python jobs/benchmark.py --task shards --model examples/models/demo-target --batch-sizes 32   # streaming vs drains
 python jobs/benchmark.py --task prefix --model examples/models/demo-target --num-rows 64 --new-tokens 16  # prefix cache
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
@@ -32,6 +31,7 @@ from workers.benchmark import (
     hf_generate_fn,
     hf_score_fn,
     peak_memory_mb,
+    print_table,
     random_prompts,
     reset_peak_memory,
     roofline_share,
@@ -297,33 +297,6 @@ def bench_job_shards(args: argparse.Namespace) -> int:
                 f"(mean {args.new_tokens}): streamed shards vs one call", rows)  # fmt: skip
     Path(args.json).write_text(json.dumps({"shards": rows, "model": str(path), "args": vars(args)}, indent=2))
     return 0
-
-
-def _cell(value: Any) -> str:
-    """A table cell: floats with one decimal, or three significant digits below 10 (ratios, steps per token)."""
-    if not isinstance(value, float):
-        return str(value)
-    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
-
-
-def print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    """Rows as an aligned text table (nested eager and transformers numbers flattened with eager_ and tf_ prefixes)."""
-    flat = []
-    for row in rows:
-        item = {k: v for k, v in row.items() if not isinstance(v, dict)}
-        for nested, prefix in (("eager", "eager_"), ("transformers", "tf_")):
-            item.update({prefix + k: v for k, v in row.get(nested, {}).items() if k not in ("engine", "batch")})
-        flat.append(item)
-    keys = list(dict.fromkeys(k for item in flat for k in item))
-    cells = [
-        [_cell(item.get(k, "")) for k in keys]
-        for item in flat
-    ]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    print(f"\n{title}")
-    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
-    for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,3 +234,27 @@ def hf_score_fn(model: Any, rows: list[list[int]]) -> Callable[[], Any]:
             return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])
 
     return run
+
+
+def _cell(value: Any) -> str:
+    """A table cell: floats with one decimal, or three significant digits below 10 (ratios, steps per token)."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """Rows as an aligned text table (nested eager and transformers numbers flattened with eager_ and tf_ prefixes)."""
+    flat = []
+    for row in rows:
+        item = {k: v for k, v in row.items() if not isinstance(v, dict)}
+        for nested, prefix in (("eager", "eager_"), ("transformers", "tf_")):
+            item.update({prefix + k: v for k, v in row.get(nested, {}).items() if k not in ("engine", "batch")})
+        flat.append(item)
+    keys = list(dict.fromkeys(k for item in flat for k in item))
+    cells = [[_cell(item.get(k, "")) for k in keys] for item in flat]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print(f"\n{title}")
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))

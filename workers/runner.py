@@ -6,7 +6,6 @@ import itertools
 import logging
 import random
 from collections.abc import Hashable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import NgramProposer
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
+from workers.tokenizer import check_same_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +37,6 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _load_tokenizer(directory: Path) -> Any | None:
-    """The model directory's tokenizer (no remote code), or None when it ships none."""
-    if not any((directory / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
-
-
-def _check_same_tokenizer(target: Any | None, draft: Any | None, draft_path: str) -> None:
-    if (target is None) != (draft is None) or (target is not None and target.get_vocab() != draft.get_vocab()):
-        raise ValueError(f"draft model {draft_path!r} has a different tokenizer vocabulary than the target")
 
 
 def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
@@ -210,13 +196,13 @@ class ModelRunner:
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-        tokenizer = _load_tokenizer(checkpoint.directory)
+        tokenizer = load_tokenizer(checkpoint.directory)
         draft_model = None
         if speculative is not None and speculative.method == "draft":
             device_used = checkpoint.model.embed_tokens.weight.device
             draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel,
                                     revision=speculative.draft_revision, quantization=quantization)  # fmt: skip
-            _check_same_tokenizer(tokenizer, _load_tokenizer(draft.directory), speculative.draft_model)
+            check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), max_num_seqs, max_model_len, speculative, draft_model,
                    decode_plan=decode_plan, max_num_batched_tokens=max_num_batched_tokens, max_memory=max_memory,

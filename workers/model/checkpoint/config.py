@@ -113,6 +113,9 @@ class ShortConvConfig:
 
     conv_kernel: int  # W (`conv_L_cache`)
     bias: bool  # in_proj, conv and out_proj biases (`conv_bias`)
+
+
+@dataclass(frozen=True)
 class KdaConfig:
     """Shapes of the Kimi Delta Attention mixers (Kimi-Linear): q, k and v share the head count and head dim."""
 

@@ -299,8 +299,10 @@ def load_checkpoint(
         model.lm_head.weight = model.embed_tokens.weight
     device = torch.device(device)
 
+    replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
+
     def prepare(module: torch.nn.Module, quantize: str | None = quantization) -> str:
-        return prepare_linears(module, linear_backend, device, torch_dtype, quantize)
+        return prepare_linears(module, linear_backend, device, torch_dtype, quantize, replaced)
 
     load_weights(model, handles, prepare)
     prepare(model, quantization if QUANTIZE_LM_HEAD else None)  # the LM head (and an MTP head's linears)

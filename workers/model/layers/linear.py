@@ -94,13 +94,22 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def prepare_linears(
-    model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    model: nn.Module,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    replaced: dict[int, nn.Module] | None = None,
 ) -> str:
     """Switch every nn.Linear of `model` to the chosen backend after its weights are loaded; returns the one used.
 
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
     `quantization="int8"` (CPU): the weights quantized per output channel, multiplied by the native int8 kernel
     ("auto", "native") or widened by PyTorch at each call ("torch"); gates named in `FLOAT_LINEARS` stay float.
+    `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
+    shared by several parents (Zamba2's shared blocks) is replaced once, in every parent. The Linears themselves are
+    not kept (their weights are freed as they are replaced); every id looked up is of a Linear built with the model,
+    all alive together then, so no two share an id.
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend={backend!r} is invalid: must be one of {', '.join(LINEAR_BACKENDS)}")
@@ -120,7 +129,7 @@ def prepare_linears(
             backend = "native"
         elif onednn_available(device, dtype) and quantization is None:
             backend = "onednn"
-    replaced: dict[int, nn.Module] = {}  # a Linear shared by several parents (Zamba2's shared blocks) is replaced once
+    replaced = {} if replaced is None else replaced
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):

@@ -69,9 +69,10 @@ def _load_in_child(path: Path, *args: str) -> dict[str, int]:
 def test_loading_adds_about_the_weights_once(checkpoint, quantization):
     result = _load_in_child(checkpoint, *([quantization] if quantization else []))
     float32_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    # Measured: float32 1.12× the weights held (the old loader: ~2×); int8 0.77× the float32 weights (the int8
-    # panels, the float32 embedding table, and the allocator's slack) — the whole float32 model never exists.
+    # Measured: float32 1.12× the weights held (the old loader: ~2×); int8 0.77–0.93× the float32 weights across
+    # machines and runs (the int8 panels, the float32 embedding table, one block's float32 weights, and the
+    # allocator's slack). Holding the whole float32 model beside its int8 panels would be ≥ 1.25×.
     if quantization is None:
         assert result["added"] < 1.3 * result["held"], result
     else:
-        assert result["added"] < 0.85 * float32_bytes, (result, float32_bytes)
+        assert result["added"] < float32_bytes, (result, float32_bytes)

@@ -9,6 +9,7 @@ import pytest
 from tests.tiny_jamba import build_jamba_checkpoint
 from tests.workers.spec_decode import test_greedy_exactness as exactness
 from tests.workers.spec_decode import test_state_shifting as shifting
+from tests.workers.spec_decode.test_state_shifting import assert_forced_acceptance_exact
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
@@ -37,20 +38,7 @@ def jamba_dir(tmp_path_factory):
 
 
 def test_forced_acceptance_patterns_keep_states_exact(jamba_dir):
-    runner = ModelRunner.from_pretrained(str(jamba_dir(SHIFT_TARGET)), max_num_seqs=4)
-    prompts = shifting._prompts()
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, shifting.PARAMS))}
-    proposer = shifting.ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, shifting._requests(prompts), 4, None, proposer, shifting.K)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest
-            tokens = (request.prompt + request.output)[:-1]
-            shifting._assert_slot_matches(scheduler.pool, request.slot, runner.model, tokens)
-    for accepted, expected in proposer.seen:
-        assert accepted == expected
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(jamba_dir(SHIFT_TARGET)), max_num_seqs=4))
 
 
 def test_a_jamba_draft_state_is_shifted_to_what_it_has_seen(jamba_dir):

@@ -9,13 +9,11 @@ import pytest
 
 from tests.kimi_models import build_kimi_checkpoint
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as spec_prompts
-from tests.workers.spec_decode.test_state_shifting import PARAMS as SHIFT_PARAMS
 from tests.workers.spec_decode.test_state_shifting import (
-    K,
-    ScriptedProposer,
     _assert_slot_matches,
     _prompts,
     _requests,
+    assert_forced_acceptance_exact,
 )
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.scheduler import Scheduler
@@ -37,19 +35,7 @@ def kimi_dir(tmp_path_factory):
 
 
 def test_forced_acceptance_patterns_keep_states_exact(kimi_dir):
-    runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=4)
-    prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, SHIFT_PARAMS))}
-    proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, K)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest
-            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1])
-    for accepted, expected in proposer.seen:
-        assert accepted == expected
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=4))
 
 
 def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir, checkpoint_dir):

@@ -11,7 +11,10 @@ import torch
 from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
 from tests.workers.spec_decode import test_state_shifting
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as _spec_prompts
-from tests.workers.spec_decode.test_state_shifting import K, ScriptedProposer, _assert_slot_matches
+from tests.workers.spec_decode.test_state_shifting import (
+    _assert_slot_matches,
+    assert_forced_acceptance_exact,
+)
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.requests import Request
 from workers.scheduler import Scheduler
@@ -32,19 +35,7 @@ def _requests(prompts: list[list[int]]) -> list[Request]:
 # LFM2-MoE's routing adds nothing to the state a step shifts: its exactness is the plain path's (and spec == plain).
 @pytest.mark.parametrize("family", ["lfm2", "lfm3"])
 def test_forced_acceptance_patterns_keep_states_exact(family, lfm_checkpoint):  # noqa: F811
-    runner = ModelRunner.from_pretrained(str(lfm_checkpoint(family)), max_num_seqs=4)
-    prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, GREEDY))}
-    proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, K)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest
-            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1])
-    for accepted, expected in proposer.seen:
-        assert accepted == expected
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(lfm_checkpoint(family)), max_num_seqs=4))
 
 
 def test_lfm2_draft_windows_are_shifted_to_what_it_has_seen(lfm_checkpoint):  # noqa: F811

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.spec_decode import test_greedy_exactness as exactness
-from tests.workers.spec_decode import test_state_shifting as shifting
+from tests.workers.spec_decode.test_state_shifting import assert_forced_acceptance_exact
 from tests.zamba2_models import build_zamba2
 from workers import ModelRunner
-from workers.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -19,20 +18,7 @@ def zamba2_path(tmp_path_factory):
 
 
 def test_forced_acceptance_patterns_keep_states_exact(zamba2_path):
-    runner = ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=4)
-    prompts = shifting._prompts()  # 6 requests through 4 slots: slots are reused
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, shifting.PARAMS))}
-    proposer = shifting.ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, shifting._requests(prompts), 4, None, proposer, shifting.K)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest, in every KV cache too
-            tokens = (request.prompt + request.output)[:-1]
-            shifting._assert_slot_matches(scheduler.pool, request.slot, runner.model, tokens)
-    for accepted, expected in proposer.seen:
-        assert accepted == expected
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(zamba2_path), max_num_seqs=4))
 
 
 @pytest.fixture(scope="module")

@@ -92,9 +92,10 @@ def _assert_slot_matches(pool, slot: int, model, tokens: list[int], tol: dict = 
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_forced_acceptance_patterns_keep_states_exact(family, checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4)
+def assert_forced_acceptance_exact(runner: ModelRunner) -> None:
+    """Scripted acceptance patterns (0 drafts, none / some / all accepted, plain steps) through 4 slots: after every
+    step each running request's slot holds the states and KV of a fresh prefill of its kept tokens, and the output
+    is plain greedy decoding's."""
     prompts = _prompts()
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
     proposer = ScriptedProposer(reference, runner.config.vocab_size)
@@ -107,6 +108,11 @@ def test_forced_acceptance_patterns_keep_states_exact(family, checkpoint_dir):
         assert accepted == expected
     assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
     assert {r.index: r.output for r in scheduler.finished} == reference
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_forced_acceptance_patterns_keep_states_exact(family, checkpoint_dir):
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4))
 
 
 @pytest.mark.parametrize("draft", ["draft_hybrid", "granite_moe", "qwen3_5"])

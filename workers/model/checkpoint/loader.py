@@ -60,16 +60,39 @@ def resolve_model_dir(path_or_repo: str, revision: str | None = None) -> Path:
 def resolve_dtype(name: str, config: HybridConfig, device: str | torch.device = "cpu") -> torch.dtype:
     """'auto': float32 on a CPU, else the checkpoint's declared dtype (float32 when it declares none).
 
-    CPUs compute in float32 whatever the checkpoint stores: bfloat16 matmuls ran ~6× slower than float32 on this
-    project's 2-core CPU (no bfloat16 units), the native kernels are float32, and float32 keeps every row's result
-    independent of how many rows a forward has — which greedy speculative decoding needs to equal plain decoding
-    token for token (bfloat16 matmuls round a [b, k+1] verification differently from [b, 1] decode steps)."""
+    CPUs compute in float32 whatever the checkpoint stores: PyTorch's bfloat16 matmuls ran at 0.55–0.68× of our
+    float32, and float32 keeps every row's result independent of how many rows a forward has — which greedy
+    speculative decoding needs to equal plain decoding token for token (torch's bfloat16 matmuls round a [b, k+1]
+    verification differently from [b, 1] decode steps). An explicit "bfloat16" on CPU means bfloat16 linear weights
+    with float32 activations where the native kernels build (`resolve_weight_format`)."""
     if name == "auto":
         on_cpu = torch.device(device).type == "cpu"
         name = "float32" if on_cpu or config.torch_dtype not in DTYPES else config.torch_dtype
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; choose one of: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_weight_format(
+    dtype: torch.dtype, quantization: str | None, device: str | torch.device, linear_backend: str
+) -> tuple[torch.dtype, str | None]:
+    """(compute dtype, linear weight format) for the resolved `dtype` and the user's `quantization`.
+
+    bfloat16 on a CPU with the native kernels ("auto" or "native" linears): bfloat16 linear weights (the blocks' and
+    the LM head's, csrc/linear_bf16.c on the CPU's AMX / AVX512-BF16 units) and float32 for everything else, so the
+    native Mamba2 / GDN / attention kernels and the decode plan run as in float32. Without a compiler, or with
+    linear_backend "torch" / "onednn", bfloat16 stays the all-PyTorch bfloat16 model. int8 with bfloat16: ValueError.
+    """
+    if quantization is not None and dtype == torch.bfloat16:
+        raise ValueError(f"quantization={quantization!r} cannot be combined with dtype='bfloat16': int8 quantizes "
+                         "from float32 weights; pick one (dtype 'auto' or 'float32' for int8)")  # fmt: skip
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return dtype, quantization
+    if linear_backend == "native":
+        native.load()  # raises NativeKernelError with the compiler's message
+    if linear_backend == "native" or (linear_backend == "auto" and native.available()):
+        return torch.float32, "bfloat16"
+    return dtype, quantization
 
 
 def _open_shards(directory: Path, fp8_block: tuple[int, int] | None = None) -> CheckpointTensors:
@@ -271,7 +294,8 @@ def load_checkpoint(
     `prepare_decode_kernel`. `mtp`: also load the checkpoint's
     multi-token-prediction head (`model.mtp`); `ValueError` before any weight is read when it has none.
     `revision`: a hub repo's branch, tag or commit (default main). `quantization`: None (the weights in `dtype`)
-    or "int8" (CPU: linear weights quantized per output channel as they load; see `prepare_linears`). Block-wise
+    or "int8" (CPU: linear weights quantized per output channel as they load; see `prepare_linears`).
+    dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
     FP8 checkpoints load dequantized (`tensors.py`).
     """
     directory = resolve_model_dir(path_or_repo, revision)
@@ -280,7 +304,8 @@ def load_checkpoint(
         raise FileNotFoundError(f"no config.json in {directory}")
     raw_config = json.loads(config_path.read_text())
     config = HybridConfig.from_hf_dict(raw_config)
-    torch_dtype = resolve_dtype(dtype, config, device)
+    torch_dtype, weight_format = resolve_weight_format(resolve_dtype(dtype, config, device), quantization, device,
+                                                       linear_backend)  # fmt: skip
     check_quantization(quantization, device, torch_dtype)
     handles = _open_shards(directory, fp8_block_size(raw_config))
     if mtp:
@@ -301,11 +326,12 @@ def load_checkpoint(
 
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
-    def prepare(module: torch.nn.Module, quantize: str | None = quantization) -> str:
-        return prepare_linears(module, linear_backend, device, torch_dtype, quantize, replaced)
+    def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
+        return prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced)
 
     load_weights(model, handles, prepare)
-    prepare(model, quantization if QUANTIZE_LM_HEAD else None)  # the LM head (and an MTP head's linears)
+    head_format = weight_format if weight_format == "bfloat16" or QUANTIZE_LM_HEAD else None
+    prepare(model, head_format)  # the LM head (and an MTP head's linears): bfloat16 too, int8 not
     prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
     generation_path = directory / "generation_config.json"

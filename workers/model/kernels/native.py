@@ -80,6 +80,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.linear_panels_int8.restype = None
     lib.linear_panels_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.linear_panels_bf16.restype = None
+    lib.linear_panels_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.linear_bf16_path_available.restype = ctypes.c_int
+    lib.linear_bf16_path_available.argtypes = [ctypes.c_int]
+    lib.linear_bf16_k_align.restype = i64
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.kernels import native
+from workers.model.kernels import native, native_bf16
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
 QUANTIZATIONS = ("int8",)  # vLLM's option name; None keeps the checkpoint's weights in the model dtype
+# How a native linear stores its weight besides float32: "int8" (quantization="int8"), "bfloat16" (dtype="bfloat16"
+# on CPU: bf16 weights, float32 activations; see loader.resolve_weight_format).
+WEIGHT_FORMATS = ("int8", "bfloat16")
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -40,15 +43,20 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only).
 
-    `quantization="int8"`: the panels hold the weight quantized per output channel (int8, `scale` [out]) and the
-    int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None for float32 panels."""
+    `weight_format="int8"`: the panels hold the weight quantized per output channel (int8, `scale` [out]) and the
+    int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None otherwise. "bfloat16": bf16 panels of k pairs
+    for csrc/linear_bf16.c, run by `bf16_path` (the process's kernel path, fixed at construction)."""
 
-    def __init__(self, linear: nn.Linear, quantization: str | None = None):
+    def __init__(self, linear: nn.Linear, weight_format: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scale: torch.Tensor | None = None
-        if quantization == "int8":
+        self.bf16_path: str | None = None
+        if weight_format == "int8":
             self.panels, self.scale = native.pack_panels_int8(linear.weight.detach())
+        elif weight_format == "bfloat16":
+            self.bf16_path = native_bf16.bf16_path()
+            self.panels = native_bf16.pack_panels_bf16(linear.weight.detach(), int(native.load().linear_panel_width()))
         else:
             self.panels = native.pack_panels(linear.weight.detach().float())
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
@@ -58,6 +66,8 @@ class NativeLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.scale is not None:
             out = native.linear_int8(rows, self.panels, self.scale, self.bias, self.out_features)
+        elif self.bf16_path is not None:
+            out = native_bf16.linear_bf16(rows, self.panels, self.bias, self.out_features, self.bf16_path)
         else:
             out = native.linear(rows, self.panels, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -106,6 +116,8 @@ def prepare_linears(
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
     `quantization="int8"` (CPU): the weights quantized per output channel, multiplied by the native int8 kernel
     ("auto", "native") or widened by PyTorch at each call ("torch"); gates named in `FLOAT_LINEARS` stay float.
+    `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
+    bf16 panels for the native kernel ("auto", "native" only).
     `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
     shared by several parents (Zamba2's shared blocks) is replaced once, in every parent. The Linears themselves are
     not kept (their weights are freed as they are replaced); every id looked up is of a Linear built with the model,
@@ -113,12 +125,14 @@ def prepare_linears(
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend={backend!r} is invalid: must be one of {', '.join(LINEAR_BACKENDS)}")
-    check_quantization(quantization, device, dtype)
+    check_weight_format(quantization, device, dtype)
     cpu_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
     if backend == "onednn" and not onednn_available(device, dtype):
         raise ValueError("linear_backend='onednn' needs a CPU, float32 weights and a torch built with oneDNN")
     if backend == "onednn" and quantization is not None:
         raise ValueError(f"linear_backend='onednn' has no {quantization} weights: use 'auto', 'native' or 'torch'")
+    if quantization == "bfloat16" and backend not in ("auto", "native"):
+        raise ValueError(f"bfloat16 weight panels need linear_backend 'auto' or 'native', not {backend!r}")
     if backend == "native":
         if not cpu_float32:
             raise ValueError(f"linear_backend='native' needs a CPU and float32 weights, not {device} / {dtype}")
@@ -129,6 +143,8 @@ def prepare_linears(
             backend = "native"
         elif onednn_available(device, dtype) and quantization is None:
             backend = "onednn"
+    if backend != "native" and quantization == "bfloat16":
+        native.load()  # bfloat16 panels exist only natively: raises NativeKernelError with the compiler's message
     replaced = {} if replaced is None else replaced
     with torch.no_grad():
         for parent in list(model.modules()):
@@ -154,6 +170,16 @@ def _replacement(linear: nn.Linear, backend: str, quantization: str | None) -> n
         # runs as a faster matrix-vector product for decode-sized batches.
         linear.weight.data = linear.weight.data.t().contiguous().t()
     return linear
+
+
+def check_weight_format(weight_format: str | None, device: torch.device | str, dtype: torch.dtype) -> None:
+    """`ValueError` unless the weight format (`WEIGHT_FORMATS`, or None) can run on `device` with `dtype` activations."""
+    if weight_format == "int8" or weight_format is None:
+        return check_quantization(weight_format, device, dtype)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r} is invalid: must be one of {', '.join(WEIGHT_FORMATS)}")
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"{weight_format} weight panels run on CPU with float32 activations, not {device} / {dtype}")
 
 
 def check_quantization(quantization: str | None, device: torch.device | str, dtype: torch.dtype) -> None:

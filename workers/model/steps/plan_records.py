@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from workers.model.kernels import native
+from workers.model.kernels import native, native_bf16
 from workers.model.layers.linear import NativeLinear
 
 
@@ -41,6 +41,7 @@ class Op(enum.IntEnum):
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22
     LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8")
+    LINEAR_BF16 = 24  # bfloat16 panels (dtype="bfloat16" on CPU), with the process's kernel path
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
@@ -50,7 +51,7 @@ RECORD_WORDS = 1 + NUM_INTS + NUM_FLOATS
 def _pointer(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int8) and t.is_contiguous()):
+    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int8, torch.bfloat16) and t.is_contiguous()):
         raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
@@ -88,7 +89,11 @@ class Recorder:
 
 
 def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[Op, list]:
-    """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32 or int8 panels (`layer.scale` set)."""
+    """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32, int8 (`layer.scale` set) or bfloat16
+    (`layer.bf16_path` set) panels."""
+    if layer.bf16_path is not None:
+        return Op.LINEAR_BF16, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features,
+                                native_bf16.BF16_PATHS[layer.bf16_path]]  # fmt: skip
     if layer.scale is not None:
         return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
                                 layer.in_features]  # fmt: skip

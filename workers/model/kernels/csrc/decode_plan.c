@@ -41,6 +41,7 @@ enum {
     OP_GDN_VERIFY = 21,
     OP_ATTENTION_VERIFY = 22,
     OP_LINEAR_INT8 = 23,
+    OP_LINEAR_BF16 = 24,
 };
 
 typedef struct {
@@ -150,6 +151,10 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_LINEAR_INT8: /* a: x, int8 panels, scale, bias, y, M, N, K */
             linear_panels_int8(F32(0), (const int8_t *)op->a[1], F32(2), F32(3), F32(4), op->a[5], op->a[6], op->a[7],
                                num_threads);
+            break;
+        case OP_LINEAR_BF16: /* a: x, bf16 panels, bias, y, M, N, K, path (linear_bf16.c) */
+            linear_panels_bf16(F32(0), (const uint16_t *)op->a[1], F32(2), F32(3), op->a[4], op->a[5], op->a[6],
+                               (int)op->a[7], num_threads);
             break;
         case OP_SILU_MUL:
             silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);

@@ -56,6 +56,8 @@ def test_invalid_quantization_names_the_allowed_values(checkpoint_dir):
     with pytest.raises(ValueError, match="quantization='int4' is invalid: must be one of int8"):
         load_checkpoint(path, quantization="int4")
     with pytest.raises(ValueError, match="runs on CPU with float32 activations"):
+        load_checkpoint(path, dtype="float16", quantization="int8")
+    with pytest.raises(ValueError, match="cannot be combined with dtype='bfloat16'"):
         load_checkpoint(path, dtype="bfloat16", quantization="int8")
     with pytest.raises(ValueError, match="onednn"):
         prepare_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), "onednn", torch.device("cpu"), torch.float32,

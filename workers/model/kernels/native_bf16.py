@@ -78,7 +78,8 @@ def linear_bf16(
     rows, in_features = x.shape
     num_panels, half_k, width, _ = panels.shape
     align = int(lib.linear_bf16_k_align())
-    if panels.dtype != torch.bfloat16 or 2 * half_k != -(-in_features // align) * align or num_panels * width < out_features:
+    padded_k = -(-in_features // align) * align
+    if panels.dtype != torch.bfloat16 or 2 * half_k != padded_k or num_panels * width < out_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit bfloat16 panels {tuple(panels.shape)} for {out_features} "
                          "outputs")  # fmt: skip
     out = torch.empty(rows, out_features)

@@ -31,7 +31,8 @@ def status(key):
 
 native.available()  # built and loaded before the baseline
 before = status("VmRSS")
-model = load_checkpoint(sys.argv[1], quantization=sys.argv[2] if len(sys.argv) > 2 else None).model
+option = sys.argv[2] if len(sys.argv) > 2 else None  # int8, bfloat16 or none
+model = load_checkpoint(sys.argv[1], **({"dtype": option} if option == "bfloat16" else {"quantization": option})).model
 tensors = {id(t): t for t in model.parameters()}
 for module in model.modules():
     tensors.update({id(t): t for t in (getattr(module, "panels", None), getattr(module, "scale", None)) if t is not None})
@@ -65,13 +66,14 @@ def _load_in_child(path: Path, *args: str) -> dict[str, int]:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
 @pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "bfloat16"])
 def test_loading_adds_about_the_weights_once(checkpoint, quantization):
     result = _load_in_child(checkpoint, *([quantization] if quantization else []))
     float32_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     # Measured: float32 1.12× the weights held (the old loader: ~2×); int8 0.77–0.93× the float32 weights across
     # machines and runs (the int8 panels, the float32 embedding table, one block's float32 weights, and the
-    # allocator's slack). Holding the whole float32 model beside its int8 panels would be ≥ 1.25×.
+    # allocator's slack). Holding the whole float32 model beside its int8 panels would be ≥ 1.25×. bfloat16 (bf16
+    # panels, the LM head's too, float32 embeddings): 0.95× the float32 weights; a whole float32 copy ≥ 1.5×.
     if quantization is None:
         assert result["added"] < 1.3 * result["held"], result
     else:

@@ -4,6 +4,8 @@
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
 - `csrc/linear_int8.c`: the same panels holding int8 weights (quantization="int8"), widened to float32 in
   registers: a quarter of the bytes to stream.
+- `csrc/linear_bf16.c`: bfloat16 weights (dtype="bfloat16" on CPU) in panels of k pairs, multiplied on AMX tiles,
+  with AVX512-BF16, or widened to float32 (`native_bf16.py` packs them and picks the path once per process).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
@@ -15,8 +17,8 @@
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
-They are float32-only (but for the int8 weights of `linear_int8.c`). The PyTorch paths stay the reference: tests compare each kernel with it, and everything
-works without a compiler (slower).
+They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and `linear_bf16.c`). The PyTorch
+paths stay the reference: tests compare each kernel with it, and everything works without a compiler (slower).
 
 Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`) by `kernel_cache.py`,
 which loads only a build this user made, unchanged since (see there). A library that loads but lacks a kernel (a

@@ -17,9 +17,11 @@ import torch
 from workers.model.kernels.native import load, pointer
 
 BF16_PATHS = {"portable": 0, "avx512": 1, "amx": 2}  # csrc/linear_bf16.c's codes
-# Preferred first. Measured on this project's Sapphire Rapids (2 cores, bench / gdn-bench shapes): see
-# docs/benchmarks.md; AMX wins from 8 rows on and ties at 1.
-PREFERENCE = ("amx", "avx512", "portable")
+# Preferred first, by measurement (benchmarks/bf16_linear_paths.py on this project's Sapphire Rapids, 2 threads,
+# the bench shapes): AMX 1.6-6x the float32 panels from 8 rows on and level with the others at 1 row (all read half
+# float32's bytes); the portable path level with float32 from 8 rows on; AVX512-BF16 (vdpbf16ps) 1.1-1.6x SLOWER
+# than float32 from 8 rows on, so it runs only when forced. Unmeasured on CPUs with AVX512-BF16 but no AMX (Zen 4).
+PREFERENCE = ("amx", "portable", "avx512")
 PATH_ENV = "HYBRIDGEN_BF16_PATH"
 
 _PROCESS_PATH: str | None = None

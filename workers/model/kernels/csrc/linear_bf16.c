@@ -8,7 +8,7 @@
  *   BF16_AMX      tdpbf16ps on 16-row × 32-k tiles (x rounded to bf16, rows padded to 16 with zeros);
  *   BF16_AVX512   vdpbf16ps, rows × 48 columns in 8-row register tiles (x rounded to bf16);
  *   BF16_PORTABLE bf16 widened to float32 in registers (a 16-bit shift), float32 FMA, x as it is.
- * The path is an argument: native.py picks one per process (`bf16_path`, by measurement), so a row's result
+ * The path is an argument: native_bf16.py picks one per process (`bf16_path`, by measurement), so a row's result
  * never depends on how many rows a call has — every path walks k in the same order for every row whatever M is, and
  * rounds x the same way — and a speculative verification's rows equal the decode steps' (greedy speculative output
  * equals plain). x is rounded to bf16 (nearest even) once per call into a scratch buffer for the bf16 paths.

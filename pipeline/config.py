@@ -57,7 +57,9 @@ class ModelConfig:
     device: str = _doc(f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)",
                        default="auto")  # fmt: skip
     dtype: str = _doc(
-        f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU)", default="auto"
+        f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU; bfloat16 on CPU: bf16 "
+        "linear weights on the AMX / AVX512-BF16 kernels, float32 activations and states)",
+        default="auto",
     )
     quantization: str = _doc("weight quantization (vLLM's name): none, or int8 (CPU workers: linear weights quantized "
                              "per output channel at load, ~3× less to read per decode step; log-probs move slightly, "

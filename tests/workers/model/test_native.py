@@ -96,10 +96,12 @@ def test_kernel_choice_is_validated(checkpoint_dir):
     ):
         load_checkpoint(path, decode_kernel="cuda")
     with pytest.raises(ValueError, match="decode_kernel='native' needs a CPU and float32 weights"):
-        load_checkpoint(path, dtype="bfloat16", decode_kernel="native")
+        load_checkpoint(path, dtype="float16", decode_kernel="native")
     assert _first_mixer(path, "auto").decode_kernel == "native"  # CPU, float32, a compiler on this machine
-    model = load_checkpoint(path, dtype="bfloat16").model
+    model = load_checkpoint(path, dtype="bfloat16", linear_backend="torch").model  # the all-PyTorch bf16 model
     assert {m.decode_kernel for m in model.modules() if isinstance(m, Mamba2Mixer)} == {"torch"}
+    model = load_checkpoint(path, dtype="bfloat16", decode_kernel="native").model  # bf16 linears, float32 else
+    assert {m.decode_kernel for m in model.modules() if isinstance(m, Mamba2Mixer)} == {"native"}
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(checkpoint_dir, monkeypatch):

@@ -1,9 +1,9 @@
-"""int8 weights against float32 on the demo prompts: greedy tokens equal to float32's over 64 new tokens, |Δ
-log-prob| of float32's greedy continuations scored by both, and greedy speculative (draft model) == greedy plain
-under int8.
+"""int8 (or bfloat16) weights against float32 on the demo prompts: greedy tokens equal to float32's over 64 new
+tokens, |Δ log-prob| of float32's greedy continuations scored by both, and greedy speculative (draft model) ==
+greedy plain under int8 (bfloat16).
 
 python benchmarks/quantization_quality.py --model examples/models/demo-target --draft examples/models/demo-draft
-python benchmarks/quantization_quality.py --model examples/models/demo-gdn
+python benchmarks/quantization_quality.py --model examples/models/demo-gdn --variant bfloat16
 """
 
 from __future__ import annotations
@@ -18,38 +18,42 @@ import torch
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
 
 
 def main() -> int:
     """Print one JSON object with the agreement figures."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "examples/models/demo-target"))
-    p.add_argument("--draft", default=None, help="also check greedy speculative == plain under int8 with it")
+    p.add_argument("--variant", choices=["int8", "bfloat16"], default="int8", help="the weights to compare")
+    p.add_argument("--draft", default=None, help="also check greedy speculative == plain under the variant with it")
     p.add_argument("--prompts", default=str(ROOT / "examples/prompts.jsonl"))
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     args = p.parse_args()
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    runners = {q: ModelRunner.from_pretrained(args.model, max_num_seqs=32, quantization=q) for q in (None, "int8")}
-    prompts = [runners[None].tokenizer.encode(row["prompt"]) for row in rows[: args.max_prompts]]
+    runners = {name: ModelRunner.from_pretrained(args.model, max_num_seqs=32, **VARIANTS[name])
+               for name in ("float32", args.variant)}  # fmt: skip
+    prompts = [runners["float32"].tokenizer.encode(row["prompt"]) for row in rows[: args.max_prompts]]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     outputs = {q: [r.token_ids for r in runner.generate(prompts, params)] for q, runner in runners.items()}
-    same = sum(a == b for x, y in zip(outputs[None], outputs["int8"]) for a, b in zip(x, y))
+    same = sum(a == b for x, y in zip(outputs["float32"], outputs[args.variant]) for a, b in zip(x, y))
     prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(*outputs.values()))
-    total = sum(map(len, outputs[None]))
-    sequences = [prompt + out for prompt, out in zip(prompts, outputs[None])]
+    total = sum(map(len, outputs["float32"]))
+    sequences = [prompt + out for prompt, out in zip(prompts, outputs["float32"])]
     scores = {q: [torch.tensor(s.token_logprobs) for s in r.score(sequences)] for q, r in runners.items()}
     deltas = torch.cat([(a - b)[len(prompt) - 1 :].abs() for a, b, prompt in zip(*scores.values(), prompts)])
-    result = {"model": args.model, "prompts": len(prompts), "new_tokens": args.new_tokens,
+    result = {"model": args.model, "variant": args.variant, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "greedy_tokens_equal_to_float32": same / total,
               "greedy_tokens_before_first_difference": prefix / total,
               "mean_abs_delta_logprob": deltas.mean().item(), "max_abs_delta_logprob": deltas.max().item()}  # fmt: skip
     if args.draft:
         speculative = SpeculativeConfig("draft", 4, draft_model=args.draft)
-        spec = ModelRunner.from_pretrained(args.model, max_num_seqs=32, quantization="int8", speculative=speculative)
+        spec = ModelRunner.from_pretrained(args.model, max_num_seqs=32, speculative=speculative,
+                                           **VARIANTS[args.variant])  # fmt: skip
         spec_outputs = [r.token_ids for r in spec.generate(prompts, params)]
-        result["int8_speculative_equals_plain"] = spec_outputs == outputs["int8"]
-        result["int8_acceptance_rate"] = spec.spec_stats()["acceptance_rate"]
+        result[f"{args.variant}_speculative_equals_plain"] = spec_outputs == outputs[args.variant]
+        result[f"{args.variant}_acceptance_rate"] = spec.spec_stats()["acceptance_rate"]
     print(json.dumps(result, indent=1))
     return 0
 

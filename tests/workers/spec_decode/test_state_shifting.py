@@ -103,7 +103,8 @@ def assert_forced_acceptance_exact(runner: ModelRunner, tol: dict = TOL) -> None
     while scheduler.has_work():
         scheduler.step()
         for request in scheduler.running:  # the slot covers every token but the newest
-            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1], tol)
+            kept = (request.prompt + request.output)[:-1]
+            _assert_slot_matches(scheduler.pool, request.slot, runner.model, kept, tol)
     for accepted, expected in proposer.seen:
         assert accepted == expected
     assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}

@@ -174,3 +174,12 @@ def test_bf16_with_int8_or_without_native_linears(checkpoint_dir):
     assert torch_path.embed_tokens.weight.dtype == torch.bfloat16
     assert not any(isinstance(m, NativeLinear) for m in torch_path.modules())
     assert load_checkpoint(path).model.embed_tokens.weight.dtype == torch.float32  # "auto" on CPU stays float32
+
+
+def test_bf16_without_a_compiler_is_the_torch_model(checkpoint_dir, monkeypatch):
+    monkeypatch.setattr(native, "_LIBRARY", None)
+    monkeypatch.setattr(native, "_LOAD_ERROR", None)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    model = load_checkpoint(str(checkpoint_dir("granite_dense")), dtype="bfloat16").model
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not any(isinstance(m, NativeLinear) for m in model.modules())

@@ -4,6 +4,8 @@
   for the few rows of a decode step (oneDNN and BLAS reach well under it there).
 - `csrc/linear_int8.c`: the same panels holding int8 weights (quantization="int8"), widened to float32 in
   registers: a quarter of the bytes to stream.
+- `csrc/linear_w8a8.c`: int8 weights × int8 activations (quantized per row and group at each call) with
+  AVX512-VNNI, exact integer sums per group (`workers/model/kernels/w8a8.py` packs and calls it).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
@@ -80,6 +82,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.linear_panels_int8.restype = None
     lib.linear_panels_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.linear_panels_w8a8.restype = None
+    lib.linear_panels_w8a8.argtypes = [ptr] * 6 + [i64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.linear_w8a8_paths.restype = i64
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]

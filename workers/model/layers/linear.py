@@ -15,7 +15,9 @@ from torch import nn
 from workers.model.kernels import native
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
-QUANTIZATIONS = ("int8",)  # vLLM's option name; None keeps the checkpoint's weights in the model dtype
+# "int8" (vLLM's name): int8 weights × int8 activations (linear_w8a8.py); "int8_weight_only" (torchao's name): int8
+# weights per output channel × float32 activations, the LM head in float32. None: the checkpoint's weights in dtype.
+QUANTIZATIONS = ("int8", "int8_weight_only")
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -47,7 +49,7 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scale: torch.Tensor | None = None
-        if quantization == "int8":
+        if quantization == "int8_weight_only":
             self.panels, self.scale = native.pack_panels_int8(linear.weight.detach())
         else:
             self.panels = native.pack_panels(linear.weight.detach().float())
@@ -136,16 +138,20 @@ def prepare_linears(
                 if isinstance(child, nn.Linear):
                     if id(child) not in replaced:
                         kind = None if name in FLOAT_LINEARS else quantization
-                        replaced[id(child)] = _replacement(child, backend, kind)
+                        replaced[id(child)] = _replacement(child, backend, kind, name == "lm_head")
                     setattr(parent, name, replaced[id(child)])
     return backend
 
 
-def _replacement(linear: nn.Linear, backend: str, quantization: str | None) -> nn.Module:
-    """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path)."""
+def _replacement(linear: nn.Linear, backend: str, quantization: str | None, head: bool = False) -> nn.Module:
+    """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path); `head`: the LM head."""
+    if quantization == "int8":
+        from workers.model.layers import linear_w8a8  # noqa: PLC0415 (it builds on NativeLinear, defined here)
+
+        return linear_w8a8.replacement(linear, backend, head)
     if backend == "native":
         return NativeLinear(linear, quantization)
-    if quantization == "int8":
+    if quantization == "int8_weight_only":
         return Int8Linear(linear)
     if backend == "onednn":
         return PackedLinear(linear)

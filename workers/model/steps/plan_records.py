@@ -40,7 +40,8 @@ class Op(enum.IntEnum):
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22
-    LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8")
+    LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8_weight_only")
+    LINEAR_W8A8 = 40  # int8 × int8 panels (quantization="int8", layers/linear_w8a8.py)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
@@ -50,7 +51,7 @@ RECORD_WORDS = 1 + NUM_INTS + NUM_FLOATS
 def _pointer(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int8) and t.is_contiguous()):
+    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int32, torch.int8) and t.is_contiguous()):
         raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
@@ -89,6 +90,10 @@ class Recorder:
 
 def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[Op, list]:
     """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32 or int8 panels (`layer.scale` set)."""
+    packed = getattr(layer, "packed", None)  # a W8A8Linear's
+    if packed is not None:
+        return Op.LINEAR_W8A8, [x, packed.panels, packed.scale, packed.correction, layer.bias, y, rows,
+                                layer.out_features, layer.in_features, packed.group_size]  # fmt: skip
     if layer.scale is not None:
         return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
                                 layer.in_features]  # fmt: skip

@@ -9,6 +9,10 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
                    int64_t K, int num_threads);
 void linear_panels_int8(const float *x, const int8_t *panels, const float *scale, const float *bias, float *y,
                         int64_t M, int64_t N, int64_t K, int num_threads);
+void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale, const int32_t *correction,
+                        const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int path,
+                        int num_threads);
+int64_t linear_w8a8_paths(void);
 void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t d, int num_threads);
 void add_rms_norm(float *hidden, const float *delta, float alpha, const float *weight, float eps, float *out,
                   int64_t rows, int64_t d, int num_threads);

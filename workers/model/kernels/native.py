@@ -85,6 +85,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panels_w8a8.restype = None
     lib.linear_panels_w8a8.argtypes = [ptr] * 6 + [i64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.linear_w8a8_paths.restype = i64
+    lib.rescore_top_logits.restype = None
+    lib.rescore_top_logits.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int]
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]

@@ -116,3 +116,14 @@ def linear(x: torch.Tensor, packed: W8A8Panels, bias: torch.Tensor | None, path:
             torch.get_num_threads(),
         )  # fmt: skip
     return out
+
+
+def rescore_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits: torch.Tensor, top_k: int):
+    """In place: the `top_k` largest of each row of logits [M, N] (ties: the lower index) recomputed in float32
+    as x [M, K] · weight[n] (+ bias[n]) from the float weight [N, K]."""
+    rows, in_features = x.shape
+    if weight.shape != (logits.shape[1], in_features) or logits.shape[0] != rows:
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, logits {tuple(logits.shape)} disagree")
+    if rows:
+        load().rescore_top_logits(pointer(x), pointer(weight), pointer(bias), pointer(logits), rows, weight.shape[0],
+                                  in_features, top_k, torch.get_num_threads())  # fmt: skip

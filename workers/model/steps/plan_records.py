@@ -93,7 +93,8 @@ def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: i
     packed = getattr(layer, "packed", None)  # a W8A8Linear's
     if packed is not None:
         return Op.LINEAR_W8A8, [x, packed.panels, packed.scale, packed.correction, layer.bias, y, rows,
-                                layer.out_features, layer.in_features, packed.group_size]  # fmt: skip
+                                layer.out_features, layer.in_features, packed.group_size, layer.float_weight,
+                                layer.top_k]  # fmt: skip
     if layer.scale is not None:
         return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
                                 layer.in_features]  # fmt: skip

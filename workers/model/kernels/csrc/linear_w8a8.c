@@ -199,3 +199,39 @@ void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale
     free(xq);
     free(sx);
 }
+
+/* The top_k largest logits of each row (ties: the lower index), recomputed in float32 from the float weight
+ * [N, K]: an int8 LM head whose greedy choice is float32's whenever float32's best token is among the int8 head's
+ * top_k. Each dot product runs 16 lanes in k order then a fixed tree, so a row's result does not depend on M. */
+static float dot(const float *a, const float *b, int64_t K) {
+    float lanes[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES)
+        for (int i = 0; i < LANES; ++i) lanes[i] = fmaf(a[k + i], b[k + i], lanes[i]);
+    for (int i = 0; k < K; ++k, ++i) lanes[i] = fmaf(a[k], b[k], lanes[i]);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+    return lanes[0];
+}
+
+void rescore_top_logits(const float *x, const float *weight, const float *bias, float *logits, int64_t M,
+                        int64_t N, int64_t K, int64_t top_k, int num_threads) {
+    enum { MAX_TOP = 64 };
+    top_k = top_k < MAX_TOP ? (top_k < N ? top_k : N) : MAX_TOP;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+        float *row = logits + m * N;
+        int64_t best[MAX_TOP];
+        int64_t count = 0;
+        for (int64_t n = 0; n < N; ++n) { /* insertion into a sorted list: best[0] the largest */
+            if (count == top_k && !(row[n] > row[best[count - 1]])) continue;
+            int64_t i = count < top_k ? count++ : count - 1;
+            for (; i > 0 && row[n] > row[best[i - 1]]; --i) best[i] = best[i - 1];
+            best[i] = n;
+        }
+        for (int64_t i = 0; i < count; ++i) {
+            const float value = dot(x + m * K, weight + best[i] * K, K);
+            row[best[i]] = bias ? value + bias[best[i]] : value;
+        }
+    }
+}

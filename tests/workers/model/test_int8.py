@@ -17,7 +17,7 @@ from workers.model.steps.plan_records import RECORD_WORDS, Op
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
 
-QUANTIZATIONS = ["int8", "int8_weight_only"]
+QUANTIZATIONS = ["int8", "int8_weight_only", "w8a8"]
 FAMILIES = ["granite_dense", "qwen3_5"]  # Mamba2 + attention; Gated DeltaNet + gated attention (both tied)
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 9, 30, 31, 4, 77, 12], [8, 8, 8, 9, 8, 8, 8, 9, 8], [100, 3], [40, 41, 42, 40, 41, 42, 40]]
@@ -58,7 +58,7 @@ def test_float32_panels_unchanged_by_the_copy_free_packing():
 
 def test_invalid_quantization_names_the_allowed_values(checkpoint_dir):
     path = str(checkpoint_dir("granite_dense"))
-    with pytest.raises(ValueError, match="quantization='int4' is invalid: must be one of int8, int8_weight_only"):
+    with pytest.raises(ValueError, match="quantization='int4' is invalid: must be one of int8, int8_weight_only, w8a8"):
         load_checkpoint(path, quantization="int4")
     with pytest.raises(ValueError, match="runs on CPU with float32 activations"):
         load_checkpoint(path, dtype="bfloat16", quantization="int8")
@@ -92,13 +92,12 @@ def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(f
     linears = [m for block in int8.model.blocks for m in block.modules() if isinstance(m, NativeLinear)]
     assert linears and all(m.scale is not None for m in linears)
     head, reference_head = int8.model.lm_head, reference.model.lm_head
-    if quantization == "int8":  # int8 × int8 everywhere, the LM head per group of inputs
-        assert all(isinstance(m, W8A8Linear) for m in linears)
+    assert all(isinstance(m, W8A8Linear) == (quantization == "w8a8") for m in linears)
+    if quantization != "int8_weight_only":  # an int8 × int8 LM head per group of inputs, its top logits re-ranked
         assert isinstance(head, W8A8Linear) and head.packed.group_size == HEAD_GROUP_SIZE
         assert head.top_k == HEAD_TOP_K and head.float_weight.data_ptr() == int8.model.embed_tokens.weight.data_ptr()
         assert isinstance(reference_head, W8A8Reference) and reference_head.group_size == HEAD_GROUP_SIZE
     else:
-        assert not any(isinstance(m, W8A8Linear) for m in linears)
         assert head.scale is None  # the LM head stays float32 (by measurement)
     assert int8.model.embed_tokens.weight.dtype == torch.float32  # embeddings, norms, conv, states stay float32
     rows = [p + [7, 3, 11, 2] for p in PROMPTS]
@@ -120,7 +119,8 @@ def test_int8_decode_plan_equals_module_path(family, quantization, runners):
     assert [r.token_ids for r in planned] == [r.token_ids for r in modules]
     plan = planned_runner._scheduler.workspace.plan
     codes = {int(code) for records in plan._records.values() for code in records.view(-1, RECORD_WORDS)[:, 0]}
-    assert (Op.LINEAR_W8A8 if quantization == "int8" else Op.LINEAR_INT8) in codes
+    assert (Op.LINEAR_W8A8 in codes) == (quantization != "int8_weight_only")
+    assert (Op.LINEAR_INT8 in codes) == (quantization != "w8a8")
 
 
 @pytest.mark.parametrize(("family", "method"), [("granite_dense", "ngram"), ("qwen3_5", "self")])

@@ -30,9 +30,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
 FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
 # The quantizations that include the LM head. "int8_weight_only" leaves it in float32: measured on the demo prompts
-# (200, 64 greedy tokens), a per-channel int8 head took greedy agreement with float32 from 96.5 % to 92.8 %; "int8"
-# quantizes it per group of inputs (linear_w8a8.HEAD_GROUP_SIZE), which passes (docs/benchmarks.md, int8 section).
-QUANTIZED_HEADS = ("int8",)
+# (200, 64 greedy tokens), a per-channel int8 head took greedy agreement with float32 from 96.5 % to 92.8 %. "int8"
+# and "w8a8" quantize it per group of inputs and recompute each row's top logits in float32 (linear_w8a8.py).
+QUANTIZED_HEADS = ("int8", "w8a8")
 # What we fetch from the hub: configs, safetensors, tokenizer files. Never code, never pickles.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 

@@ -15,9 +15,12 @@ from torch import nn
 from workers.model.kernels import native
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
-# "int8" (vLLM's name): int8 weights × int8 activations (linear_w8a8.py); "int8_weight_only" (torchao's name): int8
-# weights per output channel × float32 activations, the LM head in float32. None: the checkpoint's weights in dtype.
-QUANTIZATIONS = ("int8", "int8_weight_only")
+# None: the checkpoint's weights in dtype. Block linears: int8 weights per output channel × float32 activations
+# ("int8", vLLM's name; "int8_weight_only", torchao's) or × int8 activations ("w8a8": faster from batch 8, below the
+# quality gate on the demo prompts). The LM head: int8 × int8 per group with its top logits recomputed in float32
+# ("int8", "w8a8"; linear_w8a8.py) or float32 ("int8_weight_only"). Chosen by measurement: docs/benchmarks.md.
+QUANTIZATIONS = ("int8", "int8_weight_only", "w8a8")
+W8A8_LINEARS = {"int8": "head", "w8a8": "all"}  # the linears each quantization multiplies int8 × int8
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -42,8 +45,8 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only).
 
-    `quantization="int8"`: the panels hold the weight quantized per output channel (int8, `scale` [out]) and the
-    int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None for float32 panels."""
+    `quantization="int8_weight_only"`: the panels hold the weight quantized per output channel (int8, `scale` [out])
+    and the int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None for float32 panels."""
 
     def __init__(self, linear: nn.Linear, quantization: str | None = None):
         super().__init__()
@@ -106,8 +109,8 @@ def prepare_linears(
     """Switch every nn.Linear of `model` to the chosen backend after its weights are loaded; returns the one used.
 
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
-    `quantization="int8"` (CPU): the weights quantized per output channel, multiplied by the native int8 kernel
-    ("auto", "native") or widened by PyTorch at each call ("torch"); gates named in `FLOAT_LINEARS` stay float.
+    `quantization` (CPU; see QUANTIZATIONS): the weights quantized per output channel, multiplied by the native int8
+    kernels ("auto", "native") or by PyTorch ("torch"); gates named in `FLOAT_LINEARS` stay float.
     `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
     shared by several parents (Zamba2's shared blocks) is replaced once, in every parent. The Linears themselves are
     not kept (their weights are freed as they are replaced); every id looked up is of a Linear built with the model,
@@ -145,10 +148,11 @@ def prepare_linears(
 
 def _replacement(linear: nn.Linear, backend: str, quantization: str | None, head: bool = False) -> nn.Module:
     """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path); `head`: the LM head."""
-    if quantization == "int8":
+    if W8A8_LINEARS.get(quantization) == "all" or (quantization in W8A8_LINEARS and head):
         from workers.model.layers import linear_w8a8  # noqa: PLC0415 (it builds on NativeLinear, defined here)
 
         return linear_w8a8.replacement(linear, backend, head)
+    quantization = None if quantization is None else "int8_weight_only"
     if backend == "native":
         return NativeLinear(linear, quantization)
     if quantization == "int8_weight_only":

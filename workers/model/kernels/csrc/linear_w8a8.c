@@ -223,11 +223,13 @@ void rescore_top_logits(const float *x, const float *weight, const float *bias, 
         float *row = logits + m * N;
         int64_t best[MAX_TOP];
         int64_t count = 0;
+        float floor = -INFINITY; /* the smallest kept value once top_k are kept */
         for (int64_t n = 0; n < N; ++n) { /* insertion into a sorted list: best[0] the largest */
-            if (count == top_k && !(row[n] > row[best[count - 1]])) continue;
+            if (count == top_k && !(row[n] > floor)) continue;
             int64_t i = count < top_k ? count++ : count - 1;
             for (; i > 0 && row[n] > row[best[i - 1]]; --i) best[i] = best[i - 1];
             best[i] = n;
+            if (count == top_k) floor = row[best[top_k - 1]];
         }
         for (int64_t i = 0; i < count; ++i) {
             const float value = dot(x + m * K, weight + best[i] * K, K);

@@ -68,29 +68,32 @@ def quantize_activations(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 
 
 def pack(weight: torch.Tensor, group_size: int | None) -> W8A8Panels:
-    """Quantize a [N, K] weight (`quantize_weight`) and pack it for `linear`."""
+    """Quantize a [N, K] weight (`quantize_weight`) and pack it for `linear`, a few panels at a time (~2 MiB of float
+    temporaries: no float copy of the whole weight)."""
     out_features, in_features = weight.shape
     size = group_size_for(in_features, group_size)
-    num_panels = -(-out_features // PANEL)
-    q, scale = quantize_weight(weight, size)  # [N, groups, G], [N, groups]
-    groups = q.shape[1]
-    padded = q.new_zeros(num_panels * PANEL, groups * size)
-    padded[:out_features] = q.view(out_features, -1)
-    # [panels, P, Kp / 4, 4] → [panels, Kp / 4, P, 4]
-    panels = padded.view(num_panels, PANEL, groups * size // 4, 4).transpose(1, 2).contiguous()
-    full_scale = scale.new_ones(num_panels * PANEL, groups)
-    full_scale[:out_features] = scale
-    sums = q.sum(dim=2, dtype=torch.int32) * 128  # [N, groups]
-    correction = sums.new_zeros(num_panels * PANEL, groups)
-    correction[:out_features] = sums
-    return W8A8Panels(
-        panels,
-        full_scale.view(num_panels, PANEL, groups).transpose(1, 2).contiguous(),
-        correction.view(num_panels, PANEL, groups).transpose(1, 2).contiguous(),
-        size,
-        out_features,
-        in_features,
-    )
+    num_panels, groups = -(-out_features // PANEL), -(-in_features // size)
+    panels = torch.zeros(num_panels, groups * size // 4, PANEL, 4, dtype=torch.int8)
+    scale = torch.ones(num_panels, groups, PANEL)
+    correction = torch.zeros(num_panels, groups, PANEL, dtype=torch.int32)
+    step = max(1, (2 << 20) // (4 * PANEL * groups * size))  # panels per pass
+    for first in range(0, num_panels, step):
+        rows = slice(first * PANEL, min(out_features, (first + step) * PANEL))
+        q, part_scale = quantize_weight(weight[rows], size)  # [n, groups, G], [n, groups]
+        count = -(-q.shape[0] // PANEL)
+        padded = q.new_zeros(count * PANEL, groups * size)
+        padded[: q.shape[0]] = q.view(q.shape[0], -1)
+        # [count, P, Kp / 4, 4] → [count, Kp / 4, P, 4]
+        panels[first : first + count] = padded.view(count, PANEL, -1, 4).transpose(1, 2)
+        for target, values in ((scale, part_scale), (correction, q.sum(dim=2, dtype=torch.int32) * 128)):
+            full = (
+                target.new_zeros(count * PANEL, groups)
+                if target is correction
+                else target.new_ones(count * PANEL, groups)
+            )
+            full[: q.shape[0]] = values
+            target[first : first + count] = full.view(count, PANEL, groups).transpose(1, 2)
+    return W8A8Panels(panels, scale, correction, size, out_features, in_features)
 
 
 def available_paths() -> list[str]:

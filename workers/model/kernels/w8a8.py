@@ -85,12 +85,9 @@ def pack(weight: torch.Tensor, group_size: int | None) -> W8A8Panels:
         padded[: q.shape[0]] = q.view(q.shape[0], -1)
         # [count, P, Kp / 4, 4] → [count, Kp / 4, P, 4]
         panels[first : first + count] = padded.view(count, PANEL, -1, 4).transpose(1, 2)
-        for target, values in ((scale, part_scale), (correction, q.sum(dim=2, dtype=torch.int32) * 128)):
-            full = (
-                target.new_zeros(count * PANEL, groups)
-                if target is correction
-                else target.new_ones(count * PANEL, groups)
-            )
+        sums = q.sum(dim=2, dtype=torch.int32) * 128
+        for target, values, pad in ((scale, part_scale, 1), (correction, sums, 0)):  # padded columns: 1, 0
+            full = values.new_full((count * PANEL, groups), pad)
             full[: q.shape[0]] = values
             target[first : first + count] = full.view(count, PANEL, groups).transpose(1, 2)
     return W8A8Panels(panels, scale, correction, size, out_features, in_features)

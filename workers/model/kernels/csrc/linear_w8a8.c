@@ -149,18 +149,20 @@ static int vnni_usable(void) {
 
 int64_t linear_w8a8_paths(void) { return (1 << PATH_PORTABLE) | (vnni_usable() << PATH_VNNI); }
 
-static void quantize_rows(const float *x, int64_t M, int64_t K, int use_vnni, w8a8_args *a, uint8_t *xq, float *sx,
-                          int64_t m) {
-    (void)M;
+/* Row m of x [M, K] → xq[m] (+128, zero-padded to Kp) and sx[m, ·], per group; both paths round alike. */
+static void quantize_row(const float *x, int64_t K, int use_vnni, const w8a8_args *a, uint8_t *xq, float *sx,
+                         int64_t m) {
     for (int64_t g = 0; g < a->groups; ++g) {
         const int64_t k0 = g * a->G, n = K - k0 < a->G ? K - k0 : a->G;
         uint8_t *q = xq + m * a->Kp + k0;
+        float *scale = sx + m * a->groups + g;
 #if HAVE_VNNI
-        if (use_vnni) quantize_group(x + m * K + k0, n, q, sx + m * a->groups + g);
-        else
-#endif
-            quantize_group_portable(x + m * K + k0, n, q, sx + m * a->groups + g);
+        if (use_vnni) quantize_group(x + m * K + k0, n, q, scale);
+        else quantize_group_portable(x + m * K + k0, n, q, scale);
+#else
         (void)use_vnni;
+        quantize_group_portable(x + m * K + k0, n, q, scale);
+#endif
         memset(q + n, 128, (size_t)(a->G - n)); /* padding: q = 0 */
     }
 }
@@ -177,7 +179,7 @@ void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) quantize_rows(x, M, K, use_vnni, &a, xq, sx, m);
+        for (int64_t m = 0; m < M; ++m) quantize_row(x, K, use_vnni, &a, xq, sx, m);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_panels * num_row_blocks; ++item) {
             float acc[ROW_BLOCK * PANEL];

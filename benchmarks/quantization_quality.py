@@ -1,6 +1,6 @@
 """int8 (or bfloat16) weights against float32 on the demo prompts: greedy tokens equal to float32's over 64 new
 tokens, |Δ log-prob| of float32's greedy continuations scored by both, and greedy speculative (draft model) ==
-greedy plain under int8 (bfloat16).
+greedy plain under the variant. Prints a table, and writes the figures as JSON with --json.
 
 python benchmarks/quantization_quality.py --model examples/models/demo-target --draft examples/models/demo-draft
 python benchmarks/quantization_quality.py --model examples/models/demo-gdn --variant bfloat16
@@ -16,20 +16,22 @@ from pathlib import Path
 import torch
 
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.model.layers.linear import QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
+VARIANTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}} | {q: {"quantization": q} for q in QUANTIZATIONS}
 
 
 def main() -> int:
-    """Print one JSON object with the agreement figures."""
+    """Print the agreement figures as a table (and write them as JSON with --json)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "examples/models/demo-target"))
-    p.add_argument("--variant", choices=["int8", "bfloat16"], default="int8", help="the weights to compare")
+    p.add_argument("--variant", choices=sorted(set(VARIANTS) - {"float32"}), default="int8", help="the weights to compare")
     p.add_argument("--draft", default=None, help="also check greedy speculative == plain under the variant with it")
     p.add_argument("--prompts", default=str(ROOT / "examples/prompts.jsonl"))
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args()
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     runners = {name: ModelRunner.from_pretrained(args.model, max_num_seqs=32, **VARIANTS[name])
@@ -54,7 +56,10 @@ def main() -> int:
         spec_outputs = [r.token_ids for r in spec.generate(prompts, params)]
         result[f"{args.variant}_speculative_equals_plain"] = spec_outputs == outputs[args.variant]
         result[f"{args.variant}_acceptance_rate"] = spec.spec_stats()["acceptance_rate"]
-    print(json.dumps(result, indent=1))
+    for key, value in result.items():
+        print(f"{key:40s} {value:.4f}" if isinstance(value, float) else f"{key:40s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

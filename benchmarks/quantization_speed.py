@@ -5,7 +5,7 @@ counts them; a table, and JSON with --json.
 python benchmarks/quantization_speed.py --preset bench --batch-sizes 1 8 32 --rounds 5 --threads 2
 python benchmarks/quantization_speed.py --preset gdn-bench --variants float32 bfloat16 torch-bfloat16 --json out.json
 
-Variants: float32; int8 (quantization="int8"); bfloat16 (dtype="bfloat16": bf16 linear weights on the native
+Variants: float32; int8, int8_weight_only, w8a8 (that quantization); bfloat16 (dtype="bfloat16": bf16 linear weights on the native
 kernels, the process's kernel path); bfloat16:amx, bfloat16:avx512, bfloat16:portable (that kernel path forced on
 the model's linears, to compare paths in one process); torch-bfloat16 (dtype="bfloat16" with linear_backend="torch":
 the all-PyTorch bfloat16 model).
@@ -31,6 +31,8 @@ from workers.model.layers.linear import NativeLinear
 VARIANTS: dict[str, dict[str, Any]] = {
     "float32": {},
     "int8": {"quantization": "int8"},
+    "int8_weight_only": {"quantization": "int8_weight_only"},
+    "w8a8": {"quantization": "w8a8"},
     "bfloat16": {"dtype": "bfloat16"},
     "bfloat16:amx": {"dtype": "bfloat16"},
     "bfloat16:avx512": {"dtype": "bfloat16"},

@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quantization",
         choices=list(QUANTIZATIONS),
         default=None,
-        help="weight quantization (CPU): int8 linear weights quantized per output channel at load",
+        help="weight quantization (CPU): int8 block linears per output channel and an int8 LM head (int8), the head "
+        "float32 (int8_weight_only), or int8 × int8 everywhere (w8a8)",
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts per run")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (score: tokens per row)")

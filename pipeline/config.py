@@ -62,8 +62,8 @@ class ModelConfig:
         default="auto",
     )
     quantization: str = _doc("weight quantization (vLLM's name): none, or int8 (CPU workers: linear weights quantized "
-                             "per output channel at load, ~3× less to read per decode step; log-probs move slightly, "
-                             "see docs)", default="none")  # fmt: skip
+                             "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
+                             "log-probs move slightly, see docs)", default="none")  # fmt: skip
     max_num_seqs: int = _doc("requests decoded together per worker", default=64)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "

@@ -1,5 +1,7 @@
-"""quantization="int8": the native int8 kernel against the PyTorch reference, per-row results independent of the
-batch, and whole models — decode plan == module path, greedy speculative == greedy plain, close to float32."""
+"""quantization="int8" (int8 × int8, layers/linear_w8a8.py) and "int8_weight_only" (int8 × float32): the weight-only
+kernel against its PyTorch reference, per-row results independent of the batch, and whole models under both — the
+int8 kernels everywhere, decode plan == module path, greedy speculative == greedy plain, close to float32. The
+int8 × int8 kernel itself: test_w8a8.py."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import load_checkpoint
 from workers.model.kernels import native
 from workers.model.layers.linear import Int8Linear, NativeLinear, prepare_linears, quantize_int8
+from workers.model.layers.linear_w8a8 import HEAD_GROUP_SIZE, HEAD_TOP_K, W8A8Linear, W8A8Reference
+from workers.model.steps.plan_records import RECORD_WORDS, Op
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels")
 
+QUANTIZATIONS = ["int8", "int8_weight_only", "w8a8"]
 FAMILIES = ["granite_dense", "qwen3_5"]  # Mamba2 + attention; Gated DeltaNet + gated attention (both tied)
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 9, 30, 31, 4, 77, 12], [8, 8, 8, 9, 8, 8, 8, 9, 8], [100, 3], [40, 41, 42, 40, 41, 42, 40]]
@@ -23,7 +28,7 @@ def test_int8_kernel_equals_reference_for_every_row_tiling(bias):
     # Panels of 48 outputs, chunks of 256 inputs, tiles of 8 rows then 1 … 7, blocks of 64 rows: every tail is hit.
     for in_features, out_features in [(37, 5), (300, 100), (600, 144)]:
         linear = torch.nn.Linear(in_features, out_features, bias=bias)
-        int8, reference = NativeLinear(linear, "int8"), Int8Linear(linear)
+        int8, reference = NativeLinear(linear, "int8_weight_only"), Int8Linear(linear)
         assert int8.panels.dtype == torch.int8 and torch.equal(int8.scale, reference.scale)
         for rows in (0, 1, 3, 7, 8, 13, 65, 131):
             x = torch.randn(rows, in_features)
@@ -53,7 +58,7 @@ def test_float32_panels_unchanged_by_the_copy_free_packing():
 
 def test_invalid_quantization_names_the_allowed_values(checkpoint_dir):
     path = str(checkpoint_dir("granite_dense"))
-    with pytest.raises(ValueError, match="quantization='int4' is invalid: must be one of int8"):
+    with pytest.raises(ValueError, match="quantization='int4' is invalid: must be one of int8, int8_weight_only, w8a8"):
         load_checkpoint(path, quantization="int4")
     with pytest.raises(ValueError, match="runs on CPU with float32 activations"):
         load_checkpoint(path, dtype="float16", quantization="int8")
@@ -79,20 +84,28 @@ def runners(checkpoint_dir):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(family, runners):
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(family, quantization, runners):
     int8, full, reference = (
-        runners(family, "int8"),
+        runners(family, quantization),
         runners(family, None),
-        runners(family, "int8", linear_backend="torch"),
+        runners(family, quantization, linear_backend="torch"),
     )
     linears = [m for block in int8.model.blocks for m in block.modules() if isinstance(m, NativeLinear)]
     assert linears and all(m.scale is not None for m in linears)
-    assert int8.model.lm_head.scale is None  # the LM head stays float32 (QUANTIZE_LM_HEAD, by measurement)
+    head, reference_head = int8.model.lm_head, reference.model.lm_head
+    assert all(isinstance(m, W8A8Linear) == (quantization == "w8a8") for m in linears)
+    if quantization != "int8_weight_only":  # an int8 × int8 LM head per group of inputs, its top logits re-ranked
+        assert isinstance(head, W8A8Linear) and head.packed.group_size == HEAD_GROUP_SIZE
+        assert head.top_k == HEAD_TOP_K and head.float_weight.data_ptr() == int8.model.embed_tokens.weight.data_ptr()
+        assert isinstance(reference_head, W8A8Reference) and reference_head.group_size == HEAD_GROUP_SIZE
+    else:
+        assert head.scale is None  # the LM head stays float32 (by measurement)
     assert int8.model.embed_tokens.weight.dtype == torch.float32  # embeddings, norms, conv, states stay float32
     rows = [p + [7, 3, 11, 2] for p in PROMPTS]
     scores = {name: torch.cat([torch.tensor(s.token_logprobs) for s in r.score(rows)])
               for name, r in (("int8", int8), ("float32", full), ("reference", reference))}  # fmt: skip
-    # The native int8 kernels compute what PyTorch computes from the same int8 weights (float rounding apart) …
+    # The native int8 kernels compute what PyTorch computes from the same int8 numbers (float rounding apart) …
     torch.testing.assert_close(scores["int8"], scores["reference"], atol=1e-4, rtol=0)
     # … which moves the log-probs of these random 64-wide models off float32's by a little (≤ 0.14 seen).
     delta = (scores["int8"] - scores["float32"]).abs().max()
@@ -100,21 +113,29 @@ def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(f
 
 
 @pytest.mark.parametrize("family", ["qwen3_5"])
-def test_int8_decode_plan_equals_module_path(family, runners):
-    planned = runners(family, "int8").generate(PROMPTS, PARAMS)
-    modules = runners(family, "int8", decode_plan=False).generate(PROMPTS, PARAMS)
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_int8_decode_plan_equals_module_path(family, quantization, runners):
+    planned_runner = runners(family, quantization)
+    planned = planned_runner.generate(PROMPTS, PARAMS)
+    modules = runners(family, quantization, decode_plan=False).generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in planned] == [r.token_ids for r in modules]
+    plan = planned_runner._scheduler.workspace.plan
+    codes = {int(code) for records in plan._records.values() for code in records.view(-1, RECORD_WORDS)[:, 0]}
+    assert (Op.LINEAR_W8A8 in codes) == (quantization != "int8_weight_only")
+    assert (Op.LINEAR_INT8 in codes) == (quantization != "w8a8")
 
 
 @pytest.mark.parametrize(("family", "method"), [("granite_dense", "ngram"), ("qwen3_5", "self")])
-def test_int8_greedy_speculative_equals_greedy_plain(family, method, runners, checkpoint_dir):
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_int8_greedy_speculative_equals_greedy_plain(family, method, quantization, runners, checkpoint_dir):
     if method == "ngram":
         speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, policy="fixed")
     else:  # the model drafting for itself, int8 too: every draft is the verification's greedy token
         speculative = SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(family)), policy="fixed")
-    spec = runners(family, "int8", speculative=speculative)
+    spec = runners(family, quantization, speculative=speculative)
     results = spec.generate(PROMPTS, PARAMS)
-    assert [r.token_ids for r in results] == [r.token_ids for r in runners(family, "int8").generate(PROMPTS, PARAMS)]
+    plain = runners(family, quantization).generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     stats = spec.spec_stats()
     assert stats["num_drafts"] > 0
     if method == "self":

@@ -6,6 +6,8 @@
   registers: a quarter of the bytes to stream.
 - `csrc/linear_bf16.c`: bfloat16 weights (dtype="bfloat16" on CPU) in panels of k pairs, multiplied on AMX tiles,
   with AVX512-BF16, or widened to float32 (`native_bf16.py` packs them and picks the path once per process).
+- `csrc/linear_w8a8.c`: int8 weights × int8 activations (quantized per row and group at each call) with
+  AVX512-VNNI, exact integer sums per group (`workers/model/kernels/w8a8.py` packs and calls it).
 - `csrc/mamba_decode.c`: the Mamba2 decode step, which touches every byte of the SSM state (512 KiB per request
   per layer for the bench model): several PyTorch passes plus a batched matrix-vector product, here one; and the
   prompt (prefill) pass from the zero state, token by token per head with the head's state in L1.
@@ -87,6 +89,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_bf16_path_available.restype = ctypes.c_int
     lib.linear_bf16_path_available.argtypes = [ctypes.c_int]
     lib.linear_bf16_k_align.restype = i64
+    lib.linear_panels_w8a8.restype = None
+    lib.linear_panels_w8a8.argtypes = [ptr] * 6 + [i64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.linear_w8a8_paths.restype = i64
+    lib.rescore_top_logits.restype = None
+    lib.rescore_top_logits.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int]
     lib.decode_plan_record_words.restype = i64
     lib.decode_plan_run.restype = i64
     lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]

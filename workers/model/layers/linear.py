@@ -15,10 +15,15 @@ from torch import nn
 from workers.model.kernels import native, native_bf16
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
-QUANTIZATIONS = ("int8",)  # vLLM's option name; None keeps the checkpoint's weights in the model dtype
-# How a native linear stores its weight besides float32: "int8" (quantization="int8"), "bfloat16" (dtype="bfloat16"
-# on CPU: bf16 weights, float32 activations; see loader.resolve_weight_format).
-WEIGHT_FORMATS = ("int8", "bfloat16")
+# None: the checkpoint's weights in dtype. Block linears: int8 weights per output channel × float32 activations
+# ("int8", vLLM's name; "int8_weight_only", torchao's) or × int8 activations ("w8a8": faster from batch 8, below the
+# quality gate on the demo prompts). The LM head: int8 × int8 per group with its top logits recomputed in float32
+# ("int8", "w8a8"; linear_w8a8.py) or float32 ("int8_weight_only"). Chosen by measurement: docs/benchmarks.md.
+QUANTIZATIONS = ("int8", "int8_weight_only", "w8a8")
+W8A8_LINEARS = {"int8": "head", "w8a8": "all"}  # the linears each quantization multiplies int8 × int8
+# How a linear stores its weight besides float32: a quantization, or "bfloat16" (dtype="bfloat16" on CPU: bf16
+# weights, float32 activations; see loader.resolve_weight_format).
+WEIGHT_FORMATS = (*QUANTIZATIONS, "bfloat16")
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -43,16 +48,16 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only).
 
-    `weight_format="int8"`: the panels hold the weight quantized per output channel (int8, `scale` [out]) and the
-    int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None otherwise. "bfloat16": bf16 panels of k pairs
-    for csrc/linear_bf16.c, run by `bf16_path` (the process's kernel path, fixed at construction)."""
+    `weight_format="int8_weight_only"`: the panels hold the weight quantized per output channel (int8, `scale`
+    [out]) and the int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None otherwise. "bfloat16": bf16
+    panels of k pairs for csrc/linear_bf16.c, run by `bf16_path` (the process's kernel path, fixed at construction)."""
 
     def __init__(self, linear: nn.Linear, weight_format: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scale: torch.Tensor | None = None
         self.bf16_path: str | None = None
-        if weight_format == "int8":
+        if weight_format == "int8_weight_only":
             self.panels, self.scale = native.pack_panels_int8(linear.weight.detach())
         elif weight_format == "bfloat16":
             self.bf16_path = native_bf16.bf16_path()
@@ -114,8 +119,8 @@ def prepare_linears(
     """Switch every nn.Linear of `model` to the chosen backend after its weights are loaded; returns the one used.
 
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
-    `quantization="int8"` (CPU): the weights quantized per output channel, multiplied by the native int8 kernel
-    ("auto", "native") or widened by PyTorch at each call ("torch"); gates named in `FLOAT_LINEARS` stay float.
+    `quantization` (CPU; see QUANTIZATIONS): the weights quantized per output channel, multiplied by the native int8
+    kernels ("auto", "native") or by PyTorch ("torch"); gates named in `FLOAT_LINEARS` stay float.
     `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
     bf16 panels for the native kernel ("auto", "native" only).
     `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
@@ -152,16 +157,22 @@ def prepare_linears(
                 if isinstance(child, nn.Linear):
                     if id(child) not in replaced:
                         kind = None if name in FLOAT_LINEARS else quantization
-                        replaced[id(child)] = _replacement(child, backend, kind)
+                        replaced[id(child)] = _replacement(child, backend, kind, name == "lm_head")
                     setattr(parent, name, replaced[id(child)])
     return backend
 
 
-def _replacement(linear: nn.Linear, backend: str, quantization: str | None) -> nn.Module:
-    """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path)."""
+def _replacement(linear: nn.Linear, backend: str, quantization: str | None, head: bool = False) -> nn.Module:
+    """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path); `head`: the LM head."""
+    if W8A8_LINEARS.get(quantization) == "all" or (quantization in W8A8_LINEARS and head):
+        from workers.model.layers import linear_w8a8  # noqa: PLC0415 (it builds on NativeLinear, defined here)
+
+        return linear_w8a8.replacement(linear, backend, head)
+    if quantization in QUANTIZATIONS:
+        quantization = "int8_weight_only"  # the int8 panels of the blocks' linears
     if backend == "native":
         return NativeLinear(linear, quantization)
-    if quantization == "int8":
+    if quantization == "int8_weight_only":
         return Int8Linear(linear)
     if backend == "onednn":
         return PackedLinear(linear)
@@ -174,10 +185,8 @@ def _replacement(linear: nn.Linear, backend: str, quantization: str | None) -> n
 
 def check_weight_format(weight_format: str | None, device: torch.device | str, dtype: torch.dtype) -> None:
     """`ValueError` unless the weight format (`WEIGHT_FORMATS`, or None) can run on `device` with `dtype` activations."""
-    if weight_format == "int8" or weight_format is None:
+    if weight_format != "bfloat16":
         return check_quantization(weight_format, device, dtype)
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight format {weight_format!r} is invalid: must be one of {', '.join(WEIGHT_FORMATS)}")
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         raise ValueError(f"{weight_format} weight panels run on CPU with float32 activations, not {device} / {dtype}")
 

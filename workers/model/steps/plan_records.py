@@ -40,8 +40,9 @@ class Op(enum.IntEnum):
     MAMBA2_VERIFY = 20
     GDN_VERIFY = 21
     ATTENTION_VERIFY = 22
-    LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8")
+    LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8_weight_only")
     LINEAR_BF16 = 24  # bfloat16 panels (dtype="bfloat16" on CPU), with the process's kernel path
+    LINEAR_W8A8 = 40  # int8 × int8 panels (quantization="int8", layers/linear_w8a8.py)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles
@@ -51,7 +52,7 @@ RECORD_WORDS = 1 + NUM_INTS + NUM_FLOATS
 def _pointer(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int8, torch.bfloat16) and t.is_contiguous()):
+    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int32, torch.int8, torch.bfloat16) and t.is_contiguous()):
         raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
@@ -89,9 +90,14 @@ class Recorder:
 
 
 def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[Op, list]:
-    """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32, int8 (`layer.scale` set) or bfloat16
-    (`layer.bf16_path` set) panels."""
-    if layer.bf16_path is not None:
+    """(op, arguments) of y [rows, out] = layer(x [rows, in]): float32, int8 (`layer.scale` set), int8 × int8
+    (a W8A8Linear's `packed`) or bfloat16 (`layer.bf16_path` set) panels."""
+    packed = getattr(layer, "packed", None)  # a W8A8Linear's
+    if packed is not None:
+        return Op.LINEAR_W8A8, [x, packed.panels, packed.scale, packed.correction, layer.bias, y, rows,
+                                layer.out_features, layer.in_features, packed.group_size, layer.float_weight,
+                                layer.top_k]  # fmt: skip
+    if getattr(layer, "bf16_path", None) is not None:
         return Op.LINEAR_BF16, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features,
                                 native_bf16.BF16_PATHS[layer.bf16_path]]  # fmt: skip
     if layer.scale is not None:

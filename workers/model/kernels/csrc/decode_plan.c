@@ -42,6 +42,7 @@ enum {
     OP_ATTENTION_VERIFY = 22,
     OP_LINEAR_INT8 = 23,
     OP_LINEAR_BF16 = 24,
+    OP_LINEAR_W8A8 = 40,
 };
 
 typedef struct {
@@ -155,6 +156,13 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_LINEAR_BF16: /* a: x, bf16 panels, bias, y, M, N, K, path (linear_bf16.c) */
             linear_panels_bf16(F32(0), (const uint16_t *)op->a[1], F32(2), F32(3), op->a[4], op->a[5], op->a[6],
                                (int)op->a[7], num_threads);
+            break;
+        case OP_LINEAR_W8A8: /* a: x, int8 panels, scale, correction, bias, y, M, N, K, G, float weight, top_k */
+            linear_panels_w8a8(F32(0), (const int8_t *)op->a[1], F32(2), (const int32_t *)op->a[3], F32(4), F32(5),
+                               op->a[6], op->a[7], op->a[8], op->a[9], 0, num_threads);
+            if (op->a[11] > 0) /* an LM head: a: …, float weight, top_k */
+                rescore_top_logits(F32(0), F32(10), F32(4), F32(5), op->a[6], op->a[7], op->a[8], op->a[11],
+                                   num_threads);
             break;
         case OP_SILU_MUL:
             silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);

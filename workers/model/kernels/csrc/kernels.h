@@ -13,6 +13,12 @@ void linear_panels_bf16(const float *x, const uint16_t *panels, const float *bia
                         int64_t K, int path, int num_threads);
 int linear_bf16_path_available(int path);
 int64_t linear_bf16_k_align(void);
+void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale, const int32_t *correction,
+                        const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int path,
+                        int num_threads);
+int64_t linear_w8a8_paths(void);
+void rescore_top_logits(const float *x, const float *weight, const float *bias, float *logits, int64_t M,
+                        int64_t N, int64_t K, int64_t top_k, int num_threads);
 void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t d, int num_threads);
 void add_rms_norm(float *hidden, const float *delta, float alpha, const float *weight, float eps, float *out,
                   int64_t rows, int64_t d, int num_threads);

@@ -33,10 +33,9 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_
 HYBRIDGEN_VARIANTS = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
 LLAMA_VARIANTS = ("f32", "q8_0")
 GREEDY_PROMPT = "The quick brown fox jumps over the lazy dog and then"
-# Runs llama.cpp's converter unchanged but for three gaps between it and a random-weight preset saved by transformers
-# 5: (1) no tokenizer files: use the GPT-NeoX vocabulary llama.cpp ships (as its Mamba2 converter does), cut to the
-# model's vocab size; (2) Granite's layer types are written "full_attention" / "linear_attention", the converter
-# reads "attention"; (3) Qwen3.5 without MTP layers needs `--no-mtp`.
+# Runs llama.cpp's converter unchanged but for two gaps between it and a random-weight preset: (1) no tokenizer files:
+# use the GPT-NeoX vocabulary llama.cpp ships (as its Mamba2 converter does), cut to the model's vocab size; (2)
+# Qwen3.5 without MTP layers needs `--no-mtp`. Config spellings are fixed on a staged copy (`staged_checkpoint`).
 CONVERT_SHIM = """
 import json, runpy, sys
 from pathlib import Path
@@ -44,13 +43,10 @@ script, sys.argv = sys.argv[1], sys.argv[1:]
 sys.path[0] = str(Path(script).parent)
 from conversion import get_model_class
 from conversion.base import TextModel
-from conversion.granite import GraniteHybridModel
 checkpoint = Path(sys.argv[1])
 config = json.loads((checkpoint / "config.json").read_text())
 if not any((checkpoint / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
     TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_builtin("gpt-neox", self.hparams["vocab_size"])
-GraniteHybridModel.get_attn_layers = lambda self: [
-    i for i, kind in enumerate(self.hparams["layer_types"]) if kind in ("attention", "full_attention")]
 model_class = get_model_class(config["architectures"][0])
 if getattr(model_class, "supports_mtp_export", False) and not config.get("mtp_num_hidden_layers"):
     model_class.no_mtp = True
@@ -87,13 +83,33 @@ def build_llama(cache: Path, targets: tuple[str, ...] = BUILD_TARGETS) -> Path:
     return bin_dir
 
 
+def staged_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """A copy of `checkpoint` (weights linked) whose config.json is spelled as the published Granite 4.0-H configs
+    are, which llama.cpp's converter reads: transformers 5 saves layer types as "full_attention" / "linear_attention"
+    (the converter wants "attention"); with no experts the published configs set `num_experts_per_tok` 0 (llama.cpp
+    aborts on 2) and `intermediate_size` to the shared MLP's (llama.cpp sizes the dense MLP by it)."""
+    staged = out_dir / f"{checkpoint.name}-hf"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in checkpoint.iterdir():
+        if path.name != "config.json" and not (staged / path.name).exists():
+            (staged / path.name).symlink_to(path.resolve())
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") == "granitemoehybrid":
+        config["layer_types"] = ["attention" if kind == "full_attention" else "mamba" for kind in config["layer_types"]]
+        if not config.get("num_local_experts"):
+            config |= {"num_experts_per_tok": 0, "intermediate_size": config["shared_intermediate_size"]}
+    (staged / "config.json").write_text(json.dumps(config, indent=2))
+    return staged
+
+
 def convert(source: Path, bin_dir: Path, checkpoint: Path, out_dir: Path) -> dict[str, Path] | None:
     """f32 and q8_0 GGUFs of `checkpoint` (reused when there), or None when this llama.cpp lacks the architecture."""
     ggufs = {variant: out_dir / f"{checkpoint.name}-{variant}.gguf" for variant in LLAMA_VARIANTS}
     if not ggufs["f32"].exists():
         env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{source / 'gguf-py'}"}
-        done = subprocess.run([sys.executable, "-c", CONVERT_SHIM, str(source / "convert_hf_to_gguf.py"),
-                               str(checkpoint), "--outtype", "f32", "--outfile", str(ggufs["f32"])],
+        staged = staged_checkpoint(checkpoint, out_dir)
+        done = subprocess.run([sys.executable, "-c", CONVERT_SHIM, str(source / "convert_hf_to_gguf.py"), str(staged),
+                               "--outtype", "f32", "--outfile", str(ggufs["f32"])],
                               env=env, capture_output=True, text=True)  # fmt: skip
         if done.returncode != 0:
             if "not supported" in done.stderr:
@@ -105,20 +121,41 @@ def convert(source: Path, bin_dir: Path, checkpoint: Path, out_dir: Path) -> dic
     return ggufs
 
 
-def llama_rates(bin_dir: Path, gguf: Path, args: argparse.Namespace) -> dict[int, float]:
+def llama_rates(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: tuple[str, ...] = ()) -> dict[int, float]:
     """One `llama-batched-bench` run over every batch size: output tok/s per batch. Its TG phase times all
     `new_tokens` decode steps after the prefill; hybridgen's prefill already yields the first token, so the
     comparable time is T_PP + T_TG × (new_tokens − 1) / new_tokens."""
     context = max(args.batch_sizes) * (args.prompt_len + args.new_tokens)
     command = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512",
                "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens), "-t", str(args.threads),
-               "-npl", ",".join(map(str, args.batch_sizes)), "--output-format", "jsonl"]  # fmt: skip
+               "-npl", ",".join(map(str, args.batch_sizes)), "--output-format", "jsonl", *flags]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench failed: {done.stderr.strip().splitlines()[-1:]}")
+        errors = [line for line in done.stderr.splitlines() if " E " in line or "error" in line][-2:]
+        raise RuntimeError(f"llama-batched-bench exited with {done.returncode}: {errors}")
     rows = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith('{"n_kv_max"')]
     steps = (args.new_tokens - 1) / args.new_tokens
     return {row["pl"]: row["pl"] * args.new_tokens / (row["t_pp"] + row["t_tg"] * steps) for row in rows}
+
+
+def probe_llama(bin_dir: Path, ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, tuple[str, ...]] | None:
+    """Warm up each GGUF once and find the flags it runs with, or None when llama.cpp cannot run the model. Its AMX
+    q8_0 kernels segfault on some Sapphire Rapids machines (llama.cpp issue 20824): such a GGUF is retried with
+    `--no-repack` (weights not repacked for AMX), and the output says so."""
+    flags: dict[str, tuple[str, ...]] = {}
+    short = argparse.Namespace(**{**vars(args), "batch_sizes": [1], "new_tokens": 4})
+    for variant, gguf in ggufs.items():
+        for attempt in ((), ("--no-repack",)):
+            try:
+                llama_rates(bin_dir, gguf, short, attempt)
+            except RuntimeError as error:
+                print(f"llama.cpp {variant} {' '.join(attempt)}: {error}")
+                continue
+            flags[variant] = attempt
+            break
+        else:
+            return None
+    return flags
 
 
 def load_runners(checkpoint: Path, max_batch: int) -> dict[str, ModelRunner]:
@@ -160,10 +197,15 @@ def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int) 
     words = GREEDY_PROMPT.split()
     prompt_ids = [ids.get(word if i == 0 else "Ġ" + word) for i, word in enumerate(words)]
     if None in prompt_ids:
-        return "skipped (prompt words are not single tokens)"
+        return "greedy check skipped (prompt words are not single tokens)"
     done = subprocess.run([str(build_llama(cache, ("llama-simple",)) / "llama-simple"), "-m", str(gguf), "-n",
                            str(new_tokens), GREEDY_PROMPT], capture_output=True)  # fmt: skip
-    llama_text = done.stdout.split(GREEDY_PROMPT.encode(), 1)[-1].removesuffix(b"\n")
+    if done.returncode != 0:
+        return f"greedy check skipped (llama-simple failed: {done.stderr.decode().strip().splitlines()[-1:]})"
+    before, _, llama_text = done.stdout.partition(GREEDY_PROMPT.encode())
+    if before:  # llama-simple added a BOS token (it prints the prompt's special tokens too)
+        prompt_ids.insert(0, ids[before.decode()])
+    llama_text = llama_text.removesuffix(b"\n")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     token_ids = runner.generate([prompt_ids], params)[0].token_ids
     decoder, text, same = _byte_decoder(), b"", 0
@@ -183,6 +225,10 @@ def measure_preset(preset: str, cache: Path, bin_dir: Path, args: argparse.Names
     if ggufs is None:
         print(f"{preset}: this llama.cpp's converter does not support the architecture; skipped")
         return None
+    flags = probe_llama(bin_dir, ggufs, args)
+    if flags is None:
+        print(f"{preset}: llama.cpp cannot run it; skipped")
+        return None
     runners = load_runners(checkpoint, max(args.batch_sizes))
     vocab = runners["float32"].config.vocab_size
     prompts = {batch: random_prompts(batch, args.prompt_len, vocab) for batch in args.batch_sizes}
@@ -192,17 +238,14 @@ def measure_preset(preset: str, cache: Path, bin_dir: Path, args: argparse.Names
     rates: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for variant, gguf in ggufs.items():
-            try:
-                for batch, rate in llama_rates(bin_dir, gguf, args).items():
-                    rates.setdefault((f"llama.cpp {variant}", batch), []).append(rate)
-            except RuntimeError as error:
-                print(f"{preset}: llama.cpp cannot run it ({error}); skipped")
-                return None
+            for batch, rate in llama_rates(bin_dir, gguf, args, flags[variant]).items():
+                rates.setdefault((f"llama.cpp {variant}", batch), []).append(rate)
         for name, runner in runners.items():
             for batch in args.batch_sizes:
                 rate = hybridgen_rate(runner, prompts[batch], args.new_tokens)
                 rates.setdefault((f"hybridgen {name}", batch), []).append(rate)
-    rows = [{"model": preset, "batch": batch} | {name: statistics.median(r) for (name, b), r in rates.items()
+    llama_flags = {f"llama.cpp {variant} flags": " ".join(flag) for variant, flag in flags.items()}
+    rows = [{"model": preset, "batch": batch, **llama_flags} | {name: statistics.median(r) for (name, b), r in rates.items()
                                                   if b == batch} for batch in args.batch_sizes]  # fmt: skip
     if args.greedy_check:
         print(f"{preset}: {greedy_check(cache, ggufs['f32'], runners['float32'], args.new_tokens)}")

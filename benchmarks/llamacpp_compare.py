@@ -132,7 +132,7 @@ def llama_rates(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: tupl
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if " E " in line or "error" in line][-2:]
-        raise RuntimeError(f"llama-batched-bench exited with {done.returncode}: {errors}")
+        raise RuntimeError(f"llama-batched-bench exited with {done.returncode} (< 0: killed by that signal) {errors}")
     rows = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith('{"n_kv_max"')]
     steps = (args.new_tokens - 1) / args.new_tokens
     return {row["pl"]: row["pl"] * args.new_tokens / (row["t_pp"] + row["t_tg"] * steps) for row in rows}
@@ -149,7 +149,7 @@ def probe_llama(bin_dir: Path, ggufs: dict[str, Path], args: argparse.Namespace)
             try:
                 llama_rates(bin_dir, gguf, short, attempt)
             except RuntimeError as error:
-                print(f"llama.cpp {variant} {' '.join(attempt)}: {error}")
+                print(f"llama.cpp {variant} {attempt or '(default flags)'}: {error}")
                 continue
             flags[variant] = attempt
             break

@@ -12,6 +12,7 @@ python benchmarks/llamacpp_compare.py --presets bench gdn-bench --rounds 3 --thr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -140,8 +141,9 @@ def llama_rates(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: tupl
 
 def probe_llama(bin_dir: Path, ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, tuple[str, ...]] | None:
     """Warm up each GGUF once and find the flags it runs with, or None when llama.cpp cannot run the model. Its AMX
-    q8_0 kernels segfault on some Sapphire Rapids machines (llama.cpp issue 20824): such a GGUF is retried with
-    `--no-repack` (weights not repacked for AMX), and the output says so."""
+    q8_0 path crashes on some Sapphire Rapids machines (SIGSEGV in `ggml_backend_amx_mul_mat`, llama.cpp issue 20824;
+    SIGILL seen too): such a GGUF is retried with `--no-repack` (weights not repacked for AMX), and the output says
+    so."""
     flags: dict[str, tuple[str, ...]] = {}
     short = argparse.Namespace(**{**vars(args), "batch_sizes": [1], "new_tokens": 4})
     for variant, gguf in ggufs.items():
@@ -190,12 +192,10 @@ def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int) 
     sys.path.insert(0, str(llama_source(cache) / "gguf-py"))
     import gguf as gguf_py  # llama.cpp's own reader, not a project dependency
 
-    reader = gguf_py.GGUFReader(gguf)
-    field = reader.get_field("tokenizer.ggml.tokens")
+    field = gguf_py.GGUFReader(gguf).get_field("tokenizer.ggml.tokens")
     pieces = [bytes(field.parts[i]).decode() for i in field.data]
     ids = {piece: i for i, piece in enumerate(pieces)}
-    words = GREEDY_PROMPT.split()
-    prompt_ids = [ids.get(word if i == 0 else "Ġ" + word) for i, word in enumerate(words)]
+    prompt_ids = [ids.get(word if i == 0 else "Ġ" + word) for i, word in enumerate(GREEDY_PROMPT.split())]
     if None in prompt_ids:
         return "greedy check skipped (prompt words are not single tokens)"
     done = subprocess.run([str(build_llama(cache, ("llama-simple",)) / "llama-simple"), "-m", str(gguf), "-n",
@@ -232,9 +232,8 @@ def measure_preset(preset: str, cache: Path, bin_dir: Path, args: argparse.Names
     runners = load_runners(checkpoint, max(args.batch_sizes))
     vocab = runners["float32"].config.vocab_size
     prompts = {batch: random_prompts(batch, args.prompt_len, vocab) for batch in args.batch_sizes}
-    for runner in runners.values():  # warm-up: plans, packed weights, thread pools
-        for batch_prompts in prompts.values():
-            hybridgen_rate(runner, batch_prompts, args.new_tokens)
+    for runner, batch_prompts in itertools.product(runners.values(), prompts.values()):  # warm-up: plans, pools
+        hybridgen_rate(runner, batch_prompts, args.new_tokens)
     rates: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for variant, gguf in ggufs.items():
@@ -244,16 +243,19 @@ def measure_preset(preset: str, cache: Path, bin_dir: Path, args: argparse.Names
             for batch in args.batch_sizes:
                 rate = hybridgen_rate(runner, prompts[batch], args.new_tokens)
                 rates.setdefault((f"hybridgen {name}", batch), []).append(rate)
-    llama_flags = {f"llama.cpp {variant} flags": " ".join(flag) for variant, flag in flags.items()}
-    rows = [{"model": preset, "batch": batch, **llama_flags} | {name: statistics.median(r) for (name, b), r in rates.items()
-                                                  if b == batch} for batch in args.batch_sizes]  # fmt: skip
+    notes = {f"llama.cpp {variant} flags": " ".join(flag) for variant, flag in flags.items()}
     if args.greedy_check:
-        print(f"{preset}: {greedy_check(cache, ggufs['f32'], runners['float32'], args.new_tokens)}")
+        notes["greedy check"] = greedy_check(cache, ggufs["f32"], runners["float32"], args.new_tokens)
+        print(f"{preset}: {notes['greedy check']}")
+    rows = []
+    for batch in args.batch_sizes:
+        medians = {name: statistics.median(r) for (name, b), r in rates.items() if b == batch}
+        rows.append({"model": preset, "batch": batch, **medians, **notes})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    """One markdown table: output tok/s per engine and variant, hybridgen's ratios at equal precision."""
+    """One markdown table: output tok/s per engine and variant, and hybridgen's ratios to llama.cpp."""
     columns = ["llama.cpp f32", "llama.cpp q8_0", *(f"hybridgen {name}" for name in HYBRIDGEN_VARIANTS)]
     ratios = {"float32 / f32": ("hybridgen float32", "llama.cpp f32"),
               "int8 / q8_0": ("hybridgen int8", "llama.cpp q8_0"),

@@ -142,7 +142,7 @@ def llama_rates(bin_dir: Path, gguf: Path, args: argparse.Namespace, flags: tupl
 def probe_llama(bin_dir: Path, ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, tuple[str, ...]] | None:
     """Warm up each GGUF once and find the flags it runs with, or None when llama.cpp cannot run the model. Its AMX
     q8_0 path crashes on some Sapphire Rapids machines (SIGSEGV in `ggml_backend_amx_mul_mat` as in llama.cpp issue
-    20824, once SIGILL): such a GGUF is retried with `--no-repack` (no AMX repacking), and the output says so."""
+    20824, or SIGILL): such a GGUF is retried with `--no-repack` (no AMX repacking), and the output says so."""
     flags: dict[str, tuple[str, ...]] = {}
     short = argparse.Namespace(**{**vars(args), "batch_sizes": [1], "new_tokens": 4})
     for variant, gguf in ggufs.items():

@@ -14,7 +14,7 @@ from pipeline.retry import FIRST_SHARD_TIMEOUT_S, MIN_SHARD_TIMEOUT_S, SHARD_TIM
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int8_weight_only")
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 
@@ -61,9 +61,10 @@ class ModelConfig:
         "linear weights on the AMX / AVX512-BF16 kernels, float32 activations and states)",
         default="auto",
     )
-    quantization: str = _doc("weight quantization (vLLM's name): none, or int8 (CPU workers: linear weights quantized "
+    quantization: str = _doc("weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
                              "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
-                             "log-probs move slightly, see docs)", default="none")  # fmt: skip
+                             "log-probs move slightly, see docs) or int8_weight_only (the same, the LM head float32)",
+                             default="none")  # fmt: skip
     max_num_seqs: int = _doc("requests decoded together per worker", default=64)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.model.kernels import native, native_bf16
+from workers.model.kernels import native
+from workers.model.layers import linear_w8a8
+from workers.model.layers.native_linear import NativeLinear
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
 # None: the checkpoint's weights in dtype. Block linears: int8 weights per output channel × float32 activations
@@ -42,39 +44,6 @@ class PackedLinear(nn.Module):
         """[..., in] → [..., out]."""
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-class NativeLinear(nn.Module):
-    """A Linear whose weight lives only as column panels for the native kernel (CPU float32; inference only).
-
-    `weight_format="int8_weight_only"`: the panels hold the weight quantized per output channel (int8, `scale`
-    [out]) and the int8 kernel multiplies them (csrc/linear_int8.c); `scale` is None otherwise. "bfloat16": bf16
-    panels of k pairs for csrc/linear_bf16.c, run by `bf16_path` (the process's kernel path, fixed at construction)."""
-
-    def __init__(self, linear: nn.Linear, weight_format: str | None = None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.scale: torch.Tensor | None = None
-        self.bf16_path: str | None = None
-        if weight_format == "int8_weight_only":
-            self.panels, self.scale = native.pack_panels_int8(linear.weight.detach())
-        elif weight_format == "bfloat16":
-            self.bf16_path = native_bf16.bf16_path()
-            self.panels = native_bf16.pack_panels_bf16(linear.weight.detach(), int(native.load().linear_panel_width()))
-        else:
-            self.panels = native.pack_panels(linear.weight.detach().float())
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in] → [..., out]."""
-        rows = x.reshape(-1, self.in_features).contiguous()
-        if self.scale is not None:
-            out = native.linear_int8(rows, self.panels, self.scale, self.bias, self.out_features)
-        elif self.bf16_path is not None:
-            out = native_bf16.linear_bf16(rows, self.panels, self.bias, self.out_features, self.bf16_path)
-        else:
-            out = native.linear(rows, self.panels, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -165,8 +134,6 @@ def prepare_linears(
 def _replacement(linear: nn.Linear, backend: str, quantization: str | None, head: bool = False) -> nn.Module:
     """The module `linear` becomes on `backend` (itself, re-strided, on the float torch path); `head`: the LM head."""
     if W8A8_LINEARS.get(quantization) == "all" or (quantization in W8A8_LINEARS and head):
-        from workers.model.layers import linear_w8a8  # noqa: PLC0415 (it builds on NativeLinear, defined here)
-
         return linear_w8a8.replacement(linear, backend, head)
     if quantization in QUANTIZATIONS:
         quantization = "int8_weight_only"  # the int8 panels of the blocks' linears

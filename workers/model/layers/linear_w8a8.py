@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from workers.model.kernels import w8a8
-from workers.model.layers.linear import NativeLinear
+from workers.model.layers.native_linear import NativeLinear
 
 # Inputs per quantization group, weights and activations alike (None: one group per row / output channel). Chosen
 # by measurement on the demo prompts (benchmarks/quantization_quality.py; docs/benchmarks.md, int8 section).

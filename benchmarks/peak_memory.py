@@ -32,7 +32,7 @@ def build(preset: str, layers: int | None) -> Path:
     return benchmark.build_preset(name, directory)
 
 
-def measure(path: str, batch: int, new_tokens: int, quantization: str | None, plan: bool) -> dict:
+def measure(path: str, batch: int, new_tokens: int, quantization: str | None, plan: bool, dtype: str = "auto") -> dict:
     """Load, generate once; peak RSS (MiB) after each (in this process)."""
     from workers import ModelRunner, SamplingParams
 
@@ -41,7 +41,7 @@ def measure(path: str, batch: int, new_tokens: int, quantization: str | None, pl
         return int(status.split("VmHWM:")[1].split()[0]) / 1024
 
     start = peak()
-    options = {"quantization": quantization} if quantization else {}
+    options = ({"quantization": quantization} if quantization else {}) | {"dtype": dtype}
     runner = ModelRunner.from_pretrained(path, max_num_seqs=batch, decode_plan=plan, **options)
     loaded = peak()
     prompts = [[10 + i + j for j in range(32)] for i in range(batch)]
@@ -69,10 +69,12 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--quantization", default=None)
     p.add_argument("--no-decode-plan", action="store_true")
+    p.add_argument("--dtype", default="auto", help="as the jobs' --dtype (bfloat16 on CPU: bf16 linear weights)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.batch, args.new_tokens, args.quantization, not args.no_decode_plan)))
+        plan = not args.no_decode_plan
+        print(json.dumps(measure(args.child, args.batch, args.new_tokens, args.quantization, plan, args.dtype)))
         return 0
     path = build(args.preset, args.layers)
     command = [
@@ -86,6 +88,7 @@ def main() -> int:
         str(args.new_tokens),
     ] + (["--quantization", args.quantization] if args.quantization else [])
     command += ["--no-decode-plan"] if args.no_decode_plan else []
+    command += ["--dtype", args.dtype]
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)

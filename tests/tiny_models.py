@@ -98,6 +98,11 @@ FAMILIES = {
 GDN_VARIANT_FAMILIES = {
     "qwen3_5_text": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_QWEN, intermediate_size=96)),
     "qwen3_next_dense": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(**_QWEN, intermediate_size=96, num_experts=0)),
+    # Wide heads (d_k 40, d_v 72): the native kernels walk a head's state in register blocks of 64 columns, here
+    # one full block and a partial one (the real checkpoints' 128 is two full ones).
+    "qwen3_5_wide": lambda: Qwen3_5ForCausalLM(
+        Qwen3_5TextConfig(**{**_QWEN, "linear_key_head_dim": 40, "linear_value_head_dim": 72}, intermediate_size=96)
+    ),
 }
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)

@@ -292,10 +292,12 @@ class ModelRunner:
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are
         ~100× slower on x86 and change nothing that matters) and the runner's torch threads, both of which are
-        per thread (an engine thread starts without them)."""
+        per thread (an engine thread starts without them); and, once per process, freed buffers kept mapped for
+        reuse (`native.keep_freed_memory_mapped`)."""
         if self.device.type == "cpu":
             torch.set_num_threads(self._num_threads)
             native.flush_denormals()
+            native.keep_freed_memory_mapped()
 
     def reset(self) -> None:
         """Drop every request not returned yet and the engine's slots (after a failed step: the next request starts

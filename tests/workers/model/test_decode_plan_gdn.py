@@ -23,7 +23,7 @@ from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.scheduler import Scheduler
 from workers.spec_decode.mtp import MtpProposer
 
-GDN_PLANNED = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense"]
+GDN_PLANNED = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense", "qwen3_5_wide"]
 PROMPTS = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]  # 4 prompts, 3 slots
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 

@@ -25,7 +25,7 @@ def _random_state(mixer: GatedDeltaNetMixer, batch: int, seed: int) -> Recurrent
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_wide"])
 def test_native_gdn_decode_steps_equal_the_torch_path(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     mixers = {kernel: _first_mixer(path, kernel) for kernel in ("torch", "native")}

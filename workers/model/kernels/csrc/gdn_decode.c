@@ -243,6 +243,60 @@ void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const f
     }
 }
 
+/* A row's first n prompt tokens through one value head's block of PREFILL_COLUMNS state columns, held contiguous in
+ * S [DK, PREFILL_COLUMNS]: delta_block_step token after token, except that each update pass also accumulates the
+ * next token's Sᵀk from the rows it has just written — the same products summed in the same order as that token's
+ * own first pass would, so the results are delta_block_step's bit for bit with one pass over the block per token
+ * instead of two. Token t reads q, k at q_k + t · Cd (k HK · DK further on), v at v + t · Cd, its gates from
+ * gate_row + t · row_len, and writes its output columns at o + t · o_stride. */
+static void delta_block_prompt(float *S, const float *q_k, const float *v, int64_t Cd, int64_t HK, int64_t DK,
+                               const float *gate_row, int64_t row_len, int64_t HV, int64_t DV, int64_t h,
+                               const float *dt_bias, const float *A_log, float *o, int64_t o_stride, int64_t n) {
+    vf predicted[PREFILL_VECTORS] = {0};
+    if (n > 0)
+        for (int64_t i = 0; i < DK; ++i) { /* the first token's Sᵀk */
+            const float ki = q_k[HK * DK + i];
+            for (int u = 0; u < PREFILL_VECTORS; ++u) {
+                vf row;
+                memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
+                predicted[u] += row * ki;
+            }
+        }
+    for (int64_t t = 0; t < n; ++t) {
+        const float *q = q_k + t * Cd, *k = q + HK * DK, *k_next = t + 1 < n ? k + Cd : NULL;
+        float decay, beta;
+        head_gates(gate_row + t * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+        vf delta[PREFILL_VECTORS], acc[PREFILL_VECTORS] = {0}, next[PREFILL_VECTORS] = {0};
+        for (int u = 0; u < PREFILL_VECTORS; ++u) {
+            vf value;
+            memcpy(&value, v + t * Cd + 16 * u, sizeof value);
+            delta[u] = (value - decay * predicted[u]) * beta;
+        }
+        if (k_next) {
+            for (int64_t i = 0; i < DK; ++i)
+                for (int u = 0; u < PREFILL_VECTORS; ++u) {
+                    vf row;
+                    memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
+                    row = row * decay + k[i] * delta[u];
+                    memcpy(S + i * PREFILL_COLUMNS + 16 * u, &row, sizeof row);
+                    acc[u] += row * q[i];
+                    next[u] += row * k_next[i];
+                }
+        } else {
+            for (int64_t i = 0; i < DK; ++i)
+                for (int u = 0; u < PREFILL_VECTORS; ++u) {
+                    vf row;
+                    memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
+                    row = row * decay + k[i] * delta[u];
+                    memcpy(S + i * PREFILL_COLUMNS + 16 * u, &row, sizeof row);
+                    acc[u] += row * q[i];
+                }
+        }
+        memcpy(o + t * o_stride, acc, sizeof acc);
+        memcpy(predicted, next, sizeof next);
+    }
+}
+
 /* A prompt (or the next chunk of one) through a Gated DeltaNet mixer: proj [b, l, Cd + HV·DV + 2·HV] (rows
  * right-padded, row r has num_tokens[r] valid tokens), continuing initial_conv [b, Cd, W-1] and initial_delta
  * [b, HV, DK, DV] (zeros where NULL), with conv_wt [W, Cd] the conv weight transposed (a tap's weights side by side
@@ -307,7 +361,13 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
             for (int64_t i = 0; i < DK; ++i)
                 for (int64_t j = 0; j < NC; ++j) S[i * stride + j] = S0 ? S0[i * DV + j] : 0.0f;
             float delta[PREFILL_COLUMNS]; /* the general step's scratch (a partial block) */
-            for (int64_t t = 0; t < l; ++t) {
+            if (S == block) {
+                const float *first = qkv + bi * l * Cd;
+                delta_block_prompt(S, first + kh * DK, first + 2 * HK * DK + h * DV + j0, Cd, HK, DK,
+                                   proj + bi * l * row_len, row_len, HV, DV, h, dt_bias, A_log,
+                                   out + bi * l * HV * DV + h * DV + j0, HV * DV, n);
+            }
+            for (int64_t t = S == block ? n : 0; t < l; ++t) {
                 float *o = out + (bi * l + t) * HV * DV + h * DV + j0;
                 if (t >= n) {
                     for (int64_t j = 0; j < NC; ++j) o[j] = 0.0f;
@@ -317,10 +377,7 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
                 float decay, beta;
                 head_gates(proj + (bi * l + t) * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
                 const float *q = row + kh * DK, *k = row + HK * DK + kh * DK, *v = row + 2 * HK * DK + h * DV + j0;
-                if (NC == PREFILL_COLUMNS)
-                    delta_block_step(S, stride, q, k, v, decay, beta, o, DK, NULL);
-                else
-                    delta_head_step(S, stride, q, k, v, decay, beta, o, delta, DK, NC);
+                delta_head_step(S, stride, q, k, v, decay, beta, o, delta, DK, NC);
             }
             if (S == block)
                 for (int64_t i = 0; i < DK; ++i)

@@ -186,6 +186,28 @@ def test_argmax_matches_torch_on_ties_and_nan():
     assert native.argmax(logits).tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 31, 32, 1000, 32003])
+def test_argmax_lanes_ties_and_tails_match_torch(n):
+    """The one-pass kernel keeps a maximum per 16-lane slot: ties within a lane, across lanes, between the vector part
+    and the tail, -inf and NaN placed anywhere must still give torch's first maximal index."""
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=g) for _ in range(4)]
+    rows.append(torch.randint(0, 3, (n,), generator=g).float())  # many ties everywhere
+    for position in {0, n // 2, n - 1}:
+        row = torch.full((n,), -float("inf"))
+        row[position] = 0.0
+        rows.append(row)  # one finite value among -inf
+        row = torch.randn(n, generator=g)
+        row[position] = float("nan")
+        rows.append(row)
+        row = torch.zeros(n)
+        row[position:] = 1.0  # the maximum first at `position`, then repeated through the tail
+        rows.append(row)
+    rows.append(torch.full((n,), -float("inf")))
+    logits = torch.stack(rows)
+    assert native.argmax(logits).tolist() == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("family", ["granite_dense", "nemotron_dense"])
 def test_native_short_inputs_equal_the_chunked_scan(checkpoint_dir, family):
     # Speculative verification runs k + 1 tokens per row from a kept state, a draft model one; rows may carry

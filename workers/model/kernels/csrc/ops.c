@@ -74,18 +74,54 @@ void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, in
 }
 
 /* Index of the largest value of row[0 … n) (the first one on ties, as torch.argmax); NaN counts as largest.
- * Two vectorised passes over the row: its maximum (and whether it holds a NaN), then the first index holding it. */
+ * One vectorised pass: each of 16 lanes keeps its largest value and the first index holding it (a later index
+ * replaces it only when strictly larger), then the lanes' maximum with the smallest index among the lanes holding
+ * it. A NaN anywhere (rare) takes a second scan for the first one. */
+typedef int32_t vi __attribute__((vector_size(64)));
+
 int64_t argmax_row(const float *row, int64_t n) {
     float best = -INFINITY;
+    int64_t index = 0, i = 0;
     int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-    for (int64_t i = 0; i < n; ++i) {
-        best = row[i] > best ? row[i] : best;
-        nan |= row[i] != row[i];
+    if (n >= 16 && n <= INT32_MAX) {
+        vf lane_best;
+        vi lane_index = {0}, current = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, seen_nan = {0};
+        memcpy(&lane_best, row, sizeof lane_best);
+        seen_nan |= lane_best != lane_best;
+        lane_index = current;
+        for (i = 16; i + 16 <= n; i += 16) {
+            vf v;
+            memcpy(&v, row + i, sizeof v);
+            current += 16;
+            const vi larger = v > lane_best;
+            seen_nan |= v != v;
+            vi v_bits, best_bits;
+            memcpy(&v_bits, &v, sizeof v);
+            memcpy(&best_bits, &lane_best, sizeof lane_best);
+            best_bits = (larger & v_bits) | (~larger & best_bits);
+            memcpy(&lane_best, &best_bits, sizeof lane_best);
+            lane_index = (larger & current) | (~larger & lane_index);
+        }
+        for (int lane = 0; lane < 16; ++lane) {
+            nan |= seen_nan[lane] != 0;
+            if (lane_best[lane] > best || (lane_best[lane] == best && lane_index[lane] < index)) {
+                best = lane_best[lane];
+                index = lane_index[lane];
+            }
+        }
+        if (best == -INFINITY) index = 0; /* every value so far -inf (or NaN): the first one */
     }
-    for (int64_t i = 0; i < n; ++i)
-        if (nan ? row[i] != row[i] : row[i] == best) return i;
-    return 0;
+    for (; i < n; ++i) { /* the tail (or a short row) */
+        nan |= row[i] != row[i];
+        if (row[i] > best) {
+            best = row[i];
+            index = i;
+        }
+    }
+    if (nan)
+        for (int64_t j = 0; j < n; ++j)
+            if (row[j] != row[j]) return j;
+    return index;
 }
 
 /* argmax_row of each of `rows` rows of n. */

@@ -263,7 +263,8 @@ static void delta_block_prompt(float *S, const float *q_k, const float *v, int64
             }
         }
     for (int64_t t = 0; t < n; ++t) {
-        const float *q = q_k + t * Cd, *k = q + HK * DK, *k_next = t + 1 < n ? k + Cd : NULL;
+        /* after the last token `next` is not used: its k stands in for the missing next one */
+        const float *q = q_k + t * Cd, *k = q + HK * DK, *k_next = t + 1 < n ? k + Cd : k;
         float decay, beta;
         head_gates(gate_row + t * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
         vf delta[PREFILL_VECTORS], acc[PREFILL_VECTORS] = {0}, next[PREFILL_VECTORS] = {0};
@@ -272,26 +273,15 @@ static void delta_block_prompt(float *S, const float *q_k, const float *v, int64
             memcpy(&value, v + t * Cd + 16 * u, sizeof value);
             delta[u] = (value - decay * predicted[u]) * beta;
         }
-        if (k_next) {
-            for (int64_t i = 0; i < DK; ++i)
-                for (int u = 0; u < PREFILL_VECTORS; ++u) {
-                    vf row;
-                    memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
-                    row = row * decay + k[i] * delta[u];
-                    memcpy(S + i * PREFILL_COLUMNS + 16 * u, &row, sizeof row);
-                    acc[u] += row * q[i];
-                    next[u] += row * k_next[i];
-                }
-        } else {
-            for (int64_t i = 0; i < DK; ++i)
-                for (int u = 0; u < PREFILL_VECTORS; ++u) {
-                    vf row;
-                    memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
-                    row = row * decay + k[i] * delta[u];
-                    memcpy(S + i * PREFILL_COLUMNS + 16 * u, &row, sizeof row);
-                    acc[u] += row * q[i];
-                }
-        }
+        for (int64_t i = 0; i < DK; ++i)
+            for (int u = 0; u < PREFILL_VECTORS; ++u) {
+                vf row;
+                memcpy(&row, S + i * PREFILL_COLUMNS + 16 * u, sizeof row);
+                row = row * decay + k[i] * delta[u];
+                memcpy(S + i * PREFILL_COLUMNS + 16 * u, &row, sizeof row);
+                acc[u] += row * q[i];
+                next[u] += row * k_next[i];
+            }
         memcpy(o + t * o_stride, acc, sizeof acc);
         memcpy(predicted, next, sizeof next);
     }

@@ -185,13 +185,13 @@ def keep_freed_memory_mapped() -> bool:
     """Let this process reuse the memory of freed CPU buffers instead of handing it back to the OS (glibc only;
     once per process; `HYBRIDGEN_MALLOC_TUNING=0` leaves malloc as it is).
 
-    By default glibc gives each buffer above a few MiB its own mapping and unmaps it on free, so a prompt's
-    per-layer buffers (a Gated DeltaNet layer's states for 32 rows: 16 MiB) come back as fresh pages every layer
-    and every step, each zeroed by a page fault: one layer's prefill measured 40-55 ms instead of 10 in a VM.
-    With mmap_threshold and trim_threshold at 1 GiB,
-    buffers up to that size come from the heap and up to 1 GiB of freed heap stays mapped for the next one, which
-    is what the tcmalloc or jemalloc that vLLM-CPU recommends preloading do. The load's own temporaries are
-    returned first (malloc_trim), so the resident memory after loading does not grow. Returns whether it applied.
+    glibc maps each large buffer on its own (above 128 KiB at first, a threshold that adapts up to 32 MiB) and
+    unmaps it when freed, so a prompt's per-layer buffers (a Gated DeltaNet layer's states for 32 rows of gdn-bench:
+    16 MiB) keep coming back as fresh pages, each 4 KiB zeroed by a page fault: one layer's prefill measured 40-55 ms
+    instead of 10 in a VM. With mmap_threshold and trim_threshold at 1 GiB, buffers up to that size come from the
+    heap and up to 1 GiB of freed heap stays mapped for the next one — what the tcmalloc or jemalloc that vLLM-CPU
+    recommends preloading do. The model's load temporaries are returned first (malloc_trim), so the resident memory
+    after loading does not grow. Returns whether it applied.
     """
     global _heap_tuned
     if _heap_tuned is None:

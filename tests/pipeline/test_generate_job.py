@@ -114,10 +114,13 @@ def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
     # The first worker to get shard 2 raises on it and on every later shard (a broken CUDA context). Before, the
     # failed shard went back to that worker until its retries ran out and the job failed. Now the retry goes to the
     # other worker when it is ready (else to the same one once more), and the broken worker is replaced after its
-    # second failure. (Which worker a retry may take: tests/pipeline/test_retry.py.)
+    # second failure. (Which worker a retry may take: tests/pipeline/test_retry.py.) Shards of 2 rows, 24 of them:
+    # with 6 shards both workers' first three were all there was, and when the first worker to be ready took shards
+    # 0-2 the broken one had nothing left to fail on (1 run in 3); with 12, 1 in ~25 still let the other worker
+    # take every later shard.
     marker = tmp_path / "broken"
     monkeypatch.setenv("HYBRIDGEN_FAULT_INJECTION", json.dumps({"break_during_shard": 2, "marker": str(marker)}))
-    run(build_generate_job(job_config(model, dataset, tmp_path / "out")))
+    run(build_generate_job(job_config(model, dataset, tmp_path / "out", rows_per_shard=2)))
     assert marker.exists()
     assert read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err

@@ -24,6 +24,7 @@ import torch
 from pipeline.benchmark import bench_resume
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.benchmark import (
+    H200_BANDWIDTH_GBS,
     PRESETS,
     build_preset,
     copy_heavy_prompts,
@@ -42,8 +43,6 @@ from workers.model.checkpoint.loader import DECODE_KERNELS
 from workers.model.layers.linear import QUANTIZATIONS
 from workers.model.steps import cuda_graph
 from workers.model.steps.decode_plan import unsupported_reason
-
-H200_BANDWIDTH_GBS = 4800.0  # HBM3e peak of an H200 (NVIDIA's datasheet)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -207,6 +207,9 @@ def decode_step_bytes(model: Any, context_len: int) -> dict[str, int]:
             "kv_cache": kv_bytes_per_token(config, embed.dtype) * context_len}  # fmt: skip
 
 
+H200_BANDWIDTH_GBS = 4800.0  # HBM3e peak of an H200 (NVIDIA's datasheet): the default for `roofline_share` on CUDA
+
+
 def roofline_share(bytes_per_step: int, tokens_per_s: float, peak_gb_per_s: float) -> float:
     """Achieved ÷ peak bandwidth at batch 1: bytes one step reads × steps per second ÷ peak bytes per second."""
     return bytes_per_step * tokens_per_s / (peak_gb_per_s * 1e9)

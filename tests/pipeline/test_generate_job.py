@@ -105,7 +105,10 @@ def test_a_worker_crash_mid_stream_requeues_exactly_its_unfinished_shards(
     assert marker.exists()
     assert read_output(tmp_path / "out") == undisturbed
     requeued = {int(line.split()[1]) for line in capfd.readouterr().err.splitlines() if " requeued " in line}
-    assert 3 in requeued and requeued <= {1, 2, 3, 4, 5} and len(requeued) <= 3  # what it held: 3 and neighbours
+    # What it held when it died: shard 3 and at most two others still in flight. Shard 3 starts when any one of
+    # 0, 1, 2 has returned (a shard returns with its slowest row), so 0 may still be held; 4 and 5 may have started
+    # before it in the actor's threads.
+    assert 3 in requeued and requeued <= {0, 1, 2, 3, 4, 5} and len(requeued) <= 3
 
 
 def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(

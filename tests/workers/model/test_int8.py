@@ -105,8 +105,12 @@ def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(f
     rows = [p + [7, 3, 11, 2] for p in PROMPTS]
     scores = {name: torch.cat([torch.tensor(s.token_logprobs) for s in r.score(rows)])
               for name, r in (("int8", int8), ("float32", full), ("reference", reference))}  # fmt: skip
-    # The native int8 kernels compute what PyTorch computes from the same int8 numbers (float rounding apart) …
-    torch.testing.assert_close(scores["int8"], scores["reference"], atol=1e-4, rtol=0)
+    # The native int8 kernels compute what PyTorch computes from the same int8 weights, float rounding apart; where
+    # the LM head quantizes its activations too, a rounding difference upstream can move one activation across a
+    # quantization level (one level of one input moves a logit by ≤ max|x| · max|w| / 127, ~1e-3 at these sizes;
+    # seen on the SSE build, whose float32 sums have no fused multiply-add) …
+    tolerance = 1e-4 if quantization == "int8_weight_only" else 2e-3
+    torch.testing.assert_close(scores["int8"], scores["reference"], atol=tolerance, rtol=0)
     # … which moves the log-probs of these random 64-wide models off float32's by a little (≤ 0.14 seen).
     delta = (scores["int8"] - scores["float32"]).abs().max()
     assert 0 < delta < 0.5, delta

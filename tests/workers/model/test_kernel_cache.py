@@ -57,7 +57,7 @@ def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("prebuilt")
     (directory / "stub.c").write_text(STUB_SOURCE)
     commands = {
-        "real": [compiler, *native.CFLAGS, *map(str, native.SOURCES), "-o", str(directory / "real.so"), "-lm"],
+        "real": [compiler, *native.CFLAGS, *native.ISA_FLAGS[native.selected_isa()], *map(str, native.SOURCES), "-o", str(directory / "real.so"), "-lm"],
         "stub": [compiler, "-shared", "-fPIC", str(directory / "stub.c"), "-o", str(directory / "stub.so")],
     }
     for command in commands.values():
@@ -86,8 +86,8 @@ class FakeCompiler:
 
 def _forget_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     """native's per-process state as in a new worker process."""
-    monkeypatch.setattr(native, "_LIBRARY", None)
-    monkeypatch.setattr(native, "_LOAD_ERROR", None)
+    monkeypatch.setattr(native, "_LIBRARIES", {})
+    monkeypatch.setattr(native, "_LOAD_ERRORS", {})
     monkeypatch.setattr(native, "_WARNED", False)
 
 

@@ -108,8 +108,8 @@ def test_kernel_choice_is_validated(checkpoint_dir):
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(checkpoint_dir, monkeypatch):
-    monkeypatch.setattr(native, "_LIBRARY", None)
-    monkeypatch.setattr(native, "_LOAD_ERROR", None)
+    monkeypatch.setattr(native, "_LIBRARIES", {})
+    monkeypatch.setattr(native, "_LOAD_ERRORS", {})
     monkeypatch.setattr(native, "_compiler", lambda: None)
     path = str(checkpoint_dir("bamba"))
     model = load_checkpoint(path).model

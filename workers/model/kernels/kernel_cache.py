@@ -1,8 +1,8 @@
 """The build cache of the native kernels: compile once per machine, load only what this user built, unchanged.
 
 The cache is `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`), created with mode 0700. A build
-is keyed by the sources, the compiler command and the CPU's feature flags (the code is built with
-`-march=native`); for key K (its first 16 hex digits below) the cache holds
+is keyed by the sources, the compiler command (with the `-march` of its instruction-set variant, see
+`native.ISA_FLAGS`) and the CPU's feature flags; for key K (its first 16 hex digits below) the cache holds
 
     hybridgen-kernels-<machine>-<K>.sha256       the build record: K in full and the sha256 S of the library
     hybridgen-kernels-<machine>-<K>-<S>.so       that library (the first 16 hex digits of S in its name)

@@ -47,13 +47,46 @@ logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # built together into one library
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-if platform.machine() in ("x86_64", "AMD64"):
-    CFLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (gcc defaults to 256)
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_ENV = "HYBRIDGEN_CPU_ISA"
+# The instruction-set variants the library is built for, and the compiler flags of each (csrc/simd.h sizes the
+# vectors and register tiles from what they enable). "avx512" builds for this CPU (AMX, AVX512-BF16 and VNNI where it
+# has them); "avx2" and "portable" build for the x86-64-v3 (AVX2 + FMA) and x86-64-v2 (SSE4.2) baselines, so an
+# AVX-512 machine also runs, and tests, what an AVX2-only one runs.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": ["-march=native", "-mprefer-vector-width=512"],  # full-width AVX-512 (gcc defaults to 256)
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "neon": ["-mcpu=native"],
+    "portable": ["-march=x86-64-v2", "-mtune=native"] if platform.machine() in ("x86_64", "AMD64") else [],
+}
 
-_LIBRARY: ctypes.CDLL | None = None
-_LOAD_ERROR: str | None = None
+_LIBRARIES: dict[str, ctypes.CDLL] = {}
+_LOAD_ERRORS: dict[str, str] = {}
 _WARNED = False
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The kernel variants this CPU can run, fastest first (from PyTorch's own CPU detection on x86)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ("neon", "portable")
+    if machine not in ("x86_64", "amd64"):
+        return ("portable",)
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": ("avx512", "avx2", "portable"), "AVX2": ("avx2", "portable")}.get(capability, ("portable",))
+
+
+def selected_isa() -> str:
+    """The variant this process runs: `$HYBRIDGEN_CPU_ISA` when set (one of `cpu_isas()`), else the fastest.
+
+    Raises ValueError naming the allowed values for a variant this CPU cannot run."""
+    isas = cpu_isas()
+    chosen = os.environ.get(ISA_ENV, "").strip().lower()
+    if not chosen:
+        return isas[0]
+    if chosen not in isas:
+        raise ValueError(f"{ISA_ENV}={chosen!r} cannot run on this CPU: choose one of {', '.join(isas)}")
+    return chosen
 
 
 def _compiler() -> str | None:
@@ -81,6 +114,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention_decode.restype = None
     lib.attention_decode.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr, f32, ptr] + [i64] * 4 + [ctypes.c_int]
     lib.linear_panel_width.restype = i64
+    lib.kernel_isa.restype = ctypes.c_char_p
     lib.linear_panels.restype = None
     lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.linear_panels_int8.restype = None
@@ -120,29 +154,35 @@ def _declare_all(lib: ctypes.CDLL, path: Path) -> None:
         raise NativeKernelError(f"{path} lacks a kernel, a stale or foreign build ({error})") from error
 
 
-def load() -> ctypes.CDLL:
-    """The compiled kernel library (built on first use); raises NativeKernelError when it cannot be."""
-    global _LIBRARY, _LOAD_ERROR
-    if _LIBRARY is not None:
-        return _LIBRARY
-    if _LOAD_ERROR is not None:
-        raise NativeKernelError(_LOAD_ERROR)
+def load(isa: str | None = None) -> ctypes.CDLL:
+    """The compiled kernel library of variant `isa` (default: `selected_isa()`), built on first use; raises
+    NativeKernelError when it cannot be."""
+    isa = selected_isa() if isa is None else isa
+    if isa in _LIBRARIES:
+        return _LIBRARIES[isa]
+    if isa in _LOAD_ERRORS:
+        raise NativeKernelError(_LOAD_ERRORS[isa])
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"no kernel variant {isa!r}: choose one of {', '.join(ISA_FLAGS)}")
     try:
         compiler = _compiler()
         if compiler is None:
             raise NativeKernelError("no C compiler found (set CC, or install gcc)")
-        lib, path = kernel_cache.open_library(SOURCES, HEADERS, compiler, CFLAGS)
+        lib, path = kernel_cache.open_library(SOURCES, HEADERS, compiler, [*CFLAGS, *ISA_FLAGS[isa]])
         _declare_all(lib, path)
     except (OSError, NativeKernelError) as error:
-        _LOAD_ERROR = f"native kernels unavailable: {error}"
-        raise NativeKernelError(_LOAD_ERROR) from error
-    _LIBRARY = lib
+        _LOAD_ERRORS[isa] = f"native kernels ({isa}) unavailable: {error}"
+        raise NativeKernelError(_LOAD_ERRORS[isa]) from error
+    _LIBRARIES[isa] = lib
     return lib
 
 
 def loaded() -> bool:
-    """Whether the library is already built and loaded in this process (never builds it)."""
-    return _LIBRARY is not None
+    """Whether the process's library is already built and loaded (never builds it)."""
+    try:
+        return selected_isa() in _LIBRARIES
+    except ValueError:
+        return False
 
 
 def available() -> bool:

@@ -70,6 +70,7 @@ void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_
 int64_t argmax_row(const float *row, int64_t n);
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);
 int64_t linear_panel_width(void);
+const char *kernel_isa(void);
 void flush_denormals_on_threads(int num_threads);
 
 #endif

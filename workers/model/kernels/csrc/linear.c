@@ -4,11 +4,12 @@
  * weight from memory; oneDNN and BLAS stream it at well under the bandwidth there and spend ~25 µs per call.
  * Here the weight is packed once at load into panels of PANEL output columns, [ceil(N / PANEL), K, PANEL]
  * (zero-padded; see `pack_panels` in native.py), so each thread reads its panels as one contiguous stream.
- * A panel is walked in chunks of K_CHUNK rows that stay in L1 while every block of 8 rows of x (then the 1 … 7
- * left, as one tile, so that a verification's 2 … 5 rows read the chunk once) is multiplied by them, and the next chunk in memory is prefetched meanwhile, spread evenly over
- * the row blocks' k steps so that memory streaming and arithmetic overlap (issuing it all in the first block left
- * the others waiting: 32 rows ran 11–16% slower). Micro-kernels hold a rows × PANEL tile of y in vector registers
- * (8 rows: 24 accumulators) and broadcast x; partial sums live in a small per-thread buffer between chunks.
+ * A panel is walked in chunks of K_CHUNK rows that stay in L1 while every block of TILE_ROWS rows of x (then the
+ * rest, as one tile, so that a verification's few rows read the chunk once) is multiplied by them, and the next
+ * chunk in memory is prefetched meanwhile, spread evenly over the row blocks' k steps so that memory streaming and
+ * arithmetic overlap (issuing it all in the first block left the others waiting: 32 rows ran 11–16% slower).
+ * Micro-kernels hold a rows × PANEL tile of y in vector registers (simd.h sizes it to the instruction set) and
+ * broadcast x; partial sums live in a small per-thread buffer between chunks.
  * Shapes: x [M, K], panels [ceil(N / PANEL), K, PANEL], bias [N] or NULL, y [M, N].
  * The reference is torch.nn.functional.linear; tests compare the two.
  */
@@ -16,11 +17,11 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
-#define LANES 16
-#define PANEL (3 * LANES)
-#define K_CHUNK 64    /* panel rows per chunk: 12 KiB, kept in L1 across the row blocks */
-#define ROW_BLOCK 64  /* rows of x per work item (decode steps: one item per panel) */
+#define K_CHUNK (1024 / LANES) /* panel rows per chunk: 12 KiB, kept in L1 across the row blocks */
+#define ROW_BLOCK 64           /* rows of x per work item (decode steps: one item per panel) */
+#define LINE_FLOATS 16         /* floats per 64-byte cache line */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -42,8 +43,9 @@ static inline void save(float *p, vec v) { memcpy(p, &v, sizeof v); }
     }
 #define LOAD_PANEL_ROW                                                                                           \
     const float *wk = panel + k * PANEL;                                                                         \
-    for (int64_t j = 0; j < prefetch_per_k; ++j) __builtin_prefetch(prefetch + (k * prefetch_per_k + j) * LANES); \
-    const vec w0 = load(wk), w1 = load(wk + LANES), w2 = load(wk + 2 * LANES)
+    for (int64_t j = 0; j < prefetch_per_k; ++j) __builtin_prefetch(prefetch + (k * prefetch_per_k + j) * LINE_FLOATS); \
+    vec w0 = load(wk), w1 = load(wk + LANES), w2 = load(wk + 2 * LANES);                                      \
+    IN_REGISTERS(w0, w1, w2)
 #define FMA(i)                                                                                                   \
     do {                                                                                                         \
         const float xi = x[(i) * K + k];                                                                         \
@@ -59,7 +61,7 @@ static inline void save(float *p, vec v) { memcpy(p, &v, sizeof v); }
     } while (0)
 
 /* acc [rows, PANEL] (+)= x[rows, chunk] · panel[chunk, PANEL]; x and panel start at the chunk. Each k step also
- * prefetches `prefetch_per_k` cache lines (of LANES floats) from `prefetch` on. */
+ * prefetches `prefetch_per_k` cache lines (of 16 floats) from `prefetch` on. */
 #define TILE_ARGS                                                                                                \
     const float *x, int64_t K, const float *panel, int64_t chunk, float *acc, int first, const float *prefetch,      \
         int64_t prefetch_per_k
@@ -138,6 +140,8 @@ static void tile1(TILE_ARGS) {
 
 int64_t linear_panel_width(void) { return PANEL; }
 
+const char *kernel_isa(void) { return KERNEL_ISA; }
+
 void linear_panels(const float *x, const float *panels, const float *bias, float *y, int64_t M, int64_t N,
                    int64_t K, int num_threads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
@@ -149,8 +153,8 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
         const int64_t end = begin + ROW_BLOCK < M ? begin + ROW_BLOCK : M;
         const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
         /* The next chunk in memory (the next panel's first after the last) is fetched a share per row block. */
-        const int64_t rows = end - begin, chunk_lines = K_CHUNK * PANEL / LANES;
-        const int64_t num_tiles = rows / 8 + (rows % 8 != 0);
+        const int64_t rows = end - begin, chunk_lines = K_CHUNK * PANEL / LINE_FLOATS;
+        const int64_t num_tiles = rows / TILE_ROWS + (rows % TILE_ROWS != 0);
         const int64_t share = (chunk_lines + num_tiles - 1) / num_tiles;
         for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
             const int64_t chunk = K - k0 < K_CHUNK ? K - k0 : K_CHUNK;
@@ -159,9 +163,11 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
             const int64_t per_k = (share + chunk - 1) / chunk;
             const int first = k0 == 0;
 #define TILE(n) tile##n(x + m * K + k0, K, panel, chunk, acc + (m - begin) * PANEL, first, next, per_k)
+#define TILE_FULL_(n) TILE(n) /* TILE_ROWS expanded first */
+#define TILE_FULL TILE_FULL_(TILE_ROWS)
             int64_t m = begin;
-            for (; m + 8 <= end; m += 8, next += share * LANES) TILE(8);
-            switch (end - m) { /* the last 1 … 7 rows as one tile: the panel chunk is read once for them */
+            for (; m + TILE_ROWS <= end; m += TILE_ROWS, next += share * LINE_FLOATS) TILE_FULL;
+            switch (end - m) { /* the last 1 … TILE_ROWS - 1 rows as one tile: the panel chunk is read once for them */
             case 7: TILE(7); break;
             case 6: TILE(6); break;
             case 5: TILE(5); break;
@@ -171,6 +177,7 @@ void linear_panels(const float *x, const float *panels, const float *bias, float
             case 1: TILE(1); break;
             }
 #undef TILE
+#undef TILE_FULL
         }
         for (int64_t m = begin; m < end; ++m) {
             const float *row = acc + (m - begin) * PANEL;

@@ -21,11 +21,10 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
-#define LANES 16
-#define PANEL (3 * LANES)
-#define K_ALIGN 32    /* one AMX tile's k depth */
-#define K_CHUNK 128   /* k pairs per chunk: 24 KiB of panel, kept in L1 across the row blocks */
+#define K_ALIGN 32             /* one AMX tile's k depth */
+#define K_CHUNK (2048 / LANES) /* k pairs per chunk: 24 KiB of panel, kept in L1 across the row blocks */
 #define ROW_BLOCK 64  /* rows of x per work item */
 #define AMX_ROWS 16   /* rows of an AMX tile */
 
@@ -164,8 +163,8 @@ static void register_item(int path, const void *xs, int64_t Kp, const uint16_t *
         const int64_t chunk = Kp / 2 - j0 < K_CHUNK ? Kp / 2 - j0 : K_CHUNK;
         const uint16_t *part = panel + j0 * 2 * PANEL;
         const int first = j0 == 0;
-        for (int64_t m = begin; m < end; m += 8) {
-            const int64_t n = end - m < 8 ? end - m : 8; /* tiles of 8 rows, the last 1 … 7 as one */
+        for (int64_t m = begin; m < end; m += TILE_ROWS) {
+            const int64_t n = end - m < TILE_ROWS ? end - m : TILE_ROWS; /* the last 1 … TILE_ROWS - 1 as one */
             float *a = acc + (m - begin) * PANEL;
             if (path == BF16_PORTABLE) {
                 const float *x = (const float *)xs + m * Kp + 2 * j0;

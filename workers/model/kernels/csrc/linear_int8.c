@@ -3,7 +3,7 @@
  * The weight is quantized once at load, symmetric per output channel (w ≈ q · scale[n], q in [-127, 127]), and
  * packed into the same column panels as linear.c's float32 weights, [ceil(N / PANEL), K, PANEL] int8 (see
  * `pack_panels_int8` in native.py). A decode step streams every weight once, so reading a quarter of the bytes is
- * what makes it faster; each 16 weights are widened to float32 in registers (sign-extend, convert) and multiplied
+ * what makes it faster; each LANES weights are widened to float32 in registers (sign-extend, convert) and multiplied
  * exactly as linear.c does, the scale applied once per output at the end. Every row of x walks k in the same order
  * whatever the number of rows, so a row's result does not depend on the batch it is in: a speculative
  * verification's rows equal the decode steps' (greedy speculative output equals plain, as in float32).
@@ -14,18 +14,38 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
-#define LANES 16
-#define PANEL (3 * LANES)
-#define K_CHUNK 256   /* panel rows per chunk: 12 KiB of int8, kept in L1 across the row blocks */
-#define ROW_BLOCK 64  /* rows of x per work item */
-#define LINE 64       /* bytes per cache line */
+#define K_CHUNK (4096 / LANES) /* panel rows per chunk: 12 KiB of int8, kept in L1 across the row blocks */
+#define ROW_BLOCK 64           /* rows of x per work item */
+#define LINE 64                /* bytes per cache line */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+/* LANES int8 weights widened to float32 (sign-extend, convert; gcc scalarises __builtin_convertvector here). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline vec widen(const int8_t *p) { /* vpmovsxbd, vcvtdq2ps (gcc scalarises __builtin_convertvector here) */
+static inline vec widen(const int8_t *p) {
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    vec out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vec widen(const int8_t *p) {
+    int64_t bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+    vec out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+#elif defined(__SSE4_1__)
+#include <immintrin.h>
+static inline vec widen(const int8_t *p) {
+    int32_t bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    const __m128 v = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bytes)));
     vec out;
     memcpy(&out, &v, sizeof out);
     return out;
@@ -112,7 +132,7 @@ void linear_panels_int8(const float *x, const int8_t *panels, const float *scale
         const int64_t end = begin + ROW_BLOCK < M ? begin + ROW_BLOCK : M;
         const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
         const int64_t rows = end - begin, chunk_lines = K_CHUNK * PANEL / LINE;
-        const int64_t num_tiles = rows / 8 + (rows % 8 != 0);
+        const int64_t num_tiles = rows / TILE_ROWS + (rows % TILE_ROWS != 0);
         const int64_t share = (chunk_lines + num_tiles - 1) / num_tiles; /* next chunk's lines per row tile */
         for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
             const int64_t chunk = K - k0 < K_CHUNK ? K - k0 : K_CHUNK;
@@ -121,9 +141,11 @@ void linear_panels_int8(const float *x, const int8_t *panels, const float *scale
             const int64_t per_k = (share + chunk - 1) / chunk;
             const int first = k0 == 0;
 #define TILE(n) tile##n(x + m * K + k0, K, panel, chunk, acc + (m - begin) * PANEL, first, next, per_k)
+#define TILE_FULL_(n) TILE(n) /* TILE_ROWS expanded first */
+#define TILE_FULL TILE_FULL_(TILE_ROWS)
             int64_t m = begin;
-            for (; m + 8 <= end; m += 8, next += share * LINE) TILE(8);
-            switch (end - m) { /* the last 1 … 7 rows as one tile: the panel chunk is read once for them */
+            for (; m + TILE_ROWS <= end; m += TILE_ROWS, next += share * LINE) TILE_FULL;
+            switch (end - m) { /* the last 1 … TILE_ROWS - 1 rows as one tile: the panel chunk is read once for them */
             case 7: TILE(7); break;
             case 6: TILE(6); break;
             case 5: TILE(5); break;
@@ -133,6 +155,7 @@ void linear_panels_int8(const float *x, const int8_t *panels, const float *scale
             case 1: TILE(1); break;
             }
 #undef TILE
+#undef TILE_FULL
         }
         for (int64_t m = begin; m < end; ++m) {
             const float *row = acc + (m - begin) * PANEL;

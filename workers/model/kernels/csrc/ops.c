@@ -62,11 +62,11 @@ void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, in
         const float *xr = x + r * n, *gr = gate + r * n;
         float *o = out + r * n;
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
+        for (; i + LANES <= n; i += LANES) {
             vf g, v;
             memcpy(&g, gr + i, sizeof g);
             memcpy(&v, xr + i, sizeof v);
-            const vf y = v * (1.0f / (1.0f + vexpf16(-g)));
+            const vf y = v * (1.0f / (1.0f + vexpf_lanes(-g)));
             memcpy(o + i, &y, sizeof y);
         }
         for (; i < n; ++i) o[i] = xr[i] * (1.0f / (1.0f + vexpf(-gr[i])));
@@ -74,25 +74,24 @@ void sigmoid_mul(const float *x, const float *gate, float *out, int64_t rows, in
 }
 
 /* Index of the largest value of row[0 … n) (the first one on ties, as torch.argmax); NaN counts as largest.
- * One vectorised pass: each of 16 lanes keeps its largest value and the first index holding it (a later index
+ * One vectorised pass: each of LANES lanes keeps its largest value and the first index holding it (a later index
  * replaces it only when strictly larger), then the lanes' maximum with the smallest index among the lanes holding
  * it. A NaN anywhere (rare) takes a second scan for the first one. */
-typedef int32_t vi __attribute__((vector_size(64)));
-
 int64_t argmax_row(const float *row, int64_t n) {
     float best = -INFINITY;
     int64_t index = 0, i = 0;
     int nan = 0;
-    if (n >= 16 && n <= INT32_MAX) {
+    if (n >= LANES && n <= INT32_MAX) {
         vf lane_best;
-        vi lane_index = {0}, current = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, seen_nan = {0};
+        vi lane_index = {0}, current = {0}, seen_nan = {0};
+        for (int lane = 0; lane < LANES; ++lane) current[lane] = lane;
         memcpy(&lane_best, row, sizeof lane_best);
         seen_nan |= lane_best != lane_best;
         lane_index = current;
-        for (i = 16; i + 16 <= n; i += 16) {
+        for (i = LANES; i + LANES <= n; i += LANES) {
             vf v;
             memcpy(&v, row + i, sizeof v);
-            current += 16;
+            current += LANES;
             const vi larger = v > lane_best;
             seen_nan |= v != v;
             vi v_bits, best_bits;
@@ -102,7 +101,7 @@ int64_t argmax_row(const float *row, int64_t n) {
             memcpy(&lane_best, &best_bits, sizeof lane_best);
             lane_index = (larger & current) | (~larger & lane_index);
         }
-        for (int lane = 0; lane < 16; ++lane) {
+        for (int lane = 0; lane < LANES; ++lane) {
             nan |= seen_nan[lane] != 0;
             if (lane_best[lane] > best || (lane_best[lane] == best && lane_index[lane] < index)) {
                 best = lane_best[lane];

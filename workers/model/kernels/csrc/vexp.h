@@ -1,8 +1,9 @@
 /* exp and silu for float32 vectors: the activations of the native kernels.
  *
  * libm's expf is a function call per element, which no compiler vectorises; this is Cephes' expf (range reduction
- * by ln 2, a degree-6 polynomial), within ~2 ulp of expf, on 16 lanes with GCC vector types (casts between vf and vi
- * reinterpret bits). x is clamped to [-87.3, 88.7].
+ * by ln 2, a degree-6 polynomial), within ~2 ulp of expf, on LANES lanes (simd.h: the instruction set's vector width)
+ * with GCC vector types (casts between vf and vi reinterpret bits). Every lane computes the same function, so a
+ * result does not depend on the width. x is clamped to [-87.3, 88.7].
  */
 #ifndef HYBRIDGEN_VEXP_H
 #define HYBRIDGEN_VEXP_H
@@ -10,6 +11,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 /* One lane (loop tails). */
 static inline float vexpf(float x) {
@@ -31,11 +34,11 @@ static inline float vexpf(float x) {
     return p * scale.f;
 }
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-/* vexpf on 16 lanes with GCC vector types (casts between vf and vi reinterpret the bits). */
-static inline vf vexpf16(vf x) {
+/* vexpf on LANES lanes with GCC vector types (casts between vf and vi reinterpret the bits). */
+static inline vf vexpf_lanes(vf x) {
     const vf zero = {0};
     const vf lo = zero - 87.3f, hi = zero + 88.7f;
     vi below = x < lo, above = x > hi;
@@ -56,10 +59,10 @@ static inline vf vexpf16(vf x) {
 /* v[i] = silu(v[i]) = v / (1 + exp(-v)), in place. */
 static inline void silu_inplace(float *v, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + LANES <= n; i += LANES) {
         vf x;
         memcpy(&x, v + i, sizeof x);
-        x = x / (1.0f + vexpf16(-x));
+        x = x / (1.0f + vexpf_lanes(-x));
         memcpy(v + i, &x, sizeof x);
     }
     for (; i < n; ++i) v[i] = v[i] / (1.0f + vexpf(-v[i]));
@@ -68,11 +71,11 @@ static inline void silu_inplace(float *v, int64_t n) {
 /* out[i] = silu(gate[i]) · up[i]. */
 static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + LANES <= n; i += LANES) {
         vf g, u;
         memcpy(&g, gate + i, sizeof g);
         memcpy(&u, up + i, sizeof u);
-        const vf y = g / (1.0f + vexpf16(-g)) * u;
+        const vf y = g / (1.0f + vexpf_lanes(-g)) * u;
         memcpy(out + i, &y, sizeof y);
     }
     for (; i < n; ++i) out[i] = gate[i] / (1.0f + vexpf(-gate[i])) * up[i];

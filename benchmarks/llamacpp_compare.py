@@ -7,6 +7,7 @@ new tokens − 1 decode steps), as benchmarks/quantization_speed.py counts them;
 never run in CI, never imported by tests. Nothing downloaded or built goes into the repository.
 
 python benchmarks/llamacpp_compare.py --presets bench gdn-bench --rounds 3 --threads 2 --json llamacpp.json
+python benchmarks/llamacpp_compare.py --isa avx2   # both built for AVX2 + FMA only: an AVX2 machine, on any x86
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ import torch
 
 from workers import ModelRunner, SamplingParams
 from workers.benchmark import PRESETS, build_preset, random_prompts
+from workers.model.kernels import native
 
 BUILD_TARGETS = ("llama-batched-bench", "llama-quantize")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF")  # fmt: skip
+# llama.cpp's own switches for an AVX2 + FMA build (no AVX-512), the counterpart of hybridgen's "avx2" kernels.
+AVX2_CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")  # fmt: skip
 HYBRIDGEN_VARIANTS = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
 LLAMA_VARIANTS = ("f32", "q8_0")
 GREEDY_PROMPT = "The quick brown fox jumps over the lazy dog and then"
@@ -70,17 +75,18 @@ def llama_source(cache: Path) -> Path:
     return source
 
 
-def build_llama(cache: Path, targets: tuple[str, ...] = BUILD_TARGETS) -> Path:
-    """Build only `targets` (Release, -march=native, `nice -n 10`, 2 jobs) unless all exist; the binary folder."""
-    bin_dir = cache / "build" / "bin"
+def build_llama(cache: Path, targets: tuple[str, ...] = BUILD_TARGETS, isa: str = "native") -> Path:
+    """Build only `targets` (Release, `nice -n 10`, 2 jobs; -march=native, or AVX2 + FMA for `isa="avx2"`) unless
+    all exist; the binary folder."""
+    build = cache / ("build" if isa == "native" else f"build-{isa}")
+    bin_dir = build / "bin"
     if all((bin_dir / target).exists() for target in targets):
         return bin_dir
     source = llama_source(cache)
-    if not (cache / "build" / "CMakeCache.txt").exists():
-        subprocess.run(["nice", "-n", "10", "cmake", "-S", str(source), "-B", str(cache / "build"), *CMAKE_FLAGS],
-                       check=True)  # fmt: skip
-    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(cache / "build"), "--target", *targets, "-j2"],
-                   check=True)  # fmt: skip
+    flags = CMAKE_FLAGS if isa == "native" else (*CMAKE_FLAGS, *AVX2_CMAKE_FLAGS)
+    if not (build / "CMakeCache.txt").exists():
+        subprocess.run(["nice", "-n", "10", "cmake", "-S", str(source), "-B", str(build), *flags], check=True)
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", *targets, "-j2"], check=True)
     return bin_dir
 
 
@@ -185,7 +191,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in [*zip(kept, kept), *zip(moved, range(256, 256 + len(moved)))]}
 
 
-def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int) -> str:
+def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int, isa: str = "native") -> str:
     """How many of `new_tokens` greedy tokens `llama-simple` (f32 GGUF) and hybridgen float32 share, as text bytes
     (llama-simple prints text): the prompt's words are single tokens of the GGUF's vocabulary."""
     sys.path.insert(0, str(llama_source(cache) / "gguf-py"))
@@ -197,7 +203,7 @@ def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int) 
     prompt_ids = [ids.get(word if i == 0 else "Ġ" + word) for i, word in enumerate(GREEDY_PROMPT.split())]
     if None in prompt_ids:
         return "greedy check skipped (prompt words are not single tokens)"
-    done = subprocess.run([str(build_llama(cache, ("llama-simple",)) / "llama-simple"), "-m", str(gguf), "-n",
+    done = subprocess.run([str(build_llama(cache, ("llama-simple",), isa) / "llama-simple"), "-m", str(gguf), "-n",
                            str(new_tokens), GREEDY_PROMPT], capture_output=True)  # fmt: skip
     if done.returncode != 0:
         return f"greedy check skipped (llama-simple failed: {done.stderr.decode().strip().splitlines()[-1:]})"
@@ -244,7 +250,7 @@ def measure_preset(preset: str, cache: Path, bin_dir: Path, args: argparse.Names
                 rates.setdefault((f"hybridgen {name}", batch), []).append(rate)
     notes = {f"llama.cpp {variant} flags": " ".join(flag) for variant, flag in flags.items()}
     if args.greedy_check:
-        notes["greedy check"] = greedy_check(cache, ggufs["f32"], runners["float32"], args.new_tokens)
+        notes["greedy check"] = greedy_check(cache, ggufs["f32"], runners["float32"], args.new_tokens, args.isa)
         print(f"{preset}: {notes['greedy check']}")
     rows = []
     for batch in args.batch_sizes:
@@ -279,18 +285,25 @@ def main() -> int:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hybridgen" / "llama.cpp")
     p.add_argument("--greedy-check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt")  # fmt: skip
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="native: both built for this CPU; avx2: llama.cpp built for AVX2 + FMA and hybridgen's avx2 "
+                   "kernels (HYBRIDGEN_CPU_ISA), what an AVX2-only machine runs")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    bin_dir = build_llama(args.cache_dir)
+    if args.isa != "native":
+        os.environ[native.ISA_ENV] = args.isa
+    bin_dir = build_llama(args.cache_dir, isa=args.isa)
     print(f"{args.threads} threads, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, output tok/s, "
-          f"medians of {args.rounds} alternating rounds")  # fmt: skip
+          f"medians of {args.rounds} alternating rounds; hybridgen kernels: {native.selected_isa()}, llama.cpp: "
+          f"{args.isa} build")  # fmt: skip
     rows = [row for preset in args.presets for row in measure_preset(preset, args.cache_dir, bin_dir, args) or []]
     print_table(rows)
     if args.json:
         source = llama_source(args.cache_dir)
         args.json.write_text(json.dumps({"llama_cpp": source.parent.parent.name, "threads": args.threads,
-                                         "rounds": args.rounds, "rows": rows}, indent=2))  # fmt: skip
+                                         "rounds": args.rounds, "isa": native.selected_isa(), "rows": rows},
+                                        indent=2))  # fmt: skip
     return 0
 
 

@@ -256,12 +256,13 @@ def pointer(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P from the kernel).
+def pack_panels(weight: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """A [N, K] float32 weight as the [ceil(N / P), K, P] column panels `linear` reads (P: `width`, default the
+    process's kernels' `linear_panel_width()`).
 
     Written straight into the panels (no padded copy of the weight first: loading peaks at one layer's weight
     more than the packed model, not two)."""
-    width = int(load().linear_panel_width())
+    width = int(load().linear_panel_width()) if width is None else width
     out_features, in_features = weight.shape
     num_panels, full = -(-out_features // width), out_features // width
     panels = weight.new_empty(num_panels, in_features, width)
@@ -285,10 +286,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     return out
 
 
-def pack_panels_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_panels_int8(weight: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N, K] weight quantized symmetrically per output channel (w ≈ q · scale[n], q in [-127, 127], rounded to
     nearest) and packed as `pack_panels` does: (int8 panels [ceil(N / P), K, P], float32 scale [N])."""
-    width = int(load().linear_panel_width())
+    width = int(load().linear_panel_width()) if width is None else width
     out_features, in_features = weight.shape
     weight = weight.float()
     scale = torch.maximum(weight.amax(dim=1), -weight.amin(dim=1)) / 127  # max |w| without a copy of |w|

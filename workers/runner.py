@@ -45,6 +45,8 @@ def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool =
     kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
     summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
     summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
+    if native.loaded():
+        summary += f"; native CPU kernels: {native.describe()}"
     if mtp:
         reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
         summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")

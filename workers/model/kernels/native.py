@@ -19,7 +19,9 @@
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
-They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and `linear_bf16.c`). The PyTorch
+Each is built per instruction set (`isa.py`: avx512, avx2, portable; neon on aarch64), with vectors and register
+tiles sized by `csrc/simd.h`. They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and
+`linear_bf16.c`). The PyTorch
 paths stay the reference: tests compare each kernel with it, and everything works without a compiler (slower).
 
 Builds are cached under `$HYBRIDGEN_KERNEL_CACHE` (default `~/.cache/hybridgen/kernels`) by `kernel_cache.py`,
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from workers.model.kernels import kernel_cache
+from workers.model.kernels.isa import ISA_ENV, ISA_FLAGS, choose_isa, cpu_isas
 from workers.model.kernels.kernel_cache import NativeKernelError
 
 logger = logging.getLogger(__name__)
@@ -48,45 +51,26 @@ logger = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # built together into one library
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-ISA_ENV = "HYBRIDGEN_CPU_ISA"
-# The instruction-set variants the library is built for, and the compiler flags of each (csrc/simd.h sizes the
-# vectors and register tiles from what they enable). "avx512" builds for this CPU (AMX, AVX512-BF16 and VNNI where it
-# has them); "avx2" and "portable" build for the x86-64-v3 (AVX2 + FMA) and x86-64-v2 (SSE4.2) baselines, so an
-# AVX-512 machine also runs, and tests, what an AVX2-only one runs.
-ISA_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-march=native", "-mprefer-vector-width=512"],  # full-width AVX-512 (gcc defaults to 256)
-    "avx2": ["-march=x86-64-v3", "-mtune=native"],
-    "neon": ["-mcpu=native"],
-    "portable": ["-march=x86-64-v2", "-mtune=native"] if platform.machine() in ("x86_64", "AMD64") else [],
-}
-
+_SELECTED: str | None = None
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
 _LOAD_ERRORS: dict[str, str] = {}
 _WARNED = False
 
 
-def cpu_isas() -> tuple[str, ...]:
-    """The kernel variants this CPU can run, fastest first (from PyTorch's own CPU detection on x86)."""
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return ("neon", "portable")
-    if machine not in ("x86_64", "amd64"):
-        return ("portable",)
-    capability = torch.backends.cpu.get_cpu_capability()
-    return {"AVX512": ("avx512", "avx2", "portable"), "AVX2": ("avx2", "portable")}.get(capability, ("portable",))
+def describe() -> str:
+    """Which variant of the kernels this process runs, and why (the runner logs it)."""
+    isa = selected_isa()
+    if isa != cpu_isas()[0]:
+        return f"{isa} kernels (forced by {ISA_ENV}; this CPU runs {', '.join(cpu_isas())})"
+    return f"{isa} kernels (the fastest of {', '.join(cpu_isas())} this CPU runs)"
 
 
 def selected_isa() -> str:
-    """The variant this process runs: `$HYBRIDGEN_CPU_ISA` when set (one of `cpu_isas()`), else the fastest.
-
-    Raises ValueError naming the allowed values for a variant this CPU cannot run."""
-    isas = cpu_isas()
-    chosen = os.environ.get(ISA_ENV, "").strip().lower()
-    if not chosen:
-        return isas[0]
-    if chosen not in isas:
-        raise ValueError(f"{ISA_ENV}={chosen!r} cannot run on this CPU: choose one of {', '.join(isas)}")
-    return chosen
+    """The variant this process runs: `choose_isa()` at the first call, then fixed (weights are packed for it)."""
+    global _SELECTED
+    if _SELECTED is None:
+        _SELECTED = choose_isa()
+    return _SELECTED
 
 
 def _compiler() -> str | None:
@@ -179,10 +163,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
 
 def loaded() -> bool:
     """Whether the process's library is already built and loaded (never builds it)."""
-    try:
-        return selected_isa() in _LIBRARIES
-    except ValueError:
-        return False
+    return _SELECTED is not None and _SELECTED in _LIBRARIES
 
 
 def available() -> bool:

@@ -95,7 +95,11 @@ def test_float32_linear_within_the_arithmetics_bound_and_batch_invariant(isa, ro
 def test_avx512_and_avx2_linears_agree_bit_for_bit():
     """Both fuse each k's multiply-add and sum k in order: the register tile's shape changes no result."""
     g = torch.Generator().manual_seed(0)
-    x, weight, bias = torch.randn(19, 333, generator=g), torch.randn(101, 333, generator=g), torch.randn(101, generator=g)
+    x, weight, bias = (
+        torch.randn(19, 333, generator=g),
+        torch.randn(101, 333, generator=g),
+        torch.randn(101, generator=g),
+    )
     assert torch.equal(_linear("avx512", x, weight, bias), _linear("avx2", x, weight, bias))
 
 

@@ -17,6 +17,10 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 64, 65, 70]
 needs_vnni = pytest.mark.skipif(
     not native.available() or "vnni" not in w8a8.available_paths(), reason="no AVX512-VNNI on this CPU (or build)"
 )
+needs_avx2 = pytest.mark.skipif(
+    not native.available() or "avx2" not in w8a8.available_paths(), reason="the kernels are built without AVX2 here"
+)
+FAST_PATHS = [pytest.param("vnni", marks=needs_vnni), pytest.param("avx2", marks=needs_avx2)]
 
 
 def test_packing_layout_scale_and_correction():
@@ -40,7 +44,7 @@ def test_invalid_group_size_names_the_rule():
         w8a8.pack(torch.randn(4, 8), 6)
 
 
-@pytest.mark.parametrize("path", ["portable", pytest.param("vnni", marks=needs_vnni)])
+@pytest.mark.parametrize("path", ["portable", *FAST_PATHS])
 def test_integer_sums_are_exact(path):
     # Integer inputs whose every group holds ±127 quantize to themselves with scale 1: y is x · wᵀ exactly.
     torch.manual_seed(0)
@@ -64,15 +68,15 @@ def test_portable_kernel_equals_reference(in_features, out_features, group_size,
         torch.testing.assert_close(out, close_to_float, atol=0.05 * close_to_float.abs().max().item(), rtol=0)
 
 
-@needs_vnni
+@pytest.mark.parametrize("path", FAST_PATHS)
 @pytest.mark.parametrize(("in_features", "out_features", "group_size"), SHAPES)
-def test_vnni_equals_portable_bit_for_bit(in_features, out_features, group_size):
+def test_fast_paths_equal_portable_bit_for_bit(path, in_features, out_features, group_size):
     torch.manual_seed(out_features)
     kernel = W8A8Linear(torch.nn.Linear(in_features, out_features), group_size)
     for rows in ROWS:
         x = torch.randn(rows, in_features)
         portable = w8a8.linear(x, kernel.packed, kernel.bias, "portable")
-        assert torch.equal(w8a8.linear(x, kernel.packed, kernel.bias, "vnni"), portable), f"{rows} rows"
+        assert torch.equal(w8a8.linear(x, kernel.packed, kernel.bias, path), portable), f"{rows} rows"
 
 
 @pytest.mark.parametrize(("in_features", "out_features", "group_size"), SHAPES[:4])

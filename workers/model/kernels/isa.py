@@ -49,5 +49,3 @@ def choose_isa(environ: Mapping[str, str] = os.environ) -> str:
     if chosen not in isas:
         raise ValueError(f"{ISA_ENV}={chosen!r} cannot run on this CPU: choose one of {', '.join(isas)}")
     return chosen
-
-

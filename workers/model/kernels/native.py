@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 import shutil
 import sys
 from pathlib import Path

@@ -14,7 +14,7 @@ import torch
 from workers.model.kernels.native import load, pointer
 
 PANEL = 48
-PATHS = {"auto": 0, "portable": 1, "vnni": 2}  # csrc/linear_w8a8.c's PATH_* values
+PATHS = {"auto": 0, "portable": 1, "vnni": 2, "avx2": 3}  # csrc/linear_w8a8.c's PATH_* values
 
 
 @dataclass(frozen=True)
@@ -94,14 +94,15 @@ def pack(weight: torch.Tensor, group_size: int | None) -> W8A8Panels:
 
 
 def available_paths() -> list[str]:
-    """The kernel paths this CPU runs: "portable" always, "vnni" where AVX512-VNNI is built and present."""
+    """The kernel paths this CPU runs: "portable" always, "vnni" where AVX512-VNNI is built and present, "avx2"
+    where the kernels are built with AVX2 (the avx512 and avx2 variants)."""
     mask = int(load().linear_w8a8_paths())
     return [name for name, bit in PATHS.items() if name != "auto" and mask >> bit & 1]
 
 
 def linear(x: torch.Tensor, packed: W8A8Panels, bias: torch.Tensor | None, path: str = "auto") -> torch.Tensor:
     """x [M, K] float32 (contiguous) · wᵀ (+ bias) → [M, N] with int8 × int8 sums; `path` forces a kernel path
-    ("portable", "vnni"; all give the same bits)."""
+    ("portable", "vnni", "avx2"; all give the same bits)."""
     lib = load()
     rows, in_features = x.shape
     if in_features != packed.in_features:

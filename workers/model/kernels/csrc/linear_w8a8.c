@@ -5,8 +5,10 @@
  * of a 16-column slice is 64 bytes, what `vpdpbusd` multiplies (and an AMX B-tile row). Activations are quantized
  * at each call per row and group the same way (q = round-half-even(x · 127 / max|x|)), stored with +128 as uint8
  * because `vpdpbusd` multiplies u8 × s8; the +128 comes back out through `correction` = 128 · Σ_k q[n, k] per group,
- * precomputed at load. Within a group the sum is integer and exact, so every path (VNNI, portable) and every number
- * of rows gives the same integer; the groups are then folded in order with one fma each,
+ * precomputed at load. AVX2 has no u8 × s8 dot product that cannot saturate: its path takes the activations back to
+ * signed (q = stored ^ 0x80) and multiplies |w| by q with w's sign (vpsignb, vpmaddubsw: pairs ≤ 2 · 127² fit
+ * int16, then vpmaddwd), which is Σ q · w, the same integer as VNNI's sum less its correction. Within a group the sum
+ * is integer and exact, so every path (VNNI, AVX2, portable) and every number of rows gives the same integer; the groups are then folded in order with one fma each,
  * total = fma(float(acc_g), sw[n, g] · sx[m, g], total), identically on every path. A row's result therefore does
  * not depend on the batch it is in, nor on the path (greedy speculative output equals plain).
  * Shapes: x [M, K], panels [ceil(N / 48), Kp / 4, 48, 4] int8, scale and correction [ceil(N / 48), groups, 48]
@@ -24,7 +26,7 @@
 #define ROW_BLOCK 64 /* rows of x per work item */
 #define ROW_TILE 4   /* rows multiplied together: 12 int32 + 12 float accumulators in registers */
 
-enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_VNNI = 2 };
+enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_VNNI = 2, PATH_AVX2 = 3 };
 
 typedef struct {
     const uint8_t *xq; /* [M, Kp] activations + 128 */
@@ -110,6 +112,59 @@ static void tiles_vnni(const w8a8_args *a, int64_t p, int64_t begin, int64_t end
 #define HAVE_VNNI 0
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#define AVX2_ROW_TILE 2 /* 2 rows × 6 vectors of 8 columns: 12 int32 accumulators of 16 ymm registers */
+
+/* R rows (R ≤ AVX2_ROW_TILE) × one 48-column panel over every group; totals accumulate in out [R, PANEL]. */
+static inline __attribute__((always_inline)) void tile_avx2(const w8a8_args *a, int64_t p, int64_t m, const int R,
+                                                            float *out) {
+    enum { VECTORS = PANEL / 8 }; /* a quad row of the panel: 48 columns × 4 k = 6 vectors of 32 bytes */
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int i = 0; i < R * PANEL; ++i) out[i] = 0.0f;
+    for (int64_t g = 0; g < a->groups; ++g) {
+        __m256i acc[AVX2_ROW_TILE][VECTORS];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < VECTORS; ++j) acc[r][j] = _mm256_setzero_si256();
+        const int8_t *w = a->panels + (p * a->Kp + g * a->G) * PANEL;
+        const uint8_t *xg = a->xq + m * a->Kp + g * a->G;
+        for (int64_t q = 0; q < a->G / 4; ++q, w += 4 * PANEL) {
+            __m256i xs[AVX2_ROW_TILE];
+            for (int r = 0; r < R; ++r) {
+                int32_t quad;
+                memcpy(&quad, xg + r * a->Kp + 4 * q, sizeof quad);
+                xs[r] = _mm256_xor_si256(_mm256_set1_epi32(quad), flip); /* back to signed */
+            }
+            for (int j = 0; j < VECTORS; ++j) {
+                const __m256i wj = _mm256_loadu_si256((const __m256i *)(w + 32 * j)), magnitude = _mm256_abs_epi8(wj);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs[r], wj));
+                    acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        const int64_t at = (p * a->groups + g) * PANEL;
+        for (int j = 0; j < VECTORS; ++j) {
+            const __m256 sw = _mm256_loadu_ps(a->scale + at + 8 * j);
+            for (int r = 0; r < R; ++r) {
+                const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(a->sx[(m + r) * a->groups + g]));
+                float *total = out + r * PANEL + 8 * j;
+                _mm256_storeu_ps(total, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), s, _mm256_loadu_ps(total)));
+            }
+        }
+    }
+}
+
+static void tiles_avx2(const w8a8_args *a, int64_t p, int64_t begin, int64_t end, float *acc) {
+    int64_t m = begin;
+    for (; m + AVX2_ROW_TILE <= end; m += AVX2_ROW_TILE) tile_avx2(a, p, m, AVX2_ROW_TILE, acc + (m - begin) * PANEL);
+    if (m < end) tile_avx2(a, p, m, 1, acc + (m - begin) * PANEL);
+}
+#else
+#define HAVE_AVX2 0
+#endif
+
 /* Portable: the same integers and the same float steps, one row at a time. */
 static void quantize_group_portable(const float *x, int64_t n, uint8_t *q, float *scale) {
     float amax = 0.0f;
@@ -147,7 +202,17 @@ static int vnni_usable(void) {
 #endif
 }
 
-int64_t linear_w8a8_paths(void) { return (1 << PATH_PORTABLE) | (vnni_usable() << PATH_VNNI); }
+int64_t linear_w8a8_paths(void) {
+    return (1 << PATH_PORTABLE) | (vnni_usable() << PATH_VNNI) | (HAVE_AVX2 << PATH_AVX2);
+}
+
+/* The path a call runs: the one asked for, or for PATH_AUTO the fastest here (VNNI, then AVX2, then portable). */
+static int resolve_path(int path) {
+    if (path == PATH_AUTO) return vnni_usable() ? PATH_VNNI : HAVE_AVX2 ? PATH_AVX2 : PATH_PORTABLE;
+    if (path == PATH_VNNI && !vnni_usable()) return PATH_PORTABLE;
+    if (path == PATH_AVX2 && !HAVE_AVX2) return PATH_PORTABLE;
+    return path;
+}
 
 /* Row m of x [M, K] → xq[m] (+128, zero-padded to Kp) and sx[m, ·], per group; both paths round alike. */
 static void quantize_row(const float *x, int64_t K, int use_vnni, const w8a8_args *a, uint8_t *xq, float *sx,
@@ -171,7 +236,7 @@ void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale
                         const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t G, int path,
                         int num_threads) {
     const int64_t groups = (K + G - 1) / G, Kp = groups * G;
-    const int use_vnni = path != PATH_PORTABLE && vnni_usable();
+    const int chosen = resolve_path(path), use_vnni = chosen == PATH_VNNI;
     uint8_t *xq = malloc((size_t)(M * Kp) + 64);
     float *sx = malloc((size_t)(M * groups) * sizeof(float) + 64);
     w8a8_args a = {xq, sx, panels, scale, correction, Kp, G, groups};
@@ -187,7 +252,11 @@ void linear_panels_w8a8(const float *x, const int8_t *panels, const float *scale
             const int64_t end = begin + ROW_BLOCK < M ? begin + ROW_BLOCK : M;
             const int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
 #if HAVE_VNNI
-            if (use_vnni) tiles_vnni(&a, p, begin, end, acc);
+            if (chosen == PATH_VNNI) tiles_vnni(&a, p, begin, end, acc);
+            else
+#endif
+#if HAVE_AVX2
+            if (chosen == PATH_AVX2) tiles_avx2(&a, p, begin, end, acc);
             else
 #endif
                 tiles_portable(&a, p, begin, end, acc);

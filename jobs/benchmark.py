@@ -26,20 +26,20 @@ from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.benchmark import (
     H200_BANDWIDTH_GBS,
     PRESETS,
+    batch1_roofline,
     build_preset,
     copy_heavy_prompts,
-    decode_step_bytes,
     hf_generate_fn,
     hf_score_fn,
     peak_memory_mb,
     print_table,
     random_prompts,
     reset_peak_memory,
-    roofline_share,
     timed,
 )
 from workers.job_benchmark import bench_prefix, bench_shards
 from workers.model.checkpoint.loader import DECODE_KERNELS
+from workers.model.kernels import native
 from workers.model.layers.linear import QUANTIZATIONS
 from workers.model.steps import cuda_graph
 from workers.model.steps.decode_plan import unsupported_reason
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result: dict[str, Any] = {"model": str(path), "preset": None if args.model else args.preset,
                               "device": str(runner.device), "dtype": str(runner.dtype),
-                              "quantization": args.quantization,
+                              "quantization": args.quantization, "cpu_kernels": _cpu_kernels(),
                               "threads": torch.get_num_threads(), "decode_kernel": _decode_kernel(runner),
                               "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
                               "args": vars(args)}  # fmt: skip
@@ -345,15 +345,22 @@ def main(argv: list[str] | None = None) -> int:
         print_table("generation (tokens/s)", result["generate"])
         bandwidth = args.peak_bandwidth_gbs or (H200_BANDWIDTH_GBS if runner.device.type == "cuda" else None)
         if bandwidth is not None:
-            result["roofline_batch1"] = _roofline(runner, result["generate"], bandwidth, args)
+            result["roofline_batch1"] = batch1_roofline(
+                runner.model, result["generate"], bandwidth, args.prompt_len + args.new_tokens // 2
+            )
     print(
         f"threads: {result['threads']}  device: {result['device']}  dtype: {result['dtype']}  "
         f"quantization: {args.quantization or 'none'}  "
         f"decode kernel: {result['decode_kernel']}  decode plan: {result['decode_plan']}  "
-        f"CUDA graphs: {result['cuda_graphs']}"
+        f"CUDA graphs: {result['cuda_graphs']}  CPU kernels: {result['cpu_kernels']}"
     )
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _cpu_kernels() -> str:
+    """The native kernels' instruction-set variant and why (`native.describe`), or "none" when none were loaded."""
+    return native.describe() if native.loaded() else "none"
 
 
 def _decode_kernel(runner: ModelRunner) -> str:
@@ -378,22 +385,6 @@ def _cuda_graphs(runner: ModelRunner) -> str:
     if reason is not None:
         return f"off ({reason})"
     return "on" if runner.device.type == "cuda" else "eager form (no CUDA)"
-
-
-def _roofline(runner: ModelRunner, rows: list[dict[str, Any]], bandwidth: float, args: argparse.Namespace) -> dict:
-    """The batch-1 share of the memory roofline, per engine: (bytes a decode step must read — weights, one
-    request's states, its KV cache at the mean context) × (decode steps per second) ÷ peak bandwidth. Printed."""
-    batch1 = next((r for r in rows if r["batch"] == 1), None)
-    if batch1 is None:
-        return {}
-    needed = decode_step_bytes(runner.model, args.prompt_len + args.new_tokens // 2)
-    total = sum(needed.values())
-    shares = {r["engine"]: roofline_share(total, r["decode_tokens_per_s"], bandwidth)
-              for r in [batch1, batch1.get("eager", {})] if r}  # fmt: skip
-    print(f"\nbatch-1 roofline: a decode step reads {total / 1e6:.1f} MB (weights {needed['weights'] / 1e6:.1f}, "
-          f"states {needed['states'] / 1e6:.1f}, KV {needed['kv_cache'] / 1e6:.2f}); at {bandwidth:.0f} GB/s "
-          + ", ".join(f"{engine} reaches {share:.1%}" for engine, share in shares.items()))  # fmt: skip
-    return {"bytes_per_step": needed, "peak_gb_per_s": bandwidth, "share": shares}
 
 
 if __name__ == "__main__":

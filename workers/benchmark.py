@@ -215,6 +215,22 @@ def roofline_share(bytes_per_step: int, tokens_per_s: float, peak_gb_per_s: floa
     return bytes_per_step * tokens_per_s / (peak_gb_per_s * 1e9)
 
 
+def batch1_roofline(model: Any, rows: list[dict[str, Any]], bandwidth: float, context_len: int) -> dict[str, Any]:
+    """The batch-1 share of the memory roofline, per engine: (bytes a decode step must read — weights, one
+    request's states, its KV cache at `context_len` tokens) × (decode steps per second) ÷ peak bandwidth. Printed."""
+    batch1 = next((r for r in rows if r["batch"] == 1), None)
+    if batch1 is None:
+        return {}
+    needed = decode_step_bytes(model, context_len)
+    total = sum(needed.values())
+    shares = {r["engine"]: roofline_share(total, r["decode_tokens_per_s"], bandwidth)
+              for r in [batch1, batch1.get("eager", {})] if r}  # fmt: skip
+    print(f"\nbatch-1 roofline: a decode step reads {total / 1e6:.1f} MB (weights {needed['weights'] / 1e6:.1f}, "
+          f"states {needed['states'] / 1e6:.1f}, KV {needed['kv_cache'] / 1e6:.2f}); at {bandwidth:.0f} GB/s "
+          + ", ".join(f"{engine} reaches {share:.1%}" for engine, share in shares.items()))  # fmt: skip
+    return {"bytes_per_step": needed, "peak_gb_per_s": bandwidth, "share": shares}
+
+
 def hf_generate_fn(model: Any, prompts: list[list[int]], new_tokens: int) -> Callable[[], Any]:
     """transformers' greedy `generate` on equal-length prompts (no padding)."""
     ids = torch.tensor(prompts, device=model.device)

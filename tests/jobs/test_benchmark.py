@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobs.benchmark import main
+from workers.model.kernels import native
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -21,8 +22,11 @@ def test_benchmark_smoke_generate_and_score(tmp_path, capsys):
     assert all(
         row["output_tokens_per_s"] > 0 and row["transformers"]["output_tokens_per_s"] > 0 for row in result["generate"]
     )
-    assert "generation (tokens/s)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "generation (tokens/s)" in printed
     assert result["decode_kernel"] == "native"  # auto, on this CPU with a C compiler
+    assert result["cpu_kernels"].startswith(f"{native.selected_isa()} kernels (")  # the instruction set used
+    assert f"CPU kernels: {result['cpu_kernels']}" in printed
     assert result["decode_plan"] == "on"
     assert main([*args, "--task", "score", "--json", str(out)]) == 0
     assert all(row["ratio_to_transformers"] > 0 for row in json.loads(out.read_text())["score"])

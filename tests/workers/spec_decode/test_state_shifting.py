@@ -134,9 +134,9 @@ def test_hybrid_draft_state_is_shifted_to_what_it_has_seen(draft, checkpoint_dir
                 tokens = (request.prompt + request.output)[:covered]
                 # The draft reached this state through a long prefill and up to 24 single steps, the reference
                 # through one chunked prefill: float32 rounding accumulates, so compare relatively (1e-4). The
-                # Gated DeltaNet draft amplifies rounding more (its gated norm over small heads): the target's TOL.
-                tol = TOL if draft.startswith("qwen") else dict(atol=1e-5, rtol=1e-4)
-                _assert_slot_matches(proposer.pool, request.slot, draft_runner.model, tokens, tol)
+                # The target's TOL: float32 rounding of native steps against a chunked prefill, whose size depends
+                # on the CPU's vector width (1.5e-5 seen on an AVX2 build); a wrong shift is off by O(0.1).
+                _assert_slot_matches(proposer.pool, request.slot, draft_runner.model, tokens)
                 steps_checked += 1
             _assert_slot_matches(scheduler.pool, request.slot, target.model, (request.prompt + request.output)[:-1])
     assert steps_checked > 10

@@ -2,9 +2,9 @@
 
 Each variant is the same C sources compiled with another `-march`; `csrc/simd.h` sizes vectors and register tiles
 from what the flags enable. A process runs one variant (`native.selected_isa()`, fixed at first use), and tests load
-the others beside it (`native.load(isa)`). Measured on 2 threads (docs/benchmarks.md, "Every CPU"): each variant's
-kernels are faster than PyTorch's path on the same CPU at batch 1, 8 and 32 and on prompts, so `auto` takes the
-native path wherever it builds.
+the others beside it (`native.load(isa)`). `auto` runs the native kernels on every variant: against PyTorch on the
+same CPU (benchmarks/isa_compare.py; docs/benchmarks.md, "Every CPU") the avx512 and avx2 builds measured faster at
+batch 1, 8 and 32 and on prompts on every preset.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from pipeline.address import answers, recorded_address
 from pipeline.job import Job
-from pipeline.manifest import finalize_output, prepare_output
-from pipeline.output import OutputDir
+from pipeline.lock import OutputLock
+from pipeline.manifest import check_output, finalize_output, prepare_output
+from pipeline.output import OutputDir, OutputRefused
 from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
 from pipeline.retry import Failure, RetryPolicy, ShardDeadline
 from pipeline.sharding import Shard
@@ -369,20 +370,34 @@ def _maybe_kill_driver(num_written: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _open_output(job: Job) -> tuple[OutputDir, OutputLock]:
+    """The output directory, checked to be this job's before anything in it is touched, and its lock (taken by
+    the caller's `with`); `OutputRefused` in one line for a directory this run cannot use."""
+    try:
+        out = OutputDir(job.output.output)
+        check_output(out, job, job.output.overwrite)
+        out.create()
+        return out, OutputLock(out)
+    except OSError as error:  # permissions, a missing bucket, credentials …
+        raise OutputRefused(f"--output {job.output.output}: {type(error).__name__}: {error}") from None
+
+
 def run(job: Job) -> dict[str, Any]:
     """Run (or resume) a job to completion; returns the manifest totals."""
-    out = OutputDir(job.output.output)
-    resume = prepare_output(out, job, job.output.overwrite)
-    if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
-        job.worker = dataclasses.replace(job.worker, task_options={**job.worker.task_options, "seed": resume.seed})
-    todo = [shard for shard in job.plan if shard.index not in resume.done]
-    start = time.perf_counter()
-    done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
-    written: dict[int, dict[str, Any]] = {}
-    with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
-        if todo:
-            connect(job.scaling.ray_address)
-            loop = ShardLoop(job, out, todo, progress)
-            loop.run()
-            written = loop.written
-    return finalize_output(out, job, time.perf_counter() - start, written)
+    out, lock = _open_output(job)
+    with lock:
+        resume = prepare_output(out, job, job.output.overwrite)
+        if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
+            options = {**job.worker.task_options, "seed": resume.seed}
+            job.worker = dataclasses.replace(job.worker, task_options=options)
+        todo = [shard for shard in job.plan if shard.index not in resume.done]
+        start = time.perf_counter()
+        done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
+        written: dict[int, dict[str, Any]] = {}
+        with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
+            if todo:
+                connect(job.scaling.ray_address)
+                loop = ShardLoop(job, out, todo, progress)
+                loop.run()
+                written = loop.written
+        return finalize_output(out, job, time.perf_counter() - start, written)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.job import Job
+from pipeline.lock import OutputLock
 from pipeline.output import MANIFEST, SUCCESS, OutputDir, OutputRefused
 
 
@@ -133,6 +134,18 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
     out.delete(SUCCESS)
     out.write_text(MANIFEST, json.dumps(manifest, indent=2, default=str))
     return Resume(done, seed)
+
+
+def open_output(job: Job) -> tuple[OutputDir, OutputLock]:
+    """The job's output directory, checked to be this job's before anything in it is touched (then created), and
+    its lock (to take with `with`); `OutputRefused` in one line for a directory this run cannot use."""
+    try:
+        out = OutputDir(job.output.output)
+        check_output(out, job, job.output.overwrite)
+        out.create()
+        return out, OutputLock(out)
+    except OSError as error:  # permissions, a missing bucket, credentials …
+        raise OutputRefused(f"--output {job.output.output}: {type(error).__name__}: {error}") from None
 
 
 def _now() -> str:

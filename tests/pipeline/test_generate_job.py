@@ -129,7 +129,7 @@ def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
     assert read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
     assert "shard 2 requeued (1 of at most 3 retries): RuntimeError: CUDA error" in err
-    assert err.count("a worker failed 2 shards: replacing it") == 1
+    assert err.count("a worker failed 2 times: replacing it") == 1
     assert "(3 of at most 3 retries)" not in err
 
 

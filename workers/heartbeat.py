@@ -1,7 +1,7 @@
 """A worker's progress as the driver sees it: how many units of work its engine has finished, and the longest one.
 
-A unit is anything the engine finishes in bounded time: a generation step (a prefill chunk or a decode or
-verification step), a scoring forward, a batch of rows tokenized. The driver polls `report()` (a cheap call that
+A unit is one forward of the model: a generation step (a prefill chunk, a decode or a verification step, with the
+tokenizing of the rows it admits) or a scoring forward, each bounded by --max-num-batched-tokens. The driver polls `report()` (a cheap call that
 never waits for the engine) and tells a slow worker from a hung one by whether the count moves: a worker that takes
 hours over a large shard keeps beating; a frozen one stops (`pipeline/liveness.py`).
 """

@@ -150,7 +150,6 @@ class ShardStream:
     def _feed(self) -> None:
         """Tokenize the next rows, oldest shard first, while the engine holds fewer than its share of rows."""
         room = ROWS_AHEAD_PER_SEQ * self.runner.max_num_seqs - sum(len(s.live) for s in self._shards.values())
-        num_fed = 0
         for shard_id, shard in list(self._shards.items()):
             while room > 0 and not shard.exhausted:
                 try:
@@ -163,15 +162,12 @@ class ShardStream:
                     shard.future.set_exception(error)
                     break
                 row, shard.num_taken = shard.num_taken, shard.num_taken + 1
-                num_fed += 1
                 if params is None:
                     self._finish(shard_id, row, error_result(prompt))
                     continue
                 shard.live[row] = (prompt, params)
                 self.runner.add_request((shard_id, row), prompt, params)
                 room -= 1
-        if num_fed:
-            self.heartbeat.beat()
 
     def _finish(self, shard_id: Hashable, row: int, result: GenerationResult) -> None:
         shard = self._shards.get(shard_id)

@@ -42,7 +42,7 @@ def input_files(source: str) -> list[str] | None:
     if os.path.isdir(source):
         return sorted(str(p) for p in Path(source).rglob("*") if p.suffix.lower() in _BUILDERS)
     if any(ch in source for ch in "*?["):
-        return sorted(glob.glob(source, recursive=True))
+        return sorted(path for path in glob.glob(source, recursive=True) if os.path.isfile(path))  # `**` lists folders
     if os.path.exists(source):
         return [source]
     if source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:

@@ -43,14 +43,11 @@ def local_copy(uri: str) -> str:
         target = Path(scratch_directory("hybridgen-input-"))
         if info.type == pafs.FileType.File:
             return str(_download(fs, base, inside(target, Path(base).name, f"{scheme}://{base}")))
-        recursive = pattern is None or "/" in pattern or "**" in pattern  # "dir/*.jsonl": one listing, no walk
-        listing = fs.get_file_info(pafs.FileSelector(base, recursive=recursive))
+        listing = fs.get_file_info(pafs.FileSelector(base, recursive=True))
         relatives = [(f.path, f.path[len(base.rstrip("/")) + 1 :]) for f in listing if f.type == pafs.FileType.File]
-        chosen = [
-            (path, inside(target, relative, f"{scheme}://{path}"))
-            for path, relative in relatives
-            if pattern is None or glob_match(relative, pattern)
-        ]
+        # Every listed key is checked, matched or not: one that would land outside the copy is refused, named.
+        copies = [(relative, path, inside(target, relative, f"{scheme}://{path}")) for path, relative in relatives]
+        chosen = [(path, local) for relative, path, local in copies if pattern is None or glob_match(relative, pattern)]
         if not chosen:
             raise ValueError(f"no files match input {uri!r}")
         for path, local in chosen:

@@ -357,11 +357,13 @@ class ShardLoop:
         The shards one failed step failed (same `failure_id`) count as one failure of their worker."""
         cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
         failure = self.retries.shard_failed(shard.index, actor, getattr(cause, "failure_id", None))
+        where, retries = (
+            f"shard {shard.index} (rows {shard.start}–{shard.stop - 1})",
+            self.job.scaling.max_shard_retries,
+        )
         if not failure.retry:
-            raise JobFailed(f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {failure.attempts} "
-                            f"times; last error: {one_line(cause)}") from error  # fmt: skip
-        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {self.job.scaling.max_shard_retries} "
-             f"retries): {one_line(cause)}")  # fmt: skip
+            raise JobFailed(f"{where} failed {failure.attempts} times; last error: {one_line(cause)}") from error
+        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {retries} retries): {one_line(cause)}")
         self.queue.appendleft(shard)
         return failure
 

@@ -28,8 +28,8 @@ def _argv(model: Path, data: Path, output: Path, *flags: str) -> list[str]:
     paths = ["--model", str(model), "--input", str(data), "--output", str(output)]
     columns = ["--prompt-column", "text", "--id-column", "key", "--max-model-len", "40", "--max-num-seqs", "8"]
     sampling = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
-    return [*paths, *columns, *sampling, "--num-workers", "1", "--rows-per-shard", "8", "--ray-address", "local",
-            *flags]  # fmt: skip
+    scaling = ["--num-workers", "1", "--rows-per-shard", "8", "--ray-address", "local"]
+    return [*paths, *columns, *sampling, *scaling, *flags]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def undisturbed(model, dataset, tmp_path_factory, ray_session) -> list[dict]:
 @pytest.fixture
 def seconds_scale(monkeypatch):
     """The automatic hang rules in seconds instead of minutes."""
-    for name, value in {"FIRST_FORWARD_TIMEOUT_S": 60.0, "MIN_STALL_TIMEOUT_S": 5.0, "STALL_FACTOR": 3.0,
-                        "PROGRESS_INTERVAL_S": 0.5}.items():  # fmt: skip
+    scaled = {"FIRST_FORWARD_TIMEOUT_S": 60.0, "MIN_STALL_TIMEOUT_S": 5.0, "STALL_FACTOR": 3.0}
+    for name, value in {**scaled, "PROGRESS_INTERVAL_S": 0.5}.items():
         monkeypatch.setattr(pipeline.liveness, name, value)
 
 
@@ -62,8 +62,9 @@ def _inject(monkeypatch, tmp_path: Path, **plan) -> Path:
     return marker
 
 
-def test_a_frozen_engine_past_a_fixed_deadline_is_stopped_once(model, dataset, tmp_path, undisturbed, monkeypatch,
-                                                               capfd):  # fmt: skip
+def test_a_frozen_engine_past_a_fixed_deadline_is_stopped_once(
+    model, dataset, tmp_path, undisturbed, monkeypatch, capfd
+):
     # The engine freezes in its third step: all three shards it streams freeze, and shards handed out together share
     # a deadline. Before, the driver stopped the worker for the first and crashed (KeyError) on the second.
     marker = _inject(monkeypatch, tmp_path, freeze_step=3)
@@ -76,22 +77,27 @@ def test_a_frozen_engine_past_a_fixed_deadline_is_stopped_once(model, dataset, t
     assert "Traceback" not in err
 
 
-def test_a_frozen_engine_is_stopped_when_its_progress_stops(model, dataset, tmp_path, undisturbed, monkeypatch, capfd,
-                                                            seconds_scale):  # fmt: skip
+def test_a_frozen_engine_is_stopped_when_its_progress_stops(
+    model, dataset, tmp_path, undisturbed, monkeypatch, capfd, seconds_scale
+):
     marker = _inject(monkeypatch, tmp_path, freeze_step=3)
     assert main(_argv(model, dataset, tmp_path / "out")) == 0  # no --shard-timeout-s: automatic
     assert marker.exists() and read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
     requeued = _requeued(err)
     assert set(requeued) == {0, 1, 2} and set(requeued.values()) == {1}, err
-    charged = re.findall(r"shard (\d+) requeued \(1 of at most 3 retries\): TimeoutError: its worker made no "
-                         r"progress for \d+ s \(auto: 3 × its longest forward", err)  # fmt: skip
+    charged = re.findall(
+        r"shard (\d+) requeued \(1 of at most 3 retries\): TimeoutError: its worker made no "
+        r"progress for \d+ s \(auto: 3 × its longest forward",
+        err,
+    )
     assert len(charged) == 1, err  # the shard it held longest takes the retry; the other two do not
     assert err.count("requeued (no retry used): its worker was stopped") == 2
 
 
-def test_a_slow_worker_that_makes_progress_is_never_stopped(model, dataset, tmp_path, monkeypatch, capfd,
-                                                            seconds_scale):  # fmt: skip
+def test_a_slow_worker_that_makes_progress_is_never_stopped(
+    model, dataset, tmp_path, monkeypatch, capfd, seconds_scale
+):
     # Each step sleeps 0.15 s (a slow CPU worker): every shard takes longer than the stall window, and longer than
     # any deadline a constant could have set for a first shard. Before, the first-shard deadline killed the healthy
     # worker, its retries got the same deadline, and the job failed with nothing written.
@@ -104,8 +110,9 @@ def test_a_slow_worker_that_makes_progress_is_never_stopped(model, dataset, tmp_
     assert min(info["seconds"] for info in shards.values()) > pipeline.liveness.MIN_STALL_TIMEOUT_S
 
 
-def test_a_failed_step_fails_only_the_shards_it_ran_and_keeps_the_worker(model, dataset, tmp_path, undisturbed,
-                                                                         monkeypatch, capfd):  # fmt: skip
+def test_a_failed_step_fails_only_the_shards_it_ran_and_keeps_the_worker(
+    model, dataset, tmp_path, undisturbed, monkeypatch, capfd
+):
     # The third step raises once (a transient out-of-memory). It ran the rows of one or two of the three shards in
     # flight (8 slots, 7 runnable rows a shard); only those fail, each once, and the failure counts once against the
     # worker. Before, all three failed, each counted, and the worker was replaced.
@@ -125,6 +132,9 @@ def test_a_failed_job_says_why_in_one_line(model, dataset, tmp_path, monkeypatch
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, err  # the broken worker fails shard 2, or another it holds, first
-    assert re.fullmatch(r"error: shard (\d) \(rows \d+–\d+\) failed 1 times; last error: RuntimeError: CUDA error: an "
-                        r"illegal memory access was encountered \(injected, shard \1\)", lines[0]), lines[0]  # fmt: skip
+    assert re.fullmatch(
+        r"error: shard (\d) \(rows \d+–\d+\) failed 1 times; last error: RuntimeError: CUDA error: an "
+        r"illegal memory access was encountered \(injected, shard \1\)",
+        lines[0],
+    ), lines[0]
     assert err.rstrip().endswith(lines[0]) and "Traceback" not in err and "\x1b[" not in err

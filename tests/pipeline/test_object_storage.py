@@ -133,8 +133,9 @@ def test_object_keys_that_leave_the_copy_directory_are_refused(s3, tmp_path, mon
 
 def _write_jsonl(path: Path, keys: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"key": key, "text": f"the {WORDS[i % len(WORDS)]}"}) + "\n"
-                            for i, key in enumerate(keys)))  # fmt: skip
+    path.write_text(
+        "".join(json.dumps({"key": key, "text": f"the {WORDS[i % len(WORDS)]}"}) + "\n" for i, key in enumerate(keys))
+    )
 
 
 def test_a_remote_glob_matches_what_a_local_glob_matches(s3, checkpoint_dir, tmp_path, ray_session):
@@ -151,9 +152,9 @@ def test_a_remote_glob_matches_what_a_local_glob_matches(s3, checkpoint_dir, tmp
     for pattern in ("*.jsonl", "*/*.jsonl", "**/*.jsonl", "backup/**", "b*.jsonl", "?.jsonl"):
         remote = sorted(load_rows(f"s3://{BUCKET}/globbed/{pattern}")["key"])
         assert remote == sorted(load_rows(str(local / pattern))["key"]), pattern
-    argv = ["--model", str(checkpoint_dir("granite_moe")), "--input", f"s3://{BUCKET}/globbed/*.jsonl",
-            "--prompt-column", "text", "--id-column", "key", "--max-tokens", "2", "--num-workers", "1",
-            "--ray-address", "local", "--output", str(tmp_path / "out")]  # fmt: skip
+    paths = ["--model", str(checkpoint_dir("granite_moe")), "--input", f"s3://{BUCKET}/globbed/*.jsonl"]
+    flags = ["--prompt-column", "text", "--id-column", "key", "--max-tokens", "2", "--num-workers", "1"]
+    argv = [*paths, *flags, "--ray-address", "local", "--output", str(tmp_path / "out")]
     assert main(argv) == 0
     assert [row["id"] for row in read_output(tmp_path / "out")] == ["a-0", "a-1", "b-0"]
 
@@ -167,10 +168,10 @@ def test_runs_on_an_object_storage_input_leave_nothing_in_caches(s3, checkpoint_
     scratch = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))  # short: Ray's socket paths live under TMPDIR too
     hf_cache = tmp_path / "hf-datasets"
     env = {**os.environ, "TMPDIR": str(scratch), "HF_DATASETS_CACHE": str(hf_cache)}
-    command = [sys.executable, "jobs/generate.py", "--model", str(checkpoint_dir("granite_moe")), "--input",
-               f"s3://{BUCKET}/cached/prompts.jsonl", "--prompt-column", "text", "--id-column", "key",
-               "--max-tokens", "1", "--num-workers", "1", "--rows-per-shard", "250", "--ray-address", "local",
-               "--output", str(tmp_path / "out")]  # fmt: skip
+    paths = ["--model", str(checkpoint_dir("granite_moe")), "--input", f"s3://{BUCKET}/cached/prompts.jsonl"]
+    flags = ["--prompt-column", "text", "--id-column", "key", "--max-tokens", "1", "--rows-per-shard", "250"]
+    scaling = ["--num-workers", "1", "--ray-address", "local", "--output", str(tmp_path / "out")]
+    command = [sys.executable, "jobs/generate.py", *paths, *flags, *scaling]
     try:
         for _ in range(2):
             result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -103,8 +103,9 @@ def test_a_worker_past_a_fixed_deadline_with_several_shards_is_stopped_once_each
     held = {"frozen": _shards(0, 1, 2), "fine": [(Shard(3, 24, 32), 125.0)]}
     assert watch.check(held, now=129.0) == ([], [])
     stops, _ = watch.check(held, now=131.0)  # shards handed out together share a deadline to the millisecond
-    assert stops == [Stop("frozen", frozenset({0, 1, 2}), "no result within 30 s (--shard-timeout-s); its worker "
-                                                          "was stopped")]  # fmt: skip
+    assert stops == [
+        Stop("frozen", frozenset({0, 1, 2}), "no result within 30 s (--shard-timeout-s); its worker was stopped")
+    ]
     assert watch.to_poll(held, set(), 131.0) == []  # a fixed deadline needs no progress reports
 
 

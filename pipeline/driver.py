@@ -210,8 +210,9 @@ class ShardLoop:
                 shard = self.queue[position]
                 del self.queue[position]
                 self.load[actor] += 1
-                task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
-                self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
+                rows = self.job.shard_rows(shard)  # kept here for the output; the worker gets the columns it reads
+                task = ShardTask(shard.index, shard.start, rows.select(self.job.worker.input_columns))
+                self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, rows, time.monotonic())
         if not self.queue and (self._idle() or self.fleet_requested):
             self._release_spare_workers()
 

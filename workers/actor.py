@@ -62,10 +62,15 @@ class WorkerSpec:
     prompt: PromptSource = field(default_factory=PromptSource)
     task_options: dict[str, Any] = field(default_factory=dict)  # sampling (generate) or scoring options
 
+    @property
+    def input_columns(self) -> list[str]:
+        """The input columns a worker reads (the driver sends it only these)."""
+        return self.prompt.columns if self.task == "generate" else ScoreSpec(**self.task_options).columns
+
 
 @dataclass(frozen=True)
 class ShardTask:
-    """One shard's input rows."""
+    """One shard's input rows (the columns the worker reads)."""
 
     index: int
     first_row: int  # dataset index of the shard's first row
@@ -172,7 +177,7 @@ class ShardWorker:
         self._maybe_inject_fault(task)
         options = self.spec.task_options
         if self.spec.task == "generate":
-            rows = decode_rows(task.rows, self.spec.prompt.columns)
+            rows = decode_rows(task.rows, self.spec.input_columns)
             requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, options, task.first_row)
             results = self.stream.submit(task.index, requests, task.rows.num_rows).result()
             columns = generation_columns(results)
@@ -180,7 +185,7 @@ class ShardWorker:
         else:
 
             def score() -> dict[str, list[Any]]:  # on the engine thread: its forwards beat the heartbeat
-                rows = list(decode_rows(task.rows, ScoreSpec(**options).columns))
+                rows = list(decode_rows(task.rows, self.spec.input_columns))
                 return score_shard(self.runner, rows, options, self.stream.heartbeat.beat)
 
             columns = self.stream.call(score).result()

@@ -72,16 +72,36 @@ def build_parser(description: str, sections: dict[str, type]) -> argparse.Argume
     return parser
 
 
+def _read_yaml(path: str) -> Any:
+    """The parsed `--config` file; `ValueError` in one line for a file that cannot be read or is not YAML."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot be read ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"--config {path}: not valid YAML ({problem}{where})") from None
+
+
+def _flag_name(path: str, key: Any) -> str:
+    """A YAML key as a field name (`max-tokens` → `max_tokens`); `ValueError` for a key that is not a string."""
+    if not isinstance(key, str):
+        raise ValueError(f"--config {path}: key {key!r} is not a flag name (keys are flag names such as max_tokens)")
+    return key.replace("-", "_")
+
+
 def _yaml_values(path: str, sections: dict[str, type]) -> dict[str, Any]:
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = _read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     known = {f.name for section in sections.values() for f in dataclasses.fields(section)}
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        key = key.replace("-", "_")
+        key = _flag_name(path, key)
         if key in sections and isinstance(value, dict):
-            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+            flat.update({_flag_name(path, k): v for k, v in value.items()})
         else:
             flat[key] = value
     unknown = sorted(set(flat) - known)
@@ -110,21 +130,30 @@ def run_job_cli(
 ) -> int:
     """The whole life of a job command: flags → config → job → run → printed summary.
 
-    A bad flag, input, column or model exits with status 2 and a one-line message, before any worker starts; a job
-    that cannot finish (workers fail to start, a shard keeps failing) exits with status 1 and a one-line message.
+    A bad flag, config file, input, column, model or output directory exits with status 2 and a one-line message,
+    before any worker starts; a job that cannot finish (workers fail to start, a shard keeps failing) exits with
+    status 1 and a one-line message.
     """
+    from pipeline.output import OutputRefused
+
     try:
         config = config_class(**parse_sections(description, sections, argv))
         job = build(config)
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return _fail(error, 2)
     from pipeline.driver import JobFailed, run
 
     try:
         totals = run(job)
+    except OutputRefused as error:  # --output is not this job's, or another run holds it
+        return _fail(error, 2)
     except JobFailed as error:  # no worker could start, a shard kept failing, no cluster answered
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return _fail(error, 1)
     print(json.dumps({"output": config.output.output, **totals}, indent=2))
     return 0
+
+
+def _fail(error: Exception, status: int) -> int:
+    """Print `error: …` on one line; return `status`."""
+    print("error: " + " ".join(str(error).split()), file=sys.stderr)
+    return status

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.retry import FIRST_SHARD_TIMEOUT_S, MIN_SHARD_TIMEOUT_S, SHARD_TIMEOUT_FACTOR
+from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -181,9 +181,10 @@ class ScalingConfig:
     max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised, died or passed the "
                                   "shard's deadline)", default=3)  # fmt: skip
     shard_timeout_s: float | None = _doc(
-        "seconds a shard may take before its worker counts as hung, is stopped and the shard retried; 0 = no "
-        f"deadline (default: {SHARD_TIMEOUT_FACTOR:g} times the time this run's finished shards took for as many "
-        f"rows, at least {MIN_SHARD_TIMEOUT_S:g}; {FIRST_SHARD_TIMEOUT_S:g} until a shard has finished)",
+        "seconds a shard may take before its worker is stopped (whatever its progress) and the shard retried; 0 = "
+        "never stop a worker. Default (auto): a worker is stopped when it makes no progress (it reports the forwards "
+        f"its engine finishes) for {STALL_FACTOR:g} times its longest forward, at least {MIN_STALL_TIMEOUT_S:g} s, "
+        "however long its shards take",
         default=None,
     )
     max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",

@@ -1,17 +1,19 @@
 """The driver: connect to Ray, keep a fleet of worker actors busy with shards, write each shard as it arrives.
 
 The only pipeline module that imports ray. Scheduling is a `ray.wait` loop over a dict ref → (kind, actor, shard):
-a worker that dies (actor died or unavailable, node lost, spot preemption) sends its shard back to the queue and
-is replaced; so does a worker that holds a shard past its deadline (alive but hung: it is killed). A shard that
-raised is retried on another worker when there is one, and a worker that failed `MAX_WORKER_FAILURES` shards is
-replaced; a shard that keeps failing ends the job with a message naming it (`pipeline/retry.py` decides). Actors
-are requested up to
---max-workers (pending actors let the cluster launcher add nodes) and released as soon as the queue drains. Work
-starts as soon as one worker is ready; while workers wait for room the driver says what they wait for.
+a worker that dies (actor died or unavailable, node lost, spot preemption) sends its shards back to the queue and
+is replaced; so does a worker that is hung — alive but no longer making progress (it reports the forwards its engine
+finishes: `pipeline/liveness.py`), or past `--shard-timeout-s` when that is set: it is stopped once, and each shard
+it held goes back to the queue once. A shard that raised is retried on another worker when there is one, and a
+worker that failed `MAX_WORKER_FAILURES` times is replaced; a shard that keeps failing ends the job with a one-line
+message naming it (`pipeline/retry.py` decides). Actors are requested up to --max-workers (pending actors let the
+cluster launcher add nodes) and released as soon as the queue drains. Work starts as soon as one worker is ready;
+while workers wait for room the driver says what they wait for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,17 +29,19 @@ from tqdm import tqdm
 
 from pipeline.address import answers, recorded_address
 from pipeline.job import Job
-from pipeline.manifest import finalize_output, prepare_output
+from pipeline.liveness import Watch
+from pipeline.manifest import finalize_output, open_output, prepare_output
+from pipeline.messages import node_ip, one_line
 from pipeline.output import OutputDir
 from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
-from pipeline.retry import Failure, RetryPolicy, ShardDeadline
+from pipeline.progress import ProgressCounts
+from pipeline.retry import Failure, RetryPolicy
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
 from workers.stream import SHARDS_PER_WORKER
 
 CONNECT_TIMEOUT_S = 10.0  # how long an address may take to answer before the driver gives up on it
-MAX_REPORT_INTERVAL_S = 300.0
-  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
+MAX_REPORT_INTERVAL_S = 300.0  # "waiting for workers" lines: first after a third of the startup timeout, then rarer
 
 
 class JobFailed(RuntimeError):
@@ -111,13 +115,20 @@ class Fleet:
         self.spec = dataclasses.replace(job.worker, device=self.placement.device,
                                         num_threads=self.placement.num_threads,
                                         max_memory=self.placement.memory or job.worker.max_memory)  # fmt: skip
-        # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py).
-        self.actor_class = ray.remote(ShardWorker).options(max_restarts=0, max_task_retries=0,
-                                                           max_concurrency=SHARDS_PER_WORKER + 1, **options)
+        # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py);
+        # progress polls have a thread of their own, so they never wait behind shards.
+        remote = ray.remote(concurrency_groups={"progress": 1})(ShardWorker)
+        concurrency = SHARDS_PER_WORKER + 1
+        self.actor_class = remote.options(max_restarts=0, max_task_retries=0, max_concurrency=concurrency, **options)
 
     def start(self) -> Any:
         """A new actor (it may stay pending until the cluster has room for it)."""
         return self.actor_class.remote(self.spec)
+
+    @staticmethod
+    def progress(actor: Any) -> Any:
+        """A ref to the worker's heartbeat report (`ShardWorker.progress`)."""
+        return actor.progress.options(concurrency_group="progress").remote()
 
     def request(self, num_workers: int) -> None:
         """Tell the autoscaler how many workers we want (a no-op without an autoscaler)."""
@@ -148,12 +159,13 @@ class ShardLoop:
         # ref → (kind, actor, shard, rows, started): started is when the shard was handed out (or the worker started)
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
         self.retries = RetryPolicy(job.scaling.max_shard_retries)
-        self.deadlines = ShardDeadline(job.scaling.shard_timeout_s)
+        max_tokens = job.worker.task_options.get("max_tokens", 0) if job.worker.task == "generate" else 0
+        self.watch = Watch(job.scaling.shard_timeout_s, job.worker.max_num_seqs, max_tokens)  # hung workers
         self.num_start_failures = 0
         self.written: dict[int, dict[str, Any]] = {}  # shard index → the stats written into its file
         self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
         self.fleet_requested = False  # an autoscaler request is outstanding
-        self.counts = Counter()  # generated tokens, drafts … for the progress bar
+        self.counts = ProgressCounts()  # generated tokens, drafts … for the progress bar
 
     def run(self) -> None:
         """Until every shard is written. Work starts as soon as one worker is ready."""
@@ -165,7 +177,7 @@ class ShardLoop:
         interval = min(timeout / 3, MAX_REPORT_INTERVAL_S)
         next_report = time.monotonic() + interval
         while self.queue or any(kind == "shard" for kind, *_ in self.in_flight.values()):
-            self._stop_overdue()
+            self._watch()
             self._dispatch()
             done, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self._wait_s(min(10.0, interval / 2)))
             if done:
@@ -191,15 +203,16 @@ class ShardLoop:
         any gets a second). A worker takes the first queued shard it may run (not one that failed on it while another
         ready worker can take it; that shard waits for one)."""
         for depth in range(1, SHARDS_PER_WORKER + 1):
-            for actor in [a for a in self.ready if self.load[a] < depth]:
+            for actor in [a for a in self.ready if self.load[a] < depth and a not in self.watch.held_back]:
                 position = self.retries.next_shard(actor, [shard.index for shard in self.queue], self.ready)
                 if position is None:
                     continue
                 shard = self.queue[position]
                 del self.queue[position]
                 self.load[actor] += 1
-                task = ShardTask(shard.index, shard.start, self.job.shard_rows(shard))
-                self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, task.rows, time.monotonic())
+                rows = self.job.shard_rows(shard)  # kept here for the output; the worker gets the columns it reads
+                task = ShardTask(shard.index, shard.start, rows.select(self.job.worker.input_columns))
+                self.in_flight[actor.process.remote(task)] = ("shard", actor, shard, rows, time.monotonic())
         if not self.queue and (self._idle() or self.fleet_requested):
             self._release_spare_workers()
 
@@ -208,44 +221,54 @@ class ShardLoop:
         return [actor for actor in self.ready if self.load[actor] == 0]
 
     def _wait_s(self, longest: float) -> float:
-        """How long `ray.wait` may block: `longest`, or less when a shard's deadline comes sooner."""
-        deadlines = [self.deadlines.deadline(shard.num_rows, started)
-                     for kind, _, shard, _, started in self.in_flight.values() if kind == "shard"]  # fmt: skip
-        soonest = min((d for d in deadlines if d is not None), default=None)
+        """How long `ray.wait` may block: `longest`, or less when a deadline or a progress poll comes sooner."""
+        soonest = self.watch.next_check(self._held())
         return longest if soonest is None else min(longest, max(0.0, soonest - time.monotonic()) + 0.05)
 
-    def _stop_overdue(self) -> None:
-        """Kill the worker of each shard past its deadline (alive but hung) and requeue the shard as a retry."""
+    def _held(self) -> dict[Any, list[tuple[Shard, float]]]:
+        """Each ready worker's shards, with when each was handed out."""
+        held: dict[Any, list[tuple[Shard, float]]] = {actor: [] for actor in self.ready}
+        for kind, actor, shard, _, started in self.in_flight.values():
+            if kind == "shard" and actor in held:
+                held[actor].append((shard, started))
+        return held
+
+    def _watch(self) -> None:
+        """Stop hung workers (`pipeline/liveness.py` decides), say what is slow, ask busy workers for progress."""
         now = time.monotonic()
-        for ref, (kind, actor, shard, _, started) in list(self.in_flight.items()):
-            deadline = self.deadlines.deadline(shard.num_rows, started) if kind == "shard" else None
-            if deadline is None or now <= deadline:
-                continue
-            del self.in_flight[ref]
-            self._remove_worker(actor)
-            self._requeue_held(actor)
-            timeout = self.deadlines.timeout_for(shard.num_rows)
-            self._retry(shard, TimeoutError(f"no result within {timeout:g} s ({self.deadlines.describe(shard.num_rows)}"
-                                            "); its worker was stopped"), None)  # fmt: skip
-            self._start_worker()
+        stops, lines = self.watch.check(self._held(), now)
+        for line in lines:
+            _say(line)
+        for stop in stops:
+            self._stop_worker(stop.worker, stop.charged, TimeoutError(stop.reason))
+        polling = {actor for kind, actor, *_ in self.in_flight.values() if kind == "progress"}
+        for actor in self.watch.to_poll(self._held(), polling, now):
+            self.in_flight[self.fleet.progress(actor)] = ("progress", actor, None, None, now)
+
+    def _stop_worker(self, actor: Any, charged: frozenset[int] = frozenset(), error: Exception | None = None) -> None:
+        """Stop a hung or broken worker, once, and start another; each shard it held is requeued once: those in
+        `charged` as a retry failed by `error`, the others without one (they did not fail)."""
+        self._remove_worker(actor)
+        for ref, (kind, holder, shard, *_) in list(self.in_flight.items()):
+            if kind == "shard" and holder is actor:
+                del self.in_flight[ref]
+                if shard.index in charged:
+                    self._retry(shard, error, None)
+                else:
+                    _say(f"shard {shard.index} requeued (no retry used): its worker was stopped")
+                    self.queue.appendleft(shard)
+        self._start_worker()
 
     def _remove_worker(self, actor: Any) -> None:
         """Stop a worker and forget it; with no ready worker left the startup timeout applies again, from now."""
         self.fleet.release(actor)
         self.retries.forget_worker(actor)
         self.load.pop(actor, None)
+        self.watch.forget(actor)
         if actor in self.ready:
             self.ready.discard(actor)
             if not self.ready:
                 self.idle_since = time.monotonic()
-
-    def _requeue_held(self, actor: Any) -> None:
-        """The driver stopped `actor`: the other shards it held go back to the queue's front (no retry used: they
-        did not fail)."""
-        for ref, (kind, holder, shard, *_) in list(self.in_flight.items()):
-            if kind == "shard" and holder is actor:
-                del self.in_flight[ref]
-                self.queue.appendleft(shard)
 
     def _release_spare_workers(self) -> None:
         """Nothing left to hand out: stop idle and still-starting workers so their nodes can go."""
@@ -253,6 +276,7 @@ class ShardLoop:
             self.fleet.release(actor)
             self.ready.discard(actor)
             self.load.pop(actor, None)
+            self.watch.forget(actor)
         for ref in [r for r, (kind, *_) in self.in_flight.items() if kind == "ready"]:
             self.fleet.release(self.in_flight.pop(ref)[1])
         if self.fleet_requested:
@@ -261,25 +285,27 @@ class ShardLoop:
 
     def _collect(self, ref: Any) -> None:
         kind, actor, shard, rows, started = self.in_flight.pop(ref)
+        if kind == "progress":  # a heartbeat report (a worker that died says so through its shards)
+            with contextlib.suppress(RayError):
+                self.watch.report(actor, ray.get(ref), time.monotonic())
+            return
         try:
             value = ray.get(ref)
         except RayTaskError as error:  # the worker is alive but raised
             if kind == "ready":
                 self.fleet.release(actor)
-                return self._start_failed(f"{type(error.cause).__name__}: {error.cause}", "?")
+                return self._start_failed(one_line(error.cause or error), "?")
             self.load[actor] -= 1
             if self._retry(shard, error, actor).replace_worker and actor in self.ready:
-                _say(f"a worker failed {self.retries.max_worker_failures} shards: replacing it")
-                self._remove_worker(actor)
-                self._requeue_held(actor)
-                self._start_worker()
+                _say(f"a worker failed {self.retries.max_worker_failures} times: replacing it")
+                self._stop_worker(actor)
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
             known = actor in self.ready or kind == "ready"  # its other shards' errors arrive later: one replacement
             self._remove_worker(actor)
             preempted = getattr(error, "preempted", False)
             if kind == "ready" and not preempted:  # it died while loading its model
-                return self._start_failed(f"{type(error).__name__}: {str(error).splitlines()[0]}", _node_ip(error))
+                return self._start_failed(one_line(error), node_ip(error))
             if kind == "shard":
                 self._lost_worker(shard, error, preempted)
             if known and (self.queue or kind == "shard"):
@@ -293,7 +319,7 @@ class ShardLoop:
             self.had_workers = True
             return
         self.load[actor] -= 1
-        self.deadlines.observe(shard.num_rows, time.monotonic() - started)
+        self.watch.deadlines.observe(shard.num_rows, time.monotonic() - started)
         table = self.job.output_table(shard, rows, value)
         info = {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": table.num_rows,
                 "seconds": value.seconds, **value.stats}  # fmt: skip
@@ -303,7 +329,7 @@ class ShardLoop:
             raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
                             f"the {len(self.written)} shard files written by this run are kept: rerun the same "
                             "command to resume") from error  # fmt: skip
-        self._show(table.num_rows, value.stats)
+        self.counts.show(self.progress, table.num_rows, value.stats)
         self.written[shard.index] = info
         _maybe_kill_driver(len(self.written))
 
@@ -327,38 +353,20 @@ class ShardLoop:
         if self.queue:
             self._start_worker()
 
-    def _show(self, rows: int, stats: dict[str, float]) -> None:
-        self.counts.update({k: v for k, v in stats.items() if isinstance(v, (int, float))})
-        elapsed = max(self.progress.format_dict["elapsed"], 1e-9)
-        tokens = self.counts["generated_tokens"] or self.counts["scored_tokens"]
-        postfix = {"tok/s": f"{tokens / elapsed:.0f}"}
-        if self.counts["prefix_cache_hit_tokens"]:  # share of prompt tokens restored instead of computed
-            postfix["prefix hit"] = f"{self.counts['prefix_cache_hit_tokens'] / self.counts['prompt_tokens']:.0%}"
-        if self.counts["num_draft_tokens"]:
-            postfix["accept"] = f"{self.counts['num_accepted_draft_tokens'] / self.counts['num_draft_tokens']:.2f}"
-        self.progress.set_postfix(postfix, refresh=False)
-        self.progress.update(rows)
-
     def _retry(self, shard: Shard, error: Exception, actor: Any | None) -> Failure:
-        """Requeue `shard` after it failed on `actor` (None: a worker that is gone), or fail the job."""
-        failure = self.retries.shard_failed(shard.index, actor)
-        if not failure.retry:
-            raise JobFailed(
-                f"shard {shard.index} (rows {shard.start}–{shard.stop - 1}) failed {failure.attempts} "
-                f"times; last error: {type(error).__name__}: {error}"
-            ) from error
+        """Requeue `shard` after it failed on `actor` (None: a worker that is gone or was stopped), or fail the job.
+        The shards one failed step failed (same `failure_id`) count as one failure of their worker."""
         cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
-        first_line = (str(cause).splitlines() or [""])[0]
-        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {self.job.scaling.max_shard_retries} "
-             f"retries): {type(cause).__name__}: {first_line}")  # fmt: skip
+        failure = self.retries.shard_failed(shard.index, actor, getattr(cause, "failure_id", None))
+        where, retries = (
+            f"shard {shard.index} (rows {shard.start}–{shard.stop - 1})",
+            self.job.scaling.max_shard_retries,
+        )
+        if not failure.retry:
+            raise JobFailed(f"{where} failed {failure.attempts} times; last error: {one_line(cause)}") from error
+        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {retries} retries): {one_line(cause)}")
         self.queue.appendleft(shard)
         return failure
-
-
-def _node_ip(error: Exception) -> str:
-    """The node a dead actor ran on, from Ray's error text ("ip: 10.0.0.5"), or '?'."""
-    lines = [line.strip() for line in str(error).splitlines()]
-    return next((line[len("ip:") :].strip() for line in lines if line.startswith("ip:")), "?")
 
 
 def _maybe_kill_driver(num_written: int) -> None:
@@ -371,18 +379,20 @@ def _maybe_kill_driver(num_written: int) -> None:
 
 def run(job: Job) -> dict[str, Any]:
     """Run (or resume) a job to completion; returns the manifest totals."""
-    out = OutputDir(job.output.output)
-    resume = prepare_output(out, job, job.output.overwrite)
-    if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
-        job.worker = dataclasses.replace(job.worker, task_options={**job.worker.task_options, "seed": resume.seed})
-    todo = [shard for shard in job.plan if shard.index not in resume.done]
-    start = time.perf_counter()
-    done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
-    written: dict[int, dict[str, Any]] = {}
-    with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
-        if todo:
-            connect(job.scaling.ray_address)
-            loop = ShardLoop(job, out, todo, progress)
-            loop.run()
-            written = loop.written
-    return finalize_output(out, job, time.perf_counter() - start, written)
+    out, lock = open_output(job)
+    with lock:
+        resume = prepare_output(out, job, job.output.overwrite)
+        if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
+            options = {**job.worker.task_options, "seed": resume.seed}
+            job.worker = dataclasses.replace(job.worker, task_options=options)
+        todo = [shard for shard in job.plan if shard.index not in resume.done]
+        start = time.perf_counter()
+        done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)
+        written: dict[int, dict[str, Any]] = {}
+        with tqdm(total=len(job.rows), initial=done_rows, unit="row", desc=job.name, dynamic_ncols=True) as progress:
+            if todo:
+                connect(job.scaling.ray_address)
+                loop = ShardLoop(job, out, todo, progress)
+                loop.run()
+                written = loop.written
+        return finalize_output(out, job, time.perf_counter() - start, written)

@@ -27,6 +27,7 @@ class Job:
     output: OutputConfig
     config: dict[str, Any]  # the full job config, for the manifest
     fingerprint: dict[str, Any]  # what must match for a rerun to resume
+    ids: pa.ChunkedArray | None = None  # the id column as written (`pipeline/ids.py`); None: the row index
 
     @property
     def input_columns(self) -> list[str]:
@@ -37,7 +38,7 @@ class Job:
     def schema(self) -> pa.Schema:
         """Output schema: `id`, every input column, then the task's columns."""
         input_schema = self.rows.data.table.schema
-        id_type = input_schema.field(self.id_column).type if self.id_column else pa.int64()
+        id_type = self.ids.type if self.ids is not None else pa.int64()
         copied = [input_schema.field(name) for name in self.input_columns]
         return pa.schema([pa.field("id", id_type), *copied, *self.task_fields])
 
@@ -48,8 +49,11 @@ class Job:
     def output_table(self, shard: Shard, rows: pa.Table, result: ShardOutput) -> pa.Table:
         """Input rows + id + the worker's columns, in the job's schema."""
         schema = self.schema
-        ids = rows.column(self.id_column) if self.id_column else pa.array(range(shard.start, shard.stop), pa.int64())
-        arrays = [ids, *(rows.column(name) for name in self.input_columns)]
+        if self.ids is None:
+            ids = pa.array(range(shard.start, shard.stop), pa.int64())
+        else:
+            ids = self.ids.slice(shard.start, shard.num_rows)
+        arrays = [ids, *(readable(rows.column(name)) for name in self.input_columns)]
         arrays += [pa.array(result.columns[f.name], type=f.type) for f in self.task_fields]
         return pa.Table.from_arrays(arrays, schema=schema)
 
@@ -66,16 +70,35 @@ def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **ta
                       enable_prefix_caching=model.enable_prefix_caching, **task_fields)  # fmt: skip
 
 
-def read_input(source: str, split: str) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """The input rows and their identity, from the same bytes: a remote input is copied once, a hub dataset is
-    read at the commit its branch points to now."""
+def readable(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """An input column as the output copies it: text that is not valid UTF-8 (pyarrow's JSON reader lets it through;
+    that row's `error` says so) with each bad byte replaced by U+FFFD, so that every reader can read the file."""
+    storage = getattr(column.type, "storage_type", column.type)
+    if not (pa.types.is_string(storage) or pa.types.is_large_string(storage)):
+        return column
+    try:
+        column.validate(full=True)
+        return column
+    except pa.ArrowInvalid:
+        binary = pa.large_binary() if pa.types.is_large_string(storage) else pa.binary()
+        values = column.cast(storage).cast(binary).to_pylist()
+        texts = [None if v is None else v.decode("utf-8", errors="replace") for v in values]
+        return pa.chunked_array([pa.array(texts, storage)]).cast(column.type)
+
+
+def read_input(source: str, split: str, id_column: str | None = None) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The input rows and their identity, from the same bytes: a remote input is copied once (its `datasets` cache
+    beside the copy, both removed when the driver exits), a hub dataset is read at the commit its branch points to
+    now. `id_column`: a CSV column read as written (see `load_rows`)."""
     from pipeline.identity import input_identity
     from pipeline.inputs import hub_dataset_revision, input_files, load_rows
-    from pipeline.remote import is_remote, local_copy
+    from pipeline.remote import is_remote, local_copy, scratch_directory
 
-    local = local_copy(source) if is_remote(source) else source
+    local, cache_dir = source, None
+    if is_remote(source):
+        local, cache_dir = local_copy(source), scratch_directory("hybridgen-datasets-cache-")
     revision = hub_dataset_revision(local) if input_files(local) is None else None
-    rows = load_rows(local, split, revision)
+    rows = load_rows(local, split, revision, cache_dir=cache_dir, id_column=id_column)
     return rows, input_identity(rows, local, revision)
 
 
@@ -94,14 +117,17 @@ def build_job(
     (input, split); `columns` maps each column flag to the column it names.
     """
     from pipeline.identity import model_identity
+    from pipeline.ids import read_ids
     from pipeline.inputs import check_columns
     from pipeline.sharding import plan_shards
 
-    rows, input_identity = read_input(*source)
+    rows, input_identity = read_input(*source, id_column=id_column)
+    flag = f"--id-column {id_column!r}"
     if id_column is None and "id" in rows.column_names:
-        id_column = "id"  # an input `id` column is the output `id` unless --id-column names another
+        id_column, flag = "id", "the input's `id` column (the output `id`)"  # unless --id-column names another
     reserved = ("id",) * (id_column != "id") + tuple(f.name for f in task_fields)
     check_columns(rows, columns, reserved=reserved)
+    ids = read_ids(rows, id_column, flag)
     fingerprint = config.to_dict()
     fingerprint.pop("output")
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
@@ -133,4 +159,5 @@ def build_job(
         output=config.output,
         config=config.to_dict(),
         fingerprint=fingerprint,
+        ids=ids,
     )

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.job import Job
-from pipeline.output import MANIFEST, SUCCESS, OutputDir
+from pipeline.lock import OutputLock
+from pipeline.output import MANIFEST, SUCCESS, OutputDir, OutputRefused
 
 
 def _plan(job: Job) -> list[dict[str, Any]]:
@@ -55,28 +56,57 @@ def _sampling_seed(job: Job, old: dict[str, Any] | None) -> int | None:
     return secrets.randbits(63)
 
 
-def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
-    """Check the output directory against this job; return the shards already complete and the sampling seed.
+@dataclass(frozen=True)
+class OutputCheck:
+    """What an output directory holds, read without touching it: the manifest of the job it holds (None: none), its
+    shard files, and how that job differs from this one."""
 
-    Same job (flags, model and draft weights, tokenizer, input contents) → finished shard files are kept as they
-    are. A different job (or unknown files) → `ValueError` listing what differs, unless `overwrite`, which clears
-    the directory's hybridgen files first.
-    """
-    out.remove_temporaries()
-    plan = _plan(job)
+    manifest: dict[str, Any] | None
+    parts: list[str]
+    differences: list[str]
+    fingerprint: dict[str, Any]
+
+
+def check_output(out: OutputDir, job: Job, overwrite: bool) -> OutputCheck:
+    """Read the output directory and compare it with this job; nothing in it is created or removed. `OutputRefused`
+    when `--output` is a file, or holds a different job (listing what differs) and `overwrite` is off."""
+    out.check_directory()
     # The plan by its hash: the manifest lists it once, and comparing two 100,000-shard plans is one string compare.
-    plan_sha256 = hashlib.sha256(json.dumps(plan).encode()).hexdigest()
+    plan_sha256 = hashlib.sha256(json.dumps(_plan(job)).encode()).hexdigest()
     fingerprint = json.loads(json.dumps({**job.fingerprint, "plan_sha256": plan_sha256}))
     parts = [n for n in out.names() if n.startswith("part-") and n.endswith(".parquet")]
-    old = out.read_json(MANIFEST) if out.exists(MANIFEST) else None
-    if old is not None:
-        differences = _differences(old.get("fingerprint", {}), fingerprint)
+    old = None
+    try:
+        old = out.read_json(MANIFEST) if out.exists(MANIFEST) else None
+    except OutputRefused:
+        if not overwrite:
+            raise
+        differences = [f"an unreadable {MANIFEST}"]
     else:
-        differences = [f"{len(parts)} part files without a {MANIFEST}"] if parts else []
+        if old is not None:
+            differences = _differences(old.get("fingerprint", {}), fingerprint)
+        else:
+            differences = [f"{len(parts)} part files without a {MANIFEST}"] if parts else []
     if differences and not overwrite:
         shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
-        raise ValueError(f"output {out.uri} holds a different job ({shown}); use --overwrite to replace it")
-    if differences:
+        raise OutputRefused(f"output {out.uri} holds a different job ({shown}); use --overwrite to replace it")
+    return OutputCheck(old, parts, differences, fingerprint)
+
+
+def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
+    """Check the output directory against this job (`check_output`), then make it this run's: return the shards
+    already complete and the sampling seed.
+
+    Same job (flags, model and draft weights, tokenizer, input contents) → finished shard files are kept as they
+    are. A different job (or shard files without a manifest) → `OutputRefused` listing what differs, unless
+    `overwrite`, which clears the directory's hybridgen files first. Only then is anything written or removed, and
+    only this code's files (its leftover temporaries, its shard files, manifest and marker).
+    """
+    check = check_output(out, job, overwrite)
+    out.create()
+    out.remove_temporaries()
+    parts, old = check.parts, check.manifest
+    if check.differences:
         for name in parts + [MANIFEST, SUCCESS]:
             out.delete(name)
         parts, old = [], None
@@ -93,9 +123,9 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
         # The hub commits this run's workers load (None: a local directory); not compared on resume.
         "model_revision": job.worker.revision,
         "draft_model_revision": getattr(job.worker.speculative, "draft_revision", None),
-        "fingerprint": fingerprint,
+        "fingerprint": check.fingerprint,
         "num_rows": len(job.rows),
-        "plan": plan,
+        "plan": _plan(job),
         "started_at": (old or {}).get("started_at", runs[-1]["started_at"]),
         "runs": runs,
     }
@@ -104,6 +134,18 @@ def prepare_output(out: OutputDir, job: Job, overwrite: bool) -> Resume:
     out.delete(SUCCESS)
     out.write_text(MANIFEST, json.dumps(manifest, indent=2, default=str))
     return Resume(done, seed)
+
+
+def open_output(job: Job) -> tuple[OutputDir, OutputLock]:
+    """The job's output directory, checked to be this job's before anything in it is touched (then created), and
+    its lock (to take with `with`); `OutputRefused` in one line for a directory this run cannot use."""
+    try:
+        out = OutputDir(job.output.output)
+        check_output(out, job, job.output.overwrite)
+        out.create()
+        return out, OutputLock(out)
+    except OSError as error:  # permissions, a missing bucket, credentials …
+        raise OutputRefused(f"--output {job.output.output}: {type(error).__name__}: {error}") from None
 
 
 def _now() -> str:

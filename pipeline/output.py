@@ -1,13 +1,16 @@
 """The output directory: Parquet shard files written atomically, the manifest, the _SUCCESS marker.
 
 Works on any filesystem `pyarrow.fs` understands (local paths, s3://, gs://, …). A shard file is written under a
-temporary name and renamed when complete, so a file with the final name is always whole.
+temporary name and renamed when complete, so a file with the final name is always whole. Nothing is created or
+removed until the driver has checked that the directory is this job's (`pipeline/manifest.py`), and then only the
+job's own files: its temporaries are named `.{file}.{32 hex digits}.tmp`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from typing import Any
 
@@ -18,18 +21,47 @@ import pyarrow.parquet as pq
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
 SHARD_METADATA_KEY = b"hybridgen.shard"
+# The temporaries this code writes (`write_table`, `write_text`): a leading dot, the final name, a uuid4 hex.
+OWN_TEMPORARY = re.compile(r"\.(part-\d+\.parquet|_manifest\.json|_SUCCESS|_lock\.json)\.[0-9a-f]{32}\.tmp")
+
+
+class OutputRefused(ValueError):
+    """`--output` cannot take this job (another job's files, a file where the directory should be, another run
+    holding it): the CLI prints the message in one line and exits with status 2."""
 
 
 class OutputDir:
-    """A directory on a pyarrow filesystem."""
+    """A directory on a pyarrow filesystem (created by `create`, not before)."""
 
     def __init__(self, uri: str):
-        if "://" in uri:
-            self.fs, self.path = pafs.FileSystem.from_uri(uri)
-        else:
-            self.fs, self.path = pafs.LocalFileSystem(), os.path.abspath(uri)
+        try:
+            if "://" in uri:
+                self.fs, self.path = pafs.FileSystem.from_uri(uri)
+            else:
+                self.fs, self.path = pafs.LocalFileSystem(), os.path.abspath(uri)
+        except (OSError, pa.ArrowException) as error:
+            raise OutputRefused(f"--output {uri}: cannot be opened ({error})") from None
         self.uri = uri
+
+    @property
+    def local(self) -> bool:
+        """Whether the directory is on this machine's filesystem (atomic create-if-absent works there)."""
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def check_directory(self) -> None:
+        """`OutputRefused` unless the path is a directory or nothing yet."""
+        if self.fs.get_file_info(self.path).type == pafs.FileType.File:
+            raise OutputRefused(
+                f"--output {self.uri} is a file, not a directory: give a directory (new or one this job wrote)"
+            )
+
+    def create(self) -> None:
+        """Make the directory (and its parents) if it does not exist."""
         self.fs.create_dir(self.path, recursive=True)
+
+    def join(self, name: str) -> str:
+        """The path of `name` in the directory, for this directory's filesystem."""
+        return self._join(name)
 
     def _join(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
@@ -70,9 +102,19 @@ class OutputDir:
         return json.loads(metadata.get(SHARD_METADATA_KEY, b"{}"))
 
     def read_json(self, name: str) -> dict[str, Any]:
-        """Parse a JSON file."""
+        """Parse a JSON file holding an object; `OutputRefused` naming it when it is not one."""
         with self.fs.open_input_stream(self._join(name)) as stream:
-            return json.loads(stream.read().decode())
+            data = stream.read()
+        try:
+            value = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise OutputRefused(
+                f"{self._join(name)} is not valid JSON ({error}): not a file this job wrote whole; "
+                "move it away, or use --overwrite to replace the directory's job"
+            ) from None
+        if not isinstance(value, dict):
+            raise OutputRefused(f"{self._join(name)} does not hold a JSON object: move it away, or use --overwrite")
+        return value
 
     def write_text(self, name: str, text: str) -> None:
         """Write a small text file atomically (temporary name, then rename)."""
@@ -82,7 +124,7 @@ class OutputDir:
         self.fs.move(temporary, self._join(name))
 
     def remove_temporaries(self) -> None:
-        """Delete leftovers of writes that a crash interrupted."""
+        """Delete this code's leftover temporaries (writes a crash interrupted); other files stay."""
         for name in self.names():
-            if name.startswith(".") and name.endswith(".tmp"):
+            if OWN_TEMPORARY.fullmatch(name):
                 self.delete(name)

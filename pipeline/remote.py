@@ -1,9 +1,10 @@
 """Inputs on object storage (`s3://`, `gs://`, … whatever `pyarrow.fs` understands), copied to a local directory.
 
-The driver reads the input once to plan shards; `datasets` then keeps its own Arrow cache. Copying the matching
-files first lets a remote input be read exactly like a local one (same builders, same column types). The copy lives
-in a temporary directory removed when the driver exits. Credentials and endpoints come from the usual environment
-(`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, … for S3).
+The driver reads the input once to plan shards. Copying the matching files first lets a remote input be read exactly
+like a local one (same builders, same column types); a glob matches as a local one does (`*` stays within a folder).
+The copy, and the Arrow cache `datasets` makes of it (which would otherwise add a copy per run to its own cache,
+keyed by the copy's new path), live in temporary directories removed when the driver exits. Credentials and
+endpoints come from the usual environment (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, … for S3).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ def local_copy(uri: str) -> str:
         info = fs.get_file_info(base)
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"input {uri!r} does not exist")
-        target = Path(tempfile.mkdtemp(prefix="hybridgen-input-"))
-        atexit.register(shutil.rmtree, target, True)
+        target = Path(scratch_directory("hybridgen-input-"))
         if info.type == pafs.FileType.File:
             return str(_download(fs, base, inside(target, Path(base).name, f"{scheme}://{base}")))
-        files = [f for f in fs.get_file_info(pafs.FileSelector(base, recursive=True)) if f.type == pafs.FileType.File]
-        relatives = [(f.path, f.path[len(base.rstrip("/")) + 1 :]) for f in files]
-        chosen = [(path, inside(target, relative, f"{scheme}://{path}")) for path, relative in relatives
-                  if pattern is None or fnmatch.fnmatch(relative, pattern)]  # fmt: skip
+        listing = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+        relatives = [(f.path, f.path[len(base.rstrip("/")) + 1 :]) for f in listing if f.type == pafs.FileType.File]
+        # Every listed key is checked, matched or not: one that would land outside the copy is refused, named.
+        copies = [(relative, path, inside(target, relative, f"{scheme}://{path}")) for path, relative in relatives]
+        chosen = [(path, local) for relative, path, local in copies if pattern is None or glob_match(relative, pattern)]
         if not chosen:
             raise ValueError(f"no files match input {uri!r}")
         for path, local in chosen:
@@ -56,6 +57,34 @@ def local_copy(uri: str) -> str:
         if isinstance(error, FileNotFoundError):
             raise
         raise ValueError(f"input {uri!r} cannot be read: {error}") from None
+
+
+def scratch_directory(prefix: str) -> str:
+    """A new temporary directory, removed with everything in it when this process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def glob_match(relative: str, pattern: str) -> bool:
+    """Whether the path `relative` (folders joined by `/`) matches `pattern` as local `glob.glob(pattern,
+    recursive=True)` would: `*`, `?` and `[…]` match within one folder or file name, `**` spans any number of
+    folders, and a wildcard does not match a name that starts with a dot."""
+    return _match(relative.split("/"), pattern.split("/"))
+
+
+def _match(names: list[str], parts: list[str]) -> bool:
+    if not parts:
+        return not names
+    if parts[0] == "**":  # zero or more folders, none of them hidden
+        return any(
+            _match(names[i:], parts[1:])
+            for i in range(len(names) + 1)
+            if not any(name.startswith(".") for name in names[:i])
+        )
+    if not names or (names[0].startswith(".") and not parts[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(names[0], parts[0]) and _match(names[1:], parts[1:])
 
 
 def inside(directory: Path, relative: str, source: str) -> Path:

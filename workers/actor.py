@@ -7,11 +7,11 @@ engine: `workers/stream.py`). Nothing here depends on Ray, so tests build it dir
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +20,12 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from workers.columns import decode_rows
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION
-from workers.rows import PromptSource, shard_prompts
+from workers.rows import PromptSource, generation_columns, shard_requests
 from workers.runner import ModelRunner
 from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from workers.scoring import score_shard
+from workers.scoring import ScoreSpec, score_shard
 from workers.spec_decode import SpeculativeConfig
 from workers.stream import ShardStream
 
@@ -33,7 +34,9 @@ from workers.stream import ShardStream
 # makes it write its node id into the marker and sleep in shard N, once, so a test can take the node away (or the
 # driver's shard deadline kill it); {"break_during_shard": N, "marker": path} makes the first worker that gets
 # shard N write its process id into the marker and raise on shard N and on every shard after it, as a worker with
-# a broken CUDA context does.
+# a broken CUDA context does. On the engine's steps: {"slow_step_s": S} sleeps S seconds before each step (a slow
+# CPU worker); {"fail_step": N, "marker": path} makes the Nth step of the first worker to reach it raise once (a
+# transient out-of-memory); {"freeze_step": N, "marker": path} makes it never return (a frozen engine).
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 
@@ -59,10 +62,15 @@ class WorkerSpec:
     prompt: PromptSource = field(default_factory=PromptSource)
     task_options: dict[str, Any] = field(default_factory=dict)  # sampling (generate) or scoring options
 
+    @property
+    def input_columns(self) -> list[str]:
+        """The input columns a worker reads (the driver sends it only these)."""
+        return self.prompt.columns if self.task == "generate" else ScoreSpec(**self.task_options).columns
+
 
 @dataclass(frozen=True)
 class ShardTask:
-    """One shard's input rows."""
+    """One shard's input rows (the columns the worker reads)."""
 
     index: int
     first_row: int  # dataset index of the shard's first row
@@ -77,17 +85,6 @@ class ShardOutput:
     columns: dict[str, list[Any]]
     seconds: float
     stats: dict[str, float] = field(default_factory=dict)
-
-
-def _python_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """Rows as dicts; columns that `datasets` stored as JSON text (mixed-type JSONL columns) are decoded."""
-    rows = table.to_pylist()
-    json_columns = [f.name for f in table.schema if "arrow.json" in str(f.type)]
-    for row in rows:
-        for name in json_columns:
-            if isinstance(row[name], str):
-                row[name] = json.loads(row[name])
-    return rows
 
 
 def shard_stats(columns: dict[str, list[Any]]) -> dict[str, float]:
@@ -128,11 +125,11 @@ class ShardWorker:
     def __init__(self, spec: WorkerSpec):
         self.spec, self.runner, self.start_error = spec, None, None
         self.stream = ShardStream()  # its engine thread does every torch call of this worker, loading included
-        self._tokenizer_lock = threading.Lock()
         try:
             self.runner = self.stream.call(lambda: self._load(spec)).result()
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
+            _inject_step_faults(self.runner)
             self.stream.runner = self.runner
         except Exception as error:  # reported by ready(); the driver decides
             self.start_error = f"{type(error).__name__}: {error}"
@@ -165,28 +162,38 @@ class ShardWorker:
             return {**info, "error": self.start_error}
         return {**info, "device": str(self.runner.device)}
 
+    def progress(self) -> dict[str, Any]:
+        """Polled by the driver while the worker holds shards (never waits for the engine): the units of work its
+        engine has finished and how long they take (`workers/heartbeat.py`)."""
+        return self.stream.heartbeat.report()
+
     def process(self, task: ShardTask) -> ShardOutput:
         """Generate (or score) every row of a shard. Generation streams: the driver keeps more than one shard in
-        flight (a threaded actor), and each call's rows join the running batch as slots free up."""
+        flight (a threaded actor), and each call's rows join the running batch as slots free up; a row is decoded
+        from Arrow and tokenized when the engine has room for it, and a row that cannot be is that row's error."""
         if self.runner is None:
             raise RuntimeError(f"this worker failed to start: {self.start_error}")
         start = time.perf_counter()
-        rows = _python_rows(task.rows)
-        self._maybe_inject_fault(task, rows)
+        self._maybe_inject_fault(task)
+        options = self.spec.task_options
         if self.spec.task == "generate":
-            with self._tokenizer_lock:  # a fast tokenizer is not meant to be shared between threads
-                prompts = shard_prompts(self.runner.tokenizer, rows, self.spec.prompt, self.spec.task_options,
-                                        task.first_row)  # fmt: skip
-            results = self.stream.submit(task.index, prompts.prompts, prompts.params).result()
-            columns = prompts.columns(results)
+            rows = decode_rows(task.rows, self.spec.input_columns)
+            requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, options, task.first_row)
+            results = self.stream.submit(task.index, requests, task.rows.num_rows).result()
+            columns = generation_columns(results)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
-            columns = self.stream.call(lambda: score_shard(self.runner, rows, self.spec.task_options)).result()
+
+            def score() -> dict[str, list[Any]]:  # on the engine thread: its forwards beat the heartbeat
+                rows = list(decode_rows(task.rows, self.spec.input_columns))
+                return score_shard(self.runner, rows, options, self.stream.heartbeat.beat)
+
+            columns = self.stream.call(score).result()
             stats = shard_stats(columns)
         return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
 
     @staticmethod
-    def _maybe_inject_fault(task: ShardTask, rows: list[dict[str, Any]]) -> None:
+    def _maybe_inject_fault(task: ShardTask) -> None:
         plan = os.environ.get(FAULT_INJECTION_ENV)
         if not plan:
             return
@@ -206,3 +213,23 @@ class ShardWorker:
             partial.write_text(ray.get_runtime_context().get_node_id())
             partial.rename(marker)
             time.sleep(3600)  # until the test takes this node away
+
+
+def _inject_step_faults(runner: ModelRunner) -> None:
+    """The test hooks on the engine's steps (see FAULT_INJECTION_ENV)."""
+    plan = json.loads(os.environ.get(FAULT_INJECTION_ENV) or "{}")
+    if not {"slow_step_s", "fail_step", "freeze_step"} & set(plan):
+        return
+    step, counter, marker = runner.step, itertools.count(1), Path(plan.get("marker", "/nonexistent/marker"))
+
+    def faulty_step() -> list:
+        number = next(counter)
+        time.sleep(plan.get("slow_step_s", 0))
+        if number in (plan.get("fail_step"), plan.get("freeze_step")) and not marker.exists():
+            marker.write_text(f"step {number} of process {os.getpid()}")
+            if number == plan.get("fail_step"):
+                raise RuntimeError(f"CUDA out of memory (injected, step {number})")
+            time.sleep(3600)  # frozen until the driver stops this worker
+        return step()
+
+    runner.step = faulty_step

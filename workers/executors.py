@@ -12,7 +12,8 @@ plan's `last_hidden`; the graph plan does not hand them out, so it is never chos
 from __future__ import annotations
 
 from workers.model import HybridModel, StatePool
-from workers.model.steps import cuda_graph, decode_plan
+from workers.model.kernels import native
+from workers.model.steps import cuda_graph, decode_plan, mtp_plan
 from workers.model.steps.cuda_graph import GraphCaptureError, GraphPlan
 from workers.model.steps.decode_plan import DecodePlan
 
@@ -61,3 +62,17 @@ def executor_summary(model: HybridModel, decode_plan_on: bool, cuda_graphs: bool
     if graph_reason is None:
         plan = "not used (CUDA graphs run the steps)"
     return f"decode plan {plan}; CUDA graphs {graphs}"
+
+
+def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
+    """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
+    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states), the MTP head's plan."""
+    kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
+    summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
+    summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
+    if native.loaded():
+        summary += f"; native CPU kernels: {native.describe()}"
+    if mtp:
+        reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
+        summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")
+    return summary

@@ -45,7 +45,8 @@ def _streamed(stream: ShardStream, prompts: list[list[int]], params: list[Sampli
             done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in done:
                 results[in_flight.pop(future)] = [r.token_ids for r in future.result()]
-        future = stream.submit(start, prompts[start : start + shard_rows], params[start : start + shard_rows])
+        rows = slice(start, start + shard_rows)
+        future = stream.submit(start, zip(prompts[rows], params[rows]), len(prompts[rows]))
         in_flight[future] = start
     for future, start in in_flight.items():
         results[start] = [r.token_ids for r in future.result()]

@@ -1,10 +1,14 @@
 """Turn a shard of input rows into output rows: prompts → token ids → generation → Arrow columns.
 
-Row problems (not a string, empty, over-long, bad chat messages) become that row's `error`; the shard goes on.
+Row problems (a cell that cannot be decoded, not a string, empty, over-long, bad chat messages) become that row's
+`error`; the shard goes on. Rows are tokenized one at a time as the engine takes them (`shard_requests` is lazy), so
+a worker never holds a whole shard's token ids.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +31,36 @@ GENERATE_FIELDS = [
 ]
 
 
+def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
+    """A row's chat messages as transformers' `apply_chat_template` takes them (a JSON text cell parsed); messages
+    may carry any other keys (`name`, `tool_calls`, `tool_call_id`) and null content. `ValueError` for a bad row."""
+    if isinstance(value, str):  # a text column holding JSON (a CSV, a JSONL string)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{column!r} is text that is not a JSON list of messages") from None
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{column!r} must be a non-empty list of {{role, content}} messages")
+    for message in value:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"each message needs a 'role', got {message!r}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"a message's 'content' must be text, a list of parts or null, got {content!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class PromptSource:
     """Which input column holds the prompt, and in which form."""
 
     prompt_column: str | None = None
     messages_column: str | None = None
+
+    @property
+    def columns(self) -> list[str]:
+        """The input columns a worker reads."""
+        return [c for c in (self.prompt_column, self.messages_column) if c is not None]
 
     def token_ids(self, row: dict[str, Any], tokenizer: Any) -> list[int]:
         """The row's prompt as token ids; `ValueError` with a readable message for a bad row."""
@@ -43,73 +71,68 @@ class PromptSource:
             if not text.strip():
                 raise ValueError("prompt text is empty")
             return list(tokenizer.encode(text))
-        messages = row[self.messages_column]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{self.messages_column!r} must be a non-empty list of {{role, content}} messages")
-        for message in messages:
-            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
-                raise ValueError(f"each message needs 'role' and 'content', got {message!r}")
+        messages = chat_messages(row[self.messages_column], self.messages_column)
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as error:  # the template itself rejected the messages
-            raise ValueError(f"chat template failed: {error}") from error
+            raise ValueError(f"chat template failed: {type(error).__name__}: {error}") from error
         return list(ids)
 
 
-def generation_columns(results: list[GenerationResult | None], errors: list[str | None]) -> dict[str, list[Any]]:
-    """Output columns (GENERATE_FIELDS order) for results, with `errors[i]` for rows that never ran."""
+def error_result(error: str) -> GenerationResult:
+    """The result of a row that never ran."""
+    return GenerationResult([], "error", error, None, 0)
+
+
+def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
+    """Output columns (GENERATE_FIELDS order), one row per result."""
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
-    for result, error in zip(results, errors):
-        if result is None:
-            values = [None, [], 0, 0, "error", error, 0, 0, 0]
-        else:
-            values = [
-                result.text, result.token_ids, result.num_prompt_tokens, len(result.token_ids),
-                result.finish_reason, result.error, result.num_drafts, result.num_draft_tokens,
-                result.num_accepted_draft_tokens,
-            ]  # fmt: skip
+    for result in results:
+        values = [
+            result.text,
+            result.token_ids,
+            result.num_prompt_tokens,
+            len(result.token_ids),
+            result.finish_reason,
+            result.error,
+            result.num_drafts,
+            result.num_draft_tokens,
+            result.num_accepted_draft_tokens,
+        ]
         for f, value in zip(GENERATE_FIELDS, values):
             columns[f.name].append(value)
     return columns
 
 
-@dataclass
-class ShardPrompts:
-    """A shard's rows as prompts: the rows that tokenized, their prompts and sampling, and the others' errors."""
-
-    positions: list[int]  # row positions within the shard that run
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    errors: list[str | None]  # per row of the shard: why it does not run, or None
-
-    def columns(self, results: list[GenerationResult]) -> dict[str, list[Any]]:
-        """Output columns for the whole shard, given the results of `prompts` in order."""
-        by_row: list[GenerationResult | None] = [None] * len(self.errors)
-        for position, result in zip(self.positions, results):
-            by_row[position] = result
-        return generation_columns(by_row, self.errors)
-
-
-def shard_prompts(
-    tokenizer: Any, rows: list[dict[str, Any]], source: PromptSource, sampling: dict[str, Any], first_row: int
-) -> ShardPrompts:
-    """Tokenize a shard's rows; row i of the dataset samples with seed + i when a seed is set."""
-    prompts = ShardPrompts([], [], [], [None] * len(rows))
+def shard_requests(
+    tokenizer: Any,
+    rows: Iterable[dict[str, Any] | str],
+    source: PromptSource,
+    sampling: dict[str, Any],
+    first_row: int,
+) -> Iterator[tuple[list[int] | str, SamplingParams | None]]:
+    """Per row, lazily: (prompt token ids, its sampling) or (why it cannot run, None). A row given as a string is
+    one that could not be decoded. Row i of the dataset samples with seed + i when a seed is set."""
     seed = sampling.get("seed")
     for i, row in enumerate(rows):
         try:
-            prompts.prompts.append(source.token_ids(row, tokenizer))
+            if isinstance(row, str):
+                raise ValueError(row)
+            ids = source.token_ids(row, tokenizer)
         except (ValueError, TypeError) as error:
-            prompts.errors[i] = str(error)
+            yield str(error), None
             continue
-        prompts.params.append(SamplingParams(**{**sampling, "seed": None if seed is None else seed + first_row + i}))
-        prompts.positions.append(i)
-    return prompts
+        yield ids, SamplingParams(**{**sampling, "seed": None if seed is None else seed + first_row + i})
 
 
 def generate_shard(
     runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: dict[str, Any], first_row: int
 ) -> dict[str, list[Any]]:
-    """Generate for every row of a shard in one `generate` call (the streaming worker uses `shard_prompts`)."""
-    prompts = shard_prompts(runner.tokenizer, rows, source, sampling, first_row)
-    return prompts.columns(runner.generate(prompts.prompts, prompts.params) if prompts.prompts else [])
+    """Generate for every row of a shard in one `generate` call (the streaming worker feeds `shard_requests` to
+    its stream instead)."""
+    requests = list(shard_requests(runner.tokenizer, rows, source, sampling, first_row))
+    runnable = [(prompt, params) for prompt, params in requests if params is not None]
+    generated = iter(runner.generate([p for p, _ in runnable], [s for _, s in runnable]) if runnable else [])
+    return generation_columns(
+        [next(generated) if params is not None else error_result(prompt) for prompt, params in requests]
+    )

@@ -5,18 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from workers.budget import TokenBudget
-from workers.executors import executor_summary
+from workers.executors import execution_summary
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size, plan_memory, runner_budget
 from workers.model import HybridModel, load_checkpoint
 from workers.model.kernels import native
 from workers.model.state import DEFAULT_BLOCK_SIZE
-from workers.model.steps import mtp_plan
 from workers.prefix_sharing import scan_chunk
 from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
@@ -37,20 +36,6 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
-    """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
-    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states), the MTP head's plan."""
-    kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
-    summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
-    summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
-    if native.loaded():
-        summary += f"; native CPU kernels: {native.describe()}"
-    if mtp:
-        reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
-        summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")
-    return summary
 
 
 class ModelRunner:
@@ -291,6 +276,12 @@ class ModelRunner:
             done.append((self._request_keys.pop(request.index), request.result(self.tokenizer)))
         return done
 
+    def live_request_ids(self) -> list[Hashable]:
+        """The requests the current (or last) step runs, prefilling or generating: those a step that raised can be
+        blamed on (the waiting ones never ran)."""
+        live = [] if self._scheduler is None else self._scheduler.prefilling + self._scheduler.running
+        return [self._request_keys[r.index] for r in live if r.index in self._request_keys]
+
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are
         ~100× slower on x86 and change nothing that matters) and the runner's torch threads, both of which are
@@ -372,11 +363,13 @@ class ModelRunner:
             self.cuda_graphs = False  # once per runner
 
     # -------------------------------------------------------------------------------------------------- score
-    def score(self, token_ids: Sequence[Sequence[int]]) -> list[ScoreResult]:
+    def score(
+        self, token_ids: Sequence[Sequence[int]], on_forward: Callable[[], None] | None = None
+    ) -> list[ScoreResult]:
         """Per sequence, log p(token t+1 | tokens ≤ t) for every t. Short sequences share padded forwards of at most
         `max_num_batched_tokens` tokens; a longer one runs alone in chunks of that many, continuing its recurrent
         states and KV cache (the same log-probs as one forward over it, in bounded memory). With prefix caching,
-        sequences sharing a long prefix compute it once (`workers/scorer.py`)."""
+        sequences sharing a long prefix compute it once (`workers/scorer.py`). `on_forward` is called after each."""
         results: list[ScoreResult | None] = [None] * len(token_ids)
         valid = []
         max_positions = (self.num_kv_blocks - 1) * DEFAULT_BLOCK_SIZE
@@ -389,7 +382,7 @@ class ModelRunner:
                 results[i] = ScoreResult([], problem.replace("prompt", "sequence", 1))
             else:
                 valid.append(i)
-        scored = self._scorer.score([list(token_ids[i]) for i in valid])
+        scored = self._scorer.score([list(token_ids[i]) for i in valid], on_forward)
         for i, logprobs in zip(valid, scored):
             results[i] = ScoreResult(logprobs)
         return results  # type: ignore[return-value]

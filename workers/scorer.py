@@ -9,7 +9,7 @@ is scored from the prefix's last hidden state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +40,15 @@ class Scorer:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.num_shared_tokens = 0  # prefix tokens computed once for several sequences, over the scorer's life
+        self.on_forward: Callable[[], None] | None = None  # set by each `score` call
 
     @torch.inference_mode()
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Per sequence (each ≥ 1 token), its token log-probs."""
+    def score(
+        self, sequences: Sequence[Sequence[int]], on_forward: Callable[[], None] | None = None
+    ) -> list[list[float]]:
+        """Per sequence (each ≥ 1 token), its token log-probs. `on_forward`: called after every forward (a worker's
+        heartbeat: `workers/heartbeat.py`)."""
+        self.on_forward = on_forward
         out: list[list[float] | None] = [None] * len(sequences)
         for members, prefix_len in self._prefix_groups(sequences):
             prefix = self._prefix(list(sequences[members[0]][:prefix_len])) if prefix_len else None
@@ -129,6 +134,8 @@ class Scorer:
             num_tokens = (torch.tensor(lengths, device=self.device) - offset).clamp(0, stop - offset)
             batch = ForwardBatch(slots, torch.full_like(num_tokens, start + offset), num_tokens)
             forward = self.model(input_ids[:, offset:stop], batch, states, pool.kv_caches())
+            if self.on_forward is not None:
+                self.on_forward()
             states = forward.mamba_states
             for row, length in enumerate(lengths):  # position t predicts token t + 1
                 out[row] += self._logprobs(forward.hidden[row], input_ids[row], offset, min(stop, length - 1))

@@ -8,11 +8,13 @@ Problem rows (empty text, too long without truncation, bad messages) get an `err
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
+from workers.rows import chat_messages
 from workers.runner import ModelRunner
 
 SCORE_FIELDS = [
@@ -38,6 +40,12 @@ class ScoreSpec:
     truncate: bool = False
     token_logprobs: bool = False
 
+    @property
+    def columns(self) -> list[str]:
+        """The input columns a worker reads."""
+        names = (self.text_column, self.prompt_column, self.completion_column, self.messages_column)
+        return [c for c in names if c is not None]
+
 
 def _text(row: dict[str, Any], column: str, allow_empty: bool = False) -> str:
     value = row[column]
@@ -60,8 +68,8 @@ def tokens_to_score(row: dict[str, Any], spec: ScoreSpec, tokenizer: Any) -> tup
             raise ValueError(f"text has {len(ids)} token(s): nothing to score after the first")
         return ids, 1
     if spec.messages_column is not None:
-        messages = row[spec.messages_column]
-        if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict):
+        messages = chat_messages(row[spec.messages_column], spec.messages_column)
+        if len(messages) < 2:
             raise ValueError(f"{spec.messages_column!r} needs a conversation ending in an assistant message")
         if messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
             raise ValueError("the last message must be a non-empty assistant turn")
@@ -81,8 +89,14 @@ def tokens_to_score(row: dict[str, Any], spec: ScoreSpec, tokenizer: Any) -> tup
     return prompt + completion, len(prompt)
 
 
-def score_shard(runner: ModelRunner, rows: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, list[Any]]:
-    """Score every row; columns in SCORE_FIELDS order (plus `token_logprobs` when asked)."""
+def score_shard(
+    runner: ModelRunner,
+    rows: list[dict[str, Any] | str],
+    options: dict[str, Any],
+    on_forward: Callable[[], None] | None = None,
+) -> dict[str, list[Any]]:
+    """Score every row (a row given as a string is one that could not be decoded: that is its error); columns in
+    SCORE_FIELDS order (plus `token_logprobs` when asked). `on_forward`: see `ModelRunner.score`."""
     spec = ScoreSpec(**options)
     limit = runner.max_model_len
     sequences, firsts, positions = [], [], []
@@ -90,6 +104,8 @@ def score_shard(runner: ModelRunner, rows: list[dict[str, Any]], options: dict[s
     truncated = [0] * len(rows)
     for i, row in enumerate(rows):
         try:
+            if isinstance(row, str):
+                raise ValueError(row)
             ids, first = tokens_to_score(row, spec, runner.tokenizer)
             if len(ids) > limit:
                 if not spec.truncate:
@@ -104,7 +120,7 @@ def score_shard(runner: ModelRunner, rows: list[dict[str, Any]], options: dict[s
         firsts.append(first)
         positions.append(i)
     scored: list[list[float] | None] = [None] * len(rows)
-    for i, first, result in zip(positions, firsts, runner.score(sequences) if sequences else []):
+    for i, first, result in zip(positions, firsts, runner.score(sequences, on_forward) if sequences else []):
         if result.error:
             errors[i] = result.error
         else:

@@ -2,21 +2,26 @@
 finish, so a worker never drains its batch between shards.
 
 The driver keeps more than one shard in flight per worker (a threaded Ray actor: each `submit` comes from its own
-call). One engine thread owns the runner: it takes new shards' rows between steps, and resolves a shard's future as
-soon as all of its rows are done. A failure inside a step fails every shard in flight (the driver requeues them);
-a worker that dies loses only the shards it had not returned.
+call). One engine thread owns the runner: between steps it takes new shards, tokenizes their rows as the engine has
+room for them (at most ROWS_AHEAD_PER_SEQ × max_num_seqs rows in the engine, so a worker never holds the token ids
+of whole shards), and resolves a shard's future as soon as all of its rows are done. A step that raises fails only
+the shards whose rows it ran (`StepFailed`); the other shards' rows go on in a fresh engine. A worker that dies
+loses only the shards it had not returned. `heartbeat` counts what the engine finishes, for the driver.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Hashable
+import uuid
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from workers.heartbeat import Heartbeat
 from workers.requests import GenerationResult
+from workers.rows import error_result
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -25,16 +30,34 @@ from workers.sampling import SamplingParams
 # straggler holds a shard back (192 rows, 64-row shards, max_num_seqs 32: 1.16× the steps of one call with two in
 # flight, the same steps as one call with three).
 SHARDS_PER_WORKER = 3
+ROWS_AHEAD_PER_SEQ = 2  # rows in the engine per slot at most: a full batch running and the next one waiting
 T = TypeVar("T")
+Request = tuple[list[int] | str, SamplingParams | None]  # a row's prompt and sampling, or why it cannot run and None
+
+
+class StepFailed(RuntimeError):
+    """Raised for every shard whose rows ran in a step that raised; `failure_id` is the same for all of them, so
+    the driver counts one failure of the worker, not one per shard."""
+
+    def __init__(self, message: str, failure_id: str):
+        super().__init__(message)
+        self.failure_id = failure_id
+
+    def __reduce__(self) -> tuple:
+        return StepFailed, (str(self), self.failure_id)
 
 
 @dataclass
 class _Shard:
-    """A submitted shard: its rows' results as they finish, and the future its caller waits on."""
+    """A submitted shard: its rows still to tokenize, those in the engine, the results so far, its future."""
 
+    requests: Iterator[Request]
     results: list[GenerationResult | None]
     future: Future = field(default_factory=Future)
     num_left: int = 0
+    num_taken: int = 0  # rows taken from `requests`
+    live: dict[int, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # rows in the engine
+    exhausted: bool = False
 
 
 class ShardStream:
@@ -48,8 +71,9 @@ class ShardStream:
         """`runner`: set here or later (`stream.runner = …`, typically the result of a loading `call`); from then on
         the stream owns it: nothing else may call its `generate`, `add_request` or `step`."""
         self.runner = runner
+        self.heartbeat = Heartbeat()
         self._inbox: queue.Queue[tuple] = queue.Queue()
-        self._shards: dict[Hashable, _Shard] = {}
+        self._shards: dict[Hashable, _Shard] = {}  # in submission order: the oldest shard's rows go in first
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -59,15 +83,15 @@ class ShardStream:
         self._put(("call", fn, future))
         return future
 
-    def submit(
-        self, shard_id: Hashable, prompts: list[list[int]], params: list[SamplingParams]
-    ) -> Future[list[GenerationResult]]:
-        """Queue a shard's prompts; the future resolves to their results (in order) when all are done."""
-        shard = _Shard([None] * len(prompts), num_left=len(prompts))
-        if not prompts:
+    def submit(self, shard_id: Hashable, requests: Iterable[Request], num_rows: int) -> Future[list[GenerationResult]]:
+        """Queue a shard of `num_rows` rows: `requests` yields each row's (prompt token ids, sampling), or (why it
+        cannot run, None), and is read lazily on the engine thread. The future resolves to one result per row, in
+        order, when all are done."""
+        shard = _Shard(iter(requests), [None] * num_rows, num_left=num_rows)
+        if not num_rows:
             shard.future.set_result([])
             return shard.future
-        self._put(("shard", shard_id, prompts, params, shard))
+        self._put(("shard", shard_id, shard))
         return shard.future
 
     def _put(self, item: tuple) -> None:
@@ -78,36 +102,41 @@ class ShardStream:
             self._inbox.put(item)
 
     def _loop(self) -> None:
-        """Engine thread: take new work (waiting only when there is nothing to run), step, hand back results."""
+        """Engine thread: take new work (waiting only when there is nothing to run), feed rows, step, hand back."""
         if self.runner is not None:
             self.runner.prepare_thread()
         while True:
-            busy = self.runner is not None and self.runner.has_unfinished_requests()
-            self._take_new(block=not busy)
-            if self.runner is None or not self.runner.has_unfinished_requests():
+            self._take_new(block=not self._has_work())
+            if self.runner is None:
+                continue
+            self._feed()
+            if not self.runner.has_unfinished_requests():
                 continue
             try:
                 finished = self.runner.step()
-            except BaseException as error:  # every shard in flight fails; the driver requeues them
-                self._fail_all(error)
+            except BaseException as error:  # the shards it ran fail (the driver requeues them); the rest go on
+                self._step_failed(error)
                 continue
+            self.heartbeat.beat()
             for (shard_id, row), result in finished:
-                shard = self._shards[shard_id]
-                shard.results[row] = result
-                shard.num_left -= 1
-                if shard.num_left == 0:
-                    del self._shards[shard_id]
-                    shard.future.set_result(shard.results)
+                self._finish(shard_id, row, result)
+
+    def _has_work(self) -> bool:
+        if self.runner is None:
+            return False
+        return self.runner.has_unfinished_requests() or any(not s.exhausted for s in self._shards.values())
 
     def _take_new(self, block: bool) -> None:
-        """Run the calls and add the rows of the shards submitted since the last step (waiting for one when
-        `block`)."""
+        """Run the calls and register the shards submitted since the last step (waiting for one when `block`)."""
+        if block:
+            self.heartbeat.rest()
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return
             block = False
+            self.heartbeat.start()
             if item[0] == "call":
                 _, fn, future = item
                 try:
@@ -115,14 +144,56 @@ class ShardStream:
                 except BaseException as error:
                     future.set_exception(error)
                 continue
-            _, shard_id, prompts, params, shard = item
+            _, shard_id, shard = item
             self._shards[shard_id] = shard
-            for row, (prompt, p) in enumerate(zip(prompts, params)):
-                self.runner.add_request((shard_id, row), prompt, p)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every shard in flight and forget its requests (the runner's engine is rebuilt for the next)."""
-        for shard in self._shards.values():
-            shard.future.set_exception(error)
-        self._shards.clear()
+    def _feed(self) -> None:
+        """Tokenize the next rows, oldest shard first, while the engine holds fewer than its share of rows."""
+        room = ROWS_AHEAD_PER_SEQ * self.runner.max_num_seqs - sum(len(s.live) for s in self._shards.values())
+        for shard_id, shard in list(self._shards.items()):
+            while room > 0 and not shard.exhausted:
+                try:
+                    prompt, params = next(shard.requests)
+                except StopIteration:
+                    shard.exhausted = True
+                    break
+                except BaseException as error:  # a bug in reading the rows: this shard fails, not the thread
+                    del self._shards[shard_id]
+                    shard.future.set_exception(error)
+                    break
+                row, shard.num_taken = shard.num_taken, shard.num_taken + 1
+                if params is None:
+                    self._finish(shard_id, row, error_result(prompt))
+                    continue
+                shard.live[row] = (prompt, params)
+                self.runner.add_request((shard_id, row), prompt, params)
+                room -= 1
+
+    def _finish(self, shard_id: Hashable, row: int, result: GenerationResult) -> None:
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            return
+        shard.live.pop(row, None)
+        shard.results[row] = result
+        shard.num_left -= 1
+        if shard.num_left == 0:
+            del self._shards[shard_id]
+            shard.future.set_result(shard.results)
+
+    def _step_failed(self, error: BaseException) -> None:
+        """Fail the shards whose rows the failed step ran (all of them when it ran none: the failure cannot be told
+        apart); put the other shards' rows into the runner's fresh engine."""
+        blamed = {request_id[0] for request_id in self.runner.live_request_ids()} or set(self._shards)
         self.runner.reset()
+        shards = ", ".join(str(s) for s in sorted(blamed, key=str))
+        failure = StepFailed(
+            f"{type(error).__name__}: {error} (a step running rows of shards {shards})", uuid.uuid4().hex
+        )
+        for shard_id in list(self._shards):
+            shard = self._shards[shard_id]
+            if shard_id in blamed:
+                del self._shards[shard_id]
+                shard.future.set_exception(failure)
+                continue
+            for row, (prompt, params) in shard.live.items():
+                self.runner.add_request((shard_id, row), prompt, params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,8 +129,11 @@ def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
     assert marker.exists()
     assert read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
-    assert "shard 2 requeued (1 of at most 3 retries): RuntimeError: CUDA error" in err
-    assert err.count("a worker failed 2 shards: replacing it") == 1
+    # Shard 2 breaks the worker; its calls for shards 0–2 run on threads that may start in any order, so the first
+    # to fail and be requeued may be another shard it holds (shard 2 is then requeued without a retry when the
+    # worker is replaced).
+    assert re.search(r"shard \d+ requeued \(1 of at most 3 retries\): RuntimeError: CUDA error", err), err
+    assert err.count("a worker failed 2 times: replacing it") == 1
     assert "(3 of at most 3 retries)" not in err
 
 

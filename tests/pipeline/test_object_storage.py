@@ -1,22 +1,32 @@
-"""`--input` and `--output` on S3, against an S3-compatible server (moto) started by the test on 127.0.0.1."""
+"""`--input` and `--output` on S3, against an S3-compatible server (moto) started by the test on 127.0.0.1: resume,
+edited inputs, keys that leave the copy, globs, caches."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pytest
 
+from jobs.generate import main
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
 from pipeline.inputs import load_rows
 from tests.pipeline.conftest import NUM_ROWS, job_config, read_output
+from tests.tiny_models import WORDS
 
 pytestmark = pytest.mark.slow
 BUCKET = "hybridgen-test"
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +129,54 @@ def test_object_keys_that_leave_the_copy_directory_are_refused(s3, tmp_path, mon
     assert not absolute.exists() and not (copies / "outside").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copies"]
     assert all(p.name.startswith("hybridgen-input-") for p in copies.iterdir())
+
+
+def _write_jsonl(path: Path, keys: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(json.dumps({"key": key, "text": f"the {WORDS[i % len(WORDS)]}"}) + "\n" for i, key in enumerate(keys))
+    )
+
+
+def test_a_remote_glob_matches_what_a_local_glob_matches(s3, checkpoint_dir, tmp_path, ray_session):
+    """`prompts/*.jsonl` reads the folder's files, not its `backup/` sub-folder (fnmatch's `*` crossed `/`: the
+    backed-up rows came twice); `**` and `*/` read deeper levels, as a local glob does."""
+    local = tmp_path / "prompts"
+    _write_jsonl(local / "a.jsonl", ["a-0", "a-1"])
+    _write_jsonl(local / "b.jsonl", ["b-0"])
+    _write_jsonl(local / "backup" / "a.jsonl", ["a-0", "a-1"])  # yesterday's copy of a.jsonl
+    _write_jsonl(local / "backup" / "old" / "c.jsonl", ["c-0"])
+    _write_jsonl(local / ".hidden.jsonl", ["h-0"])
+    for path in local.rglob("*.jsonl"):
+        s3.upload_file(str(path), BUCKET, f"globbed/{path.relative_to(local)}")
+    for pattern in ("*.jsonl", "*/*.jsonl", "**/*.jsonl", "backup/**", "b*.jsonl", "?.jsonl"):
+        remote = sorted(load_rows(f"s3://{BUCKET}/globbed/{pattern}")["key"])
+        assert remote == sorted(load_rows(str(local / pattern))["key"]), pattern
+    paths = ["--model", str(checkpoint_dir("granite_moe")), "--input", f"s3://{BUCKET}/globbed/*.jsonl"]
+    flags = ["--prompt-column", "text", "--id-column", "key", "--max-tokens", "2", "--num-workers", "1"]
+    argv = [*paths, *flags, "--ray-address", "local", "--output", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert [row["id"] for row in read_output(tmp_path / "out")] == ["a-0", "a-1", "b-0"]
+
+
+def test_runs_on_an_object_storage_input_leave_nothing_in_caches(s3, checkpoint_dir, tmp_path):
+    """Each run copies the remote input to a new temporary directory; `datasets` keyed its cache by that path, so
+    every run added a full copy of the input to ~/.cache/huggingface/datasets, never removed. Two CLI runs (the
+    second resumes): the datasets cache stays empty and no temporary directory outlives its run."""
+    _write_jsonl(tmp_path / "prompts.jsonl", [f"row-{i:04d}" for i in range(500)])
+    s3.upload_file(str(tmp_path / "prompts.jsonl"), BUCKET, "cached/prompts.jsonl")
+    scratch = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))  # short: Ray's socket paths live under TMPDIR too
+    hf_cache = tmp_path / "hf-datasets"
+    env = {**os.environ, "TMPDIR": str(scratch), "HF_DATASETS_CACHE": str(hf_cache)}
+    paths = ["--model", str(checkpoint_dir("granite_moe")), "--input", f"s3://{BUCKET}/cached/prompts.jsonl"]
+    flags = ["--prompt-column", "text", "--id-column", "key", "--max-tokens", "1", "--rows-per-shard", "250"]
+    scaling = ["--num-workers", "1", "--ray-address", "local", "--output", str(tmp_path / "out")]
+    command = [sys.executable, "jobs/generate.py", *paths, *flags, *scaling]
+    try:
+        for _ in range(2):
+            result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert not any(p.is_file() for p in hf_cache.rglob("*")), sorted(hf_cache.rglob("*"))[:5]
+            assert not [p.name for p in scratch.iterdir() if p.name.startswith("hybridgen-")]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

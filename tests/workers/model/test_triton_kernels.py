@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from workers.model.checkpoint.loader import prepare_decode_kernel
+from workers.model.kernels import native
 from workers.model.kernels.triton_kernels import interpreter_on
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
@@ -57,6 +58,7 @@ def test_the_runner_logs_its_decode_path_once(checkpoint_dir, caplog):
     with caplog.at_level(logging.INFO, logger="workers.runner"):
         ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), decode_kernel="torch")
     lines = [r.getMessage() for r in caplog.records if r.name == "workers.runner"]
+    kernels = f"; native CPU kernels: {native.describe()}" if native.loaded() else ""  # the native linears' variant
     assert lines == ["decode steps on cpu: recurrent decode kernel torch; decode plan off (the native kernels are off "
                      "(not CPU float32, or decode_kernel / linear_backend chose another path)); "
-                     "CUDA graphs off (turned off)"]  # fmt: skip
+                     f"CUDA graphs off (turned off){kernels}"]  # fmt: skip

@@ -65,8 +65,18 @@ def measure(preset: str, batch_sizes: list[int], rounds: int, threads: int) -> d
 def run_variant(isa: str, preset: str, args: argparse.Namespace) -> dict[str, Any]:
     """`measure` in a fresh process held to `isa`."""
     environment = {**os.environ, **TORCH_LIMITS.get(isa, {}), "HYBRIDGEN_CPU_ISA": isa}
-    command = [sys.executable, __file__, "--worker", preset, "--rounds", str(args.rounds), "--threads",
-               str(args.threads), "--batch-sizes", *map(str, args.batch_sizes)]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        preset,
+        "--rounds",
+        str(args.rounds),
+        "--threads",
+        str(args.threads),
+        "--batch-sizes",
+        *map(str, args.batch_sizes),
+    ]
     done = subprocess.run(command, env=environment, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{isa} {preset} failed:\n{done.stderr[-3000:]}")
@@ -98,10 +108,21 @@ def main() -> int:
             result = run_variant(isa, preset, args)
             for cell, rates in result["cells"].items():
                 ratio = rates["auto"] / rates["torch"]
-                rows.append({"preset": preset, "isa": result["isa"], "torch": result["torch_capability"],
-                             "cell": cell, **rates, "ratio": ratio})  # fmt: skip
-                print(f"| {preset} | {result['isa']} | {result['torch_capability']} | {cell} | {rates['auto']:,.0f} | "
-                      f"{rates['torch']:,.0f} | {ratio:.2f}× |", flush=True)  # fmt: skip
+                rows.append(
+                    {
+                        "preset": preset,
+                        "isa": result["isa"],
+                        "torch": result["torch_capability"],
+                        "cell": cell,
+                        **rates,
+                        "ratio": ratio,
+                    }
+                )
+                print(
+                    f"| {preset} | {result['isa']} | {result['torch_capability']} | {cell} | {rates['auto']:,.0f} | "
+                    f"{rates['torch']:,.0f} | {ratio:.2f}× |",
+                    flush=True,
+                )
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "rows": rows}, indent=2))
     return 0

@@ -34,8 +34,15 @@ BUILD_TARGETS = ("llama-batched-bench", "llama-quantize")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF")  # fmt: skip
 # llama.cpp's own switches for an AVX2 + FMA build (no AVX-512), the counterpart of hybridgen's "avx2" kernels.
-AVX2_CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF")  # fmt: skip
+AVX2_CMAKE_FLAGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF",
+)
 HYBRIDGEN_VARIANTS = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
 LLAMA_VARIANTS = ("f32", "q8_0")
 GREEDY_PROMPT = "The quick brown fox jumps over the lazy dog and then"
@@ -285,25 +292,30 @@ def main() -> int:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hybridgen" / "llama.cpp")
     p.add_argument("--greedy-check", action=argparse.BooleanOptionalAction, default=True,
                    help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt")  # fmt: skip
-    p.add_argument("--isa", choices=["native", "avx2"], default="native",
-                   help="native: both built for this CPU; avx2: llama.cpp built for AVX2 + FMA and hybridgen's avx2 "
-                   "kernels (HYBRIDGEN_CPU_ISA), what an AVX2-only machine runs")  # fmt: skip
+    p.add_argument(
+        "--isa",
+        choices=["native", "avx2"],
+        default="native",
+        help="native: both built for this CPU; avx2: llama.cpp built for AVX2 + FMA and hybridgen's avx2 "
+        "kernels (HYBRIDGEN_CPU_ISA), what an AVX2-only machine runs",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.isa != "native":
         os.environ[native.ISA_ENV] = args.isa
     bin_dir = build_llama(args.cache_dir, isa=args.isa)
-    print(f"{args.threads} threads, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, output tok/s, "
-          f"medians of {args.rounds} alternating rounds; hybridgen kernels: {native.selected_isa()}, llama.cpp: "
-          f"{args.isa} build")  # fmt: skip
+    print(
+        f"{args.threads} threads, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, output tok/s, "
+        f"medians of {args.rounds} alternating rounds; hybridgen kernels: {native.selected_isa()}, llama.cpp: "
+        f"{args.isa} build"
+    )
     rows = [row for preset in args.presets for row in measure_preset(preset, args.cache_dir, bin_dir, args) or []]
     print_table(rows)
     if args.json:
         source = llama_source(args.cache_dir)
-        args.json.write_text(json.dumps({"llama_cpp": source.parent.parent.name, "threads": args.threads,
-                                         "rounds": args.rounds, "isa": native.selected_isa(), "rows": rows},
-                                        indent=2))  # fmt: skip
+        record = {"llama_cpp": source.parent.parent.name, "threads": args.threads, "rounds": args.rounds}
+        args.json.write_text(json.dumps({**record, "isa": native.selected_isa(), "rows": rows}, indent=2))
     return 0
 
 

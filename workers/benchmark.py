@@ -223,11 +223,16 @@ def batch1_roofline(model: Any, rows: list[dict[str, Any]], bandwidth: float, co
         return {}
     needed = decode_step_bytes(model, context_len)
     total = sum(needed.values())
-    shares = {r["engine"]: roofline_share(total, r["decode_tokens_per_s"], bandwidth)
-              for r in [batch1, batch1.get("eager", {})] if r}  # fmt: skip
-    print(f"\nbatch-1 roofline: a decode step reads {total / 1e6:.1f} MB (weights {needed['weights'] / 1e6:.1f}, "
-          f"states {needed['states'] / 1e6:.1f}, KV {needed['kv_cache'] / 1e6:.2f}); at {bandwidth:.0f} GB/s "
-          + ", ".join(f"{engine} reaches {share:.1%}" for engine, share in shares.items()))  # fmt: skip
+    shares = {
+        r["engine"]: roofline_share(total, r["decode_tokens_per_s"], bandwidth)
+        for r in [batch1, batch1.get("eager", {})]
+        if r
+    }
+    print(
+        f"\nbatch-1 roofline: a decode step reads {total / 1e6:.1f} MB (weights {needed['weights'] / 1e6:.1f}, "
+        f"states {needed['states'] / 1e6:.1f}, KV {needed['kv_cache'] / 1e6:.2f}); at {bandwidth:.0f} GB/s "
+        + ", ".join(f"{engine} reaches {share:.1%}" for engine, share in shares.items())
+    )
     return {"bytes_per_step": needed, "peak_gb_per_s": bandwidth, "share": shares}
 
 

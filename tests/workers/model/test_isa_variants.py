@@ -29,21 +29,25 @@ HERE = Path(__file__).parent
 UNIT_ROUNDOFF = 2.0**-24
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _linear(isa: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib = native.load(isa)
     panels = native.pack_panels(weight, int(lib.linear_panel_width()))
     out = torch.empty(x.shape[0], weight.shape[0])
-    lib.linear_panels(x.data_ptr(), panels.data_ptr(), _pointer(bias), out.data_ptr(), x.shape[0], weight.shape[0],
-                      weight.shape[1], 2)  # fmt: skip
+    lib.linear_panels(
+        x.data_ptr(),
+        panels.data_ptr(),
+        native.pointer(bias),
+        out.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+        2,
+    )
     return out
 
 
 def _float32_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """|error| of any float32 evaluation of x · wᵀ + bias: (K + 2) · u · (|x| · |w|ᵀ + |bias|) (Higham's γ_K)."""
+    """|error| of any float32 evaluation of x · wᵀ + bias: (K + 2) · u · (|x| · |w|ᵀ + |bias|), Higham's γ_K."""
     magnitude = x.double().abs() @ weight.double().abs().T
     if bias is not None:
         magnitude = magnitude + bias.double().abs()
@@ -54,7 +58,9 @@ def test_the_variants_are_the_cpus_and_a_forced_one_is_checked():
     assert VARIANTS[-1] in ("portable", "neon") and len(set(VARIANTS)) == len(VARIANTS)
     assert native.choose_isa({}) == VARIANTS[0]  # the fastest by default
     assert native.choose_isa({native.ISA_ENV: f" {VARIANTS[-1].upper()} "}) == VARIANTS[-1]
-    with pytest.raises(ValueError, match=f"HYBRIDGEN_CPU_ISA='avx1024' cannot run on this CPU: choose one of {', '.join(VARIANTS)}"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"HYBRIDGEN_CPU_ISA='avx1024' cannot run on this CPU: choose one of {', '.join(VARIANTS)}"
+    ):
         native.choose_isa({native.ISA_ENV: "avx1024"})
     with pytest.raises(ValueError, match="no kernel variant 'sse9'"):
         native.load("sse9")
@@ -111,8 +117,9 @@ def test_int8_linear_matches_its_dequantized_reference(isa):
         x, weight = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
         panels, scale = native.pack_panels_int8(weight, int(lib.linear_panel_width()))
         out = torch.empty(rows, out_features)
-        lib.linear_panels_int8(x.data_ptr(), panels.data_ptr(), scale.data_ptr(), None, out.data_ptr(), rows,
-                               out_features, in_features, 2)  # fmt: skip
+        lib.linear_panels_int8(
+            x.data_ptr(), panels.data_ptr(), scale.data_ptr(), None, out.data_ptr(), rows, out_features, in_features, 2
+        )
         q = torch.round(weight / scale[:, None]).clamp(-127, 127)
         reference = F.linear(x.double(), q.double()) * scale.double()
         bound = (in_features + 4) * UNIT_ROUNDOFF * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T)
@@ -143,8 +150,16 @@ def test_elementwise_kernels_and_argmax_match_torch(isa):
         assert found.tolist() == logits.argmax(-1).tolist()
 
 
-KERNEL_TEST_FILES = ["test_native.py", "test_linear.py", "test_int8.py", "test_linear_bf16.py", "test_w8a8.py",
-                     "test_gdn_native.py", "test_gdn_prefill_native.py", "test_decode_plan.py"]  # fmt: skip
+KERNEL_TEST_FILES = [
+    "test_native.py",
+    "test_linear.py",
+    "test_int8.py",
+    "test_linear_bf16.py",
+    "test_w8a8.py",
+    "test_gdn_native.py",
+    "test_gdn_prefill_native.py",
+    "test_decode_plan.py",
+]
 
 
 @pytest.mark.slow
@@ -154,17 +169,36 @@ def test_the_kernel_tests_pass_under_every_other_variant(isa):
     already ran them in this session)."""
     environment = {**os.environ, native.ISA_ENV: isa}
     files = [str(HERE / name) for name in KERNEL_TEST_FILES]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
-                          env=environment, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64 cross compiler (apt: gcc-aarch64-linux-gnu)")  # fmt: skip
+@pytest.mark.skipif(
+    shutil.which("aarch64-linux-gnu-gcc") is None, reason="no aarch64 cross compiler (apt: gcc-aarch64-linux-gnu)"
+)
 def test_an_aarch64_build_compiles_and_its_kernels_are_right_under_qemu(tmp_path):
     """The NEON variant: compiled with the cross compiler, run under qemu-user when it is installed."""
     program = tmp_path / "native_check"
-    command = ["aarch64-linux-gnu-gcc", "-O3", "-march=armv8-a", "-fopenmp", "-static", "-I", str(native.SOURCES[0].parent),
-               *map(str, native.SOURCES), str(HERE / "native_check.c"), "-o", str(program), "-lm"]  # fmt: skip
+    command = [
+        "aarch64-linux-gnu-gcc",
+        "-O3",
+        "-march=armv8-a",
+        "-fopenmp",
+        "-static",
+        "-I",
+        str(native.SOURCES[0].parent),
+        *map(str, native.SOURCES),
+        str(HERE / "native_check.c"),
+        "-o",
+        str(program),
+        "-lm",
+    ]
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-3000:]
     if shutil.which("qemu-aarch64") is None:

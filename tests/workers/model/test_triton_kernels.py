@@ -59,6 +59,8 @@ def test_the_runner_logs_its_decode_path_once(checkpoint_dir, caplog):
         ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5")), decode_kernel="torch")
     lines = [r.getMessage() for r in caplog.records if r.name == "workers.runner"]
     kernels = f"; native CPU kernels: {native.describe()}" if native.loaded() else ""  # the native linears' variant
-    assert lines == ["decode steps on cpu: recurrent decode kernel torch; decode plan off (the native kernels are off "
-                     "(not CPU float32, or decode_kernel / linear_backend chose another path)); "
-                     f"CUDA graphs off (turned off){kernels}"]  # fmt: skip
+    assert lines == [
+        "decode steps on cpu: recurrent decode kernel torch; decode plan off (the native kernels are off "
+        "(not CPU float32, or decode_kernel / linear_backend chose another path)); "
+        f"CUDA graphs off (turned off){kernels}"
+    ]

@@ -98,7 +98,7 @@ static inline void activate_qkv(float *qkv, int64_t Cd, int64_t HK, int64_t DK) 
  * lines of one state row of a block. */
 #define PREFILL_VECTORS 4
 #define PREFILL_COLUMNS (LANES * PREFILL_VECTORS)
-#define BLOCK_LINES (PREFILL_COLUMNS >= 16 ? PREFILL_COLUMNS / 16 : 1)
+#define BLOCK_LINES (PREFILL_COLUMNS / 16) /* 4 · LANES ≥ 16 on every variant */
 
 /* delta_head_step over exactly PREFILL_COLUMNS columns, with Sᵀk, the correction and the output in registers:
  * the general step keeps them in memory (o and S may alias there), which chains every row's loads and stores. The

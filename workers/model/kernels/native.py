@@ -44,6 +44,7 @@ import torch
 from workers.model.kernels import kernel_cache
 from workers.model.kernels.isa import ISA_ENV, ISA_FLAGS, choose_isa, cpu_isas
 from workers.model.kernels.kernel_cache import NativeKernelError
+from workers.model.kernels.signatures import SIGNATURES
 
 logger = logging.getLogger(__name__)
 
@@ -80,52 +81,9 @@ def _compiler() -> str | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.flush_denormals_on_threads.restype = None
-    lib.flush_denormals_on_threads.argtypes = [ctypes.c_int]
-    lib.rms_norm.restype = lib.add_rms_norm.restype = lib.silu_mul.restype = lib.argmax_rows.restype = None
-    lib.rms_norm.argtypes = [ptr, ptr, f32, ptr, i64, i64, ctypes.c_int]
-    lib.add_rms_norm.argtypes = [ptr, ptr, f32, ptr, f32, ptr, i64, i64, ctypes.c_int]
-    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
-    lib.sigmoid_mul.restype = None
-    lib.sigmoid_mul.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.argmax_rows.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
-    lib.mamba2_prefill.restype = None
-    lib.mamba2_prefill.argtypes = [ptr] * 7 + [f32, f32, ptr, i64, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
-    lib.rope_rows.restype = None
-    lib.rope_rows.argtypes = [ptr, ptr, ptr] + [i64] * 4
-    lib.attention_decode.restype = None
-    lib.attention_decode.argtypes = [ptr] * 6 + [i64] * 3 + [ptr, ptr, f32, ptr] + [i64] * 4 + [ctypes.c_int]
-    lib.linear_panel_width.restype = i64
-    lib.kernel_isa.restype = ctypes.c_char_p
-    lib.linear_panels.restype = None
-    lib.linear_panels.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.linear_panels_int8.restype = None
-    lib.linear_panels_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.linear_panels_bf16.restype = None
-    lib.linear_panels_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.linear_bf16_path_available.restype = ctypes.c_int
-    lib.linear_bf16_path_available.argtypes = [ctypes.c_int]
-    lib.linear_bf16_k_align.restype = i64
-    lib.linear_panels_w8a8.restype = None
-    lib.linear_panels_w8a8.argtypes = [ptr] * 6 + [i64] * 4 + [ctypes.c_int, ctypes.c_int]
-    lib.linear_w8a8_paths.restype = i64
-    lib.rescore_top_logits.restype = None
-    lib.rescore_top_logits.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int]
-    lib.decode_plan_record_words.restype = i64
-    lib.decode_plan_run.restype = i64
-    lib.decode_plan_run.argtypes = [ptr, i64, ctypes.c_int]
-    lib.decode_plan_shift.restype = i64
-    lib.decode_plan_shift.argtypes = [ptr, i64, ptr, ctypes.c_int]
-    lib.gdn_decode_step.restype = None
-    lib.gdn_decode_step.argtypes = [ptr] * 7 + [f32, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
-    lib.gdn_prefill.restype = None
-    lib.gdn_prefill.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, f32] + [ptr] * 6 + [i64] * 7 + [ctypes.c_int]
-    lib.mamba2_decode_step.restype = None
-    lib.mamba2_decode_step.argtypes = [
-        ptr, ptr, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, ptr, i64, f32, ptr, ptr,
-        i64, i64, i64, i64, i64, i64, ctypes.c_int,
-    ]  # fmt: skip
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
 
 
 def _declare_all(lib: ctypes.CDLL, path: Path) -> None:

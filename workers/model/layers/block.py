@@ -24,12 +24,12 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
-from workers.model.layers.feed_forward import MoE
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.moe import MoE
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.parallel import ParallelMixer
 from workers.model.layers.shared_block import SharedBlockUse

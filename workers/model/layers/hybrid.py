@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.model.checkpoint.config import ATTENTION, PARALLEL, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.checkpoint.config import ATTENTION, MOE, PARALLEL, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
 from workers.model.layers.block import Block
 from workers.model.layers.mtp import MtpHead
 from workers.model.layers.norm import RMSNorm
@@ -95,6 +95,8 @@ class HybridModel(nn.Module):
                 out = block.mixer(hidden, embeddings, batch, next(kv_iter), static_shapes)
                 normed = next_norm(hidden + out)
                 continue
+            elif block.kind == MOE:
+                out = block.mixer(normed, static_shapes)
             else:
                 out = block.mixer(normed)
             if block.post_norm is not None:  # OLMo 2/3: the norm follows the mixer

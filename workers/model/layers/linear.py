@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.model.kernels import native
 from workers.model.layers import linear_w8a8
+from workers.model.layers.moe import MoE
 from workers.model.layers.native_linear import NativeLinear
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "native")
@@ -26,6 +27,8 @@ W8A8_LINEARS = {"int8": "head", "w8a8": "all"}  # the linears each quantization 
 # How a linear stores its weight besides float32: a quantization, or "bfloat16" (dtype="bfloat16" on CPU: bf16
 # weights, float32 activations; see loader.resolve_weight_format).
 WEIGHT_FORMATS = (*QUANTIZATIONS, "bfloat16")
+# The experts' panels per weight format: int8 weights × float32 activations for every int8 quantization.
+EXPERT_FORMATS = {"int8": "int8_weight_only", "w8a8": "int8_weight_only"}
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -90,7 +93,8 @@ def prepare_linears(
     "auto": the native panel kernel on CPU float32 (oneDNN when no C compiler is found), torch elsewhere.
     `quantization` (CPU; see QUANTIZATIONS): the weights quantized per output channel, multiplied by the native int8
     kernels ("auto", "native") or by PyTorch ("torch"); gates named in `FLOAT_LINEARS` stay float.
-    `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
+    On the native backend each MoE block's experts are packed too (`MoE.pack`; int8 panels for every int8
+    quantization). `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
     bf16 panels for the native kernel ("auto", "native" only).
     `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
     shared by several parents (Zamba2's shared blocks) is replaced once, in every parent. The Linears themselves are
@@ -128,6 +132,9 @@ def prepare_linears(
                         kind = None if name in FLOAT_LINEARS else quantization
                         replaced[id(child)] = _replacement(child, backend, kind, name == "lm_head")
                     setattr(parent, name, replaced[id(child)])
+        if backend == "native":  # experts packed like the linears, in the blocks' weight format
+            for moe in [m for m in model.modules() if isinstance(m, MoE) and m.packed is None]:
+                moe.pack(EXPERT_FORMATS.get(quantization, quantization))
     return backend
 
 

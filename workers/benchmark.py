@@ -70,6 +70,18 @@ FALCON_H1_PRESETS: dict[str, dict[str, Any]] = {
                             dtype="float32"),
 }  # fmt: skip
 PRESETS.update(FALCON_H1_PRESETS)
+# Mixtures of experts. "moe-bench" is the "bench" shape (GraniteMoeHybrid) with its feed-forward as 32 experts of
+# 256, top 4, plus a shared MLP of 512: active width 4 · 256 + 512 = 1536, the dense "bench" MLP's, so the two
+# compare a MoE step with a dense step of the same active width. "qwen3-next-bench" is Qwen3-Next's layout at the
+# "gdn-bench" size: 128 experts of 128, top 8 (softmax over the top 8), and a gated shared expert of 512.
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "moe-bench": {**PRESETS["bench"], "num_local_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 256,
+                  "shared_intermediate_size": 512},
+    "qwen3-next-bench": {**{k: v for k, v in GDN_PRESETS["gdn-bench"].items() if k != "intermediate_size"},
+                         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 128,
+                         "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
+}  # fmt: skip
+PRESETS.update(MOE_PRESETS)
 
 
 def build_preset(name: str, directory: Path) -> Path:
@@ -83,12 +95,14 @@ def build_preset(name: str, directory: Path) -> Path:
         return _build_lfm_preset(name, directory)
     if name in FALCON_H1_PRESETS:
         return _build_falcon_h1_preset(name, directory)
+    if name == "qwen3-next-bench":
+        return _build_qwen3_next_preset(name, directory)
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     shape = dict(PRESETS[name])
     attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
     layer_types = ["attention" if i in attention else "mamba" for i in range(shape["num_hidden_layers"])]
-    config = GraniteMoeHybridConfig(**shape, layer_types=layer_types, num_local_experts=0, mamba_n_groups=1,
+    config = GraniteMoeHybridConfig(**{"num_local_experts": 0, **shape}, layer_types=layer_types, mamba_n_groups=1,
                                     mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
     model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, dtype))
@@ -107,6 +121,21 @@ def _build_gdn_preset(name: str, directory: Path) -> Path:
     config = Qwen3_5TextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _build_qwen3_next_preset(name: str, directory: Path) -> Path:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    shape = dict(MOE_PRESETS[name])
+    attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
+    layer_types = [
+        "full_attention" if i in attention else "linear_attention" for i in range(shape["num_hidden_layers"])
+    ]
+    config = Qwen3NextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
 

@@ -11,7 +11,8 @@ native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 /
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
-Anything else (MoE blocks, other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
+MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
+(other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
 from __future__ import annotations
@@ -26,19 +27,20 @@ from workers.model.checkpoint.config import (
     MAMBA,
     MAMBA1,
     MLP,
+    MOE,
     PARALLEL,
     RECURRENT_KINDS,
     SHARED_ATTENTION,
 )
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
-from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.state import StatePool
+from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason, record_mlp, record_moe
 from workers.model.steps.plan_records import RECORD_WORDS, Op, Recorder, record_attention_inputs, scratch_rows
 
 
@@ -79,8 +81,10 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
-        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, PARALLEL):
-            return f"{block.kind} blocks are not covered (expert routing runs module by module)"
+        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
+            return f"{block.kind} blocks are not covered"
+        if block.kind == MOE and moe_unsupported_reason(mixer) is not None:
+            return moe_unsupported_reason(mixer)
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
         if not all(isinstance(m, NativeLinear) for m in linears):
             return f"a {block.kind} block has linears outside the native kernel"
@@ -153,6 +157,7 @@ class DecodePlan:
         self.branch, self.branch_normed = (
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
+        self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`
@@ -254,8 +259,10 @@ class DecodePlan:
             elif block.kind == PARALLEL:
                 self._record_parallel(rec, block, recurrent_layer, attention_layer)
                 attention_layer += 1
+            elif block.kind == MOE:
+                record_moe(rec, block.mixer, normed, mixed, self.moe_scratch, self.wide, self.narrow)
             else:
-                self._record_mlp(rec, block.mixer)
+                record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             recurrent_layer += block.kind in RECURRENT_KINDS
             rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
                      (config.residual_multiplier, next_norm.eps))  # fmt: skip
@@ -359,14 +366,3 @@ class DecodePlan:
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)
-
-    def _record_mlp(self, rec: Recorder, mlp: DenseMLP) -> None:
-        n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features
-        h = scratch_rows(self.wide, n, mlp.up_proj.out_features)
-        act = scratch_rows(self.narrow, n, intermediate)
-        rec.linear(mlp.up_proj, self.normed[:n], h)
-        if mlp.gated:
-            rec.emit(Op.SILU_MUL, [h, act, n, intermediate])
-        else:
-            rec.emit(Op.RELU_SQUARE, [h, act, n * intermediate])
-        rec.linear(mlp.down_proj, act, self.mixed[:n])

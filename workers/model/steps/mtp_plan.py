@@ -18,8 +18,8 @@ Every record calls the kernel the module path calls with the same arguments, so 
 step equals the proposer's module-path step, bit for bit (tests compare logits with `torch.equal`, and the KV).
 The module path's multi-position forward attends with PyTorch's SDPA instead (another summation order), as the
 target's verification does on the module path. Covered: attention (NoPE or partial RoPE, the gated attention of
-Qwen3.5 / Qwen3-Next with q/k norms) and dense MLPs (SwiGLU or relu²) with native linears and norms, logits without
-a divisor. MoE blocks keep the module path; `unsupported_reason` says why.
+Qwen3.5 / Qwen3-Next with q/k norms), dense MLPs (SwiGLU or relu²) with native linears and norms, logits without
+a divisor, and MoE blocks (`feed_forward_records.py`).
 """
 
 from __future__ import annotations
@@ -29,20 +29,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, MLP
+from workers.model.checkpoint.config import ATTENTION, MLP, MOE
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
-from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.state import KVCache
+from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason, record_mlp, record_moe
 from workers.model.steps.plan_records import (
     RECORD_WORDS,
     Op,
     Recorder,
     linear_record,
     record_attention_inputs,
-    scratch_rows,
 )
 
 PADDING_POSITION = -1  # a feed position that is padding (OP_ATTENTION_PADDED skips it)
@@ -62,9 +61,13 @@ def unsupported_reason(model: HybridModel) -> str | None:
     if model.config.logits_divisor != 1.0:
         return "the logits are scaled (the in-call argmax would compare values the module path never computes)"
     for block in head.blocks:
-        if block.kind not in (ATTENTION, MLP):
-            return f"{block.kind} blocks of the MTP head are not covered (expert routing runs module by module)"
+        if block.kind not in (ATTENTION, MLP, MOE):
+            return f"{block.kind} blocks of the MTP head are not covered"
         mixer = block.mixer
+        if block.kind == MOE:
+            if moe_unsupported_reason(mixer) is not None:
+                return moe_unsupported_reason(mixer)
+            continue
         if block.kind == ATTENTION:
             head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]
             if not (mixer.native and all(norm.native for norm in head_norms)):
@@ -118,6 +121,7 @@ class MtpPlan:
         linears = [m for block in self.head.blocks for m in block.mixer.modules() if isinstance(m, NativeLinear)]
         self.wide = torch.zeros(tokens * max(m.out_features for m in linears))
         self.narrow = torch.zeros(tokens * max(m.in_features for m in linears))
+        self.moe_scratch = MoeScratch([b.mixer for b in self.head.blocks if b.kind == MOE], tokens, d)
         a = config.attention
         self.keys, self.values = (torch.zeros(tokens, a.num_kv_heads * a.head_dim) for _ in range(2))
         self.query, self.gate = (torch.zeros(tokens, a.num_heads * a.head_dim) for _ in range(2))
@@ -265,8 +269,10 @@ class MtpPlan:
         for i, block in enumerate(blocks):
             if block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, next(caches), positions, attention_op)
+            elif block.kind == MOE:
+                record_moe(rec, block.mixer, normed, mixed, self.moe_scratch, self.wide, self.narrow)
             else:
-                self._record_mlp(rec, block.mixer)
+                record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             if i + 1 < len(blocks):  # the module path's x + mixer(normed), then the next block's norm
                 norm = blocks[i + 1].norm
                 rec.emit(Op.ADD_RMS_NORM, [x, mixed, norm.weight, normed, n, d], (1.0, norm.eps))
@@ -293,14 +299,3 @@ class MtpPlan:
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         _linear(rec, attention.o_proj, out.view(n, width), self.mixed[:n])
-
-    def _record_mlp(self, rec: Recorder, mlp: DenseMLP) -> None:
-        n, intermediate = rec.rows * rec.length, mlp.down_proj.in_features
-        h = scratch_rows(self.wide, n, mlp.up_proj.out_features)
-        act = scratch_rows(self.narrow, n, intermediate)
-        _linear(rec, mlp.up_proj, self.normed[:n], h)
-        if mlp.gated:
-            rec.emit(Op.SILU_MUL, [h, act, n, intermediate])
-        else:
-            rec.emit(Op.RELU_SQUARE, [h, act, n * intermediate])
-        _linear(rec, mlp.down_proj, act, self.mixed[:n])

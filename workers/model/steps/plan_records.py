@@ -43,6 +43,9 @@ class Op(enum.IntEnum):
     LINEAR_INT8 = 23  # int8 panels with per-output scales (quantization="int8_weight_only")
     LINEAR_BF16 = 24  # bfloat16 panels (dtype="bfloat16" on CPU), with the process's kernel path
     LINEAR_W8A8 = 40  # int8 × int8 panels (quantization="int8", layers/linear_w8a8.py)
+    MOE_ROUTE = 41  # router logits → each row's experts and weights (csrc/moe.c)
+    MOE_EXPERTS = 42  # the chosen experts' weighted sum per row
+    MOE_COMBINE = 43  # routed + (sigmoid-gated) shared MLP output
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

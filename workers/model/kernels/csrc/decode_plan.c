@@ -43,6 +43,9 @@ enum {
     OP_LINEAR_INT8 = 23,
     OP_LINEAR_BF16 = 24,
     OP_LINEAR_W8A8 = 40,
+    OP_MOE_ROUTE = 41,
+    OP_MOE_EXPERTS = 42,
+    OP_MOE_COMBINE = 43,
 };
 
 typedef struct {
@@ -163,6 +166,19 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             if (op->a[11] > 0) /* an LM head: a: …, float weight, top_k */
                 rescore_top_logits(F32(0), F32(10), F32(4), F32(5), op->a[6], op->a[7], op->a[8], op->a[11],
                                    num_threads);
+            break;
+        case OP_MOE_ROUTE: /* a: logits, weights, ids, t, E, k, kind, norm, groups, topk groups, bias; f: scaling, eps */
+            moe_route(F32(0), F32(1), I64(2), op->a[3], op->a[4], op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
+                      F32(10), (float)op->f[0], (float)op->f[1]);
+            break;
+        case OP_MOE_EXPERTS: /* a: moe_experts' arguments (native_moe.experts_arguments) */
+            if (moe_experts(F32(0), F32(1), I64(2), F32(3), op->a[4], op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
+                            op->a[10], op->a[11], (const void *)op->a[12], F32(13), op->a[14],
+                            (const void *)op->a[15], F32(16), op->a[17], num_threads))
+                return i + 1;
+            break;
+        case OP_MOE_COMBINE: /* a: routed, shared, gate or null, out, rows, d */
+            moe_combine(F32(0), F32(1), F32(2), F32(3), op->a[4], op->a[5]);
             break;
         case OP_SILU_MUL:
             silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);

@@ -18,8 +18,9 @@ from workers.model.steps.capture_safety import find_capture_hazards
 from workers.model.steps.cuda_graph import GraphPlan, batch_buckets, unsupported_reason
 from workers.model.steps.decode_plan import DecodePlan
 
-MAMBA2, GDN = ["granite_dense", "bamba", "nemotron_dense"], ["qwen3_5"]  # the other families route MoE
-FAMILIES = MAMBA2 + GDN + ["qwen3"]  # qwen3: attention only, no recurrent layer
+MAMBA2, GDN = ["granite_dense", "bamba", "nemotron_dense"], ["qwen3_5"]
+MOE = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]  # experts as grouped GEMMs over sorted rows
+FAMILIES = MAMBA2 + GDN + MOE + ["qwen3"]  # qwen3: attention only, no recurrent layer
 ROWS, CAPACITY, TOKENS = 4, 40, 4  # request slots (+ the null slot), positions per slot, verified tokens per row
 
 
@@ -129,7 +130,7 @@ PROMPTS = [[5, 9, 30, 31, 4, 77, 12, 5, 9, 30], [8, 8, 8], [100, 3, 17, 100, 3],
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 5, 12, 7)]
 
 
-@pytest.mark.parametrize("family", MAMBA2 + GDN)
+@pytest.mark.parametrize("family", MAMBA2 + GDN + MOE)
 def test_greedy_generation_with_graphs_equals_the_module_path(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     expected = _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
@@ -147,16 +148,17 @@ def test_greedy_speculation_with_graphs_equals_plain_module_decoding(checkpoint_
     assert _generate(path, PROMPTS, PARAMS, cuda_graphs=True, speculative=spec) == expected
 
 
-def test_moe_models_say_why_and_generate_without_graphs(checkpoint_dir, caplog):
-    for family in ("granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"):
-        assert "MoE routing" in unsupported_reason(load_checkpoint(str(checkpoint_dir(family))).model)
+def test_moe_models_run_as_graphs_where_grouped_gemms_run_and_say_why_elsewhere(checkpoint_dir, monkeypatch, caplog):
     path = str(checkpoint_dir("granite_moe"))
     model = load_checkpoint(path).model
+    assert unsupported_reason(model) is None
+    monkeypatch.setattr("workers.model.steps.cuda_graph.grouped_gemm_fits", lambda device, dtype: False)
+    assert "grouped GEMMs (torch._grouped_mm), which take bfloat16" in unsupported_reason(model)
     with pytest.raises(ValueError, match="cannot run as CUDA graphs"):
         GraphPlan(model, StatePool(model.config, 3, 8, torch.device("cpu"), torch.float32), capture=False)
     with caplog.at_level(logging.INFO, logger="workers.runner"):
         got = _generate(path, PROMPTS, PARAMS, cuda_graphs=True)
-    assert "CUDA graphs off (MoE routing" in caplog.text
+    assert "CUDA graphs off (MoE experts in a graph run as grouped GEMMs" in caplog.text
     assert got == _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
 
 

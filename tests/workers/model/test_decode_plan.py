@@ -13,7 +13,10 @@ from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 
 # NoPE and partial-RoPE attention, SwiGLU and relu² MLPs, μP multipliers ≠ 1 (granite_dense); attention-only
 # models with q/k/v biases (qwen2) and per-head q/k norms (qwen3).
-PLANNED = ["granite_dense", "nemotron_dense", "bamba", "qwen2", "qwen3"]
+# MoE blocks: softmax routing with a shared MLP (granite_moe), grouped sigmoid routing with a latent-free relu² MoE
+# and a shared expert (nemotron_moe), Gated DeltaNet with a gated shared expert (qwen3_next, qwen3_5_moe).
+MOE_PLANNED = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]
+PLANNED = ["granite_dense", "nemotron_dense", "bamba", "qwen2", "qwen3", *MOE_PLANNED]
 
 
 def _random_pool(model, slots: int, capacity: int, seed: int) -> StatePool:
@@ -72,14 +75,12 @@ def test_greedy_generation_is_the_same_with_and_without_plans(checkpoint_dir, fa
 
 
 def test_models_outside_the_plan_say_why_and_generate_on_the_module_path(checkpoint_dir):
-    for family in ("granite_moe", "nemotron_moe"):
-        model = load_checkpoint(str(checkpoint_dir(family))).model
-        assert "moe blocks are not covered" in unsupported_reason(model)
+    for family in ("granite_dense", "granite_moe"):
+        model = load_checkpoint(str(checkpoint_dir(family)), decode_kernel="torch").model
+        assert "native kernels are off" in unsupported_reason(model)
         with pytest.raises(ValueError, match="cannot run as a decode plan"):
             DecodePlan(model, StatePool(model.config, 2, 8, torch.device("cpu"), torch.float32))
-    torch_model = load_checkpoint(str(checkpoint_dir("granite_dense")), decode_kernel="torch").model
-    assert "native kernels are off" in unsupported_reason(torch_model)
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_moe")), decode_plan=True)
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("granite_moe")), decode_plan=True, decode_kernel="torch")
     result = runner.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(result.token_ids) == 4
 
@@ -159,8 +160,9 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
 
 @pytest.mark.parametrize(
     "family, method, draft_family",
-    [("granite_dense", "ngram", None), ("bamba", "draft", "draft_hybrid"), ("bamba", "draft", "bamba")],
-)  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
+    [("granite_dense", "ngram", None), ("bamba", "draft", "draft_hybrid"), ("bamba", "draft", "bamba"),
+     ("granite_moe", "ngram", None), ("qwen3_5_moe", "draft", "qwen3_5_moe")],
+)  # fmt: skip  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
 def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, family, method, draft_family):
     path = str(checkpoint_dir(family))
     draft = str(checkpoint_dir(draft_family)) if draft_family else None

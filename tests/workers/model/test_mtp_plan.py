@@ -17,7 +17,7 @@ from workers.model.steps.mtp_plan import MtpPlan, unsupported_reason
 from workers.model.steps.plan_records import Op, Recorder
 from workers.runner import execution_summary
 
-PLANNED_HEADS = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense", "nemotron_dense"]
+PLANNED_HEADS = ["qwen3_5_text", "qwen3_5", "qwen3_next_dense", "nemotron_dense", "nemotron_moe", "qwen3_5_moe"]
 SLOTS, CAPACITY, TOKENS_PER_ROW, STEPS = 20, 48, 5, 4
 
 
@@ -148,16 +148,17 @@ def test_argmax_op_takes_the_first_maximal_index_as_torch_does():
 
 
 def test_heads_outside_the_plan_say_why_and_a_feed_refuses_a_position_without_a_block(checkpoint_dir):
-    moe = load_checkpoint(str(checkpoint_dir("nemotron_moe")), mtp=True).model
-    assert "moe blocks of the MTP head are not covered" in unsupported_reason(moe)
     torch_head = load_checkpoint(str(checkpoint_dir("qwen3_5_text")), mtp=True, decode_kernel="torch").model
     assert "native kernels are off" in unsupported_reason(torch_head)
     assert "no MTP head" in unsupported_reason(load_checkpoint(str(checkpoint_dir("qwen3_5_text"))).model)
     model = load_checkpoint(str(checkpoint_dir("qwen3_5_text")), mtp=True).model
     assert execution_summary(model, decode_plan=True, mtp=True).endswith("MTP head plan on")
-    assert execution_summary(moe, decode_plan=True, mtp=True).endswith("MTP head plan off (moe blocks of the MTP "
-                                                                       "head are not covered (expert routing runs "
-                                                                       "module by module))")  # fmt: skip
+    moe = load_checkpoint(str(checkpoint_dir("nemotron_moe")), mtp=True).model
+    assert execution_summary(moe, decode_plan=True, mtp=True).endswith("MTP head plan on")
+    assert execution_summary(torch_head, decode_plan=True, mtp=True).endswith(
+        "MTP head plan off (the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose "
+        "another path))"
+    )
     assert execution_summary(model, decode_plan=False, mtp=True).endswith("MTP head plan off (turned off)")
     blocks = BlockTable(2, 32, 3, 16, torch.device("cpu"))
     blocks.ensure(0, 16)  # slot 0 holds positions 0 … 15, slot 1 nothing

@@ -4,10 +4,11 @@ Three paths compute the same block:
 - native (CPU, set at load by `pack`): the experts packed like every linear (float32, int8 or bfloat16 panels);
   routing, the chosen experts and the sum over each token's experts in C (`kernels/native_moe.py`) — the calls
   the decode plans record, so plan and module give the same bits;
-- eager PyTorch: tokens sorted by expert, one pair of matmuls per used expert (reads tensor values on the host);
+- eager PyTorch (CPU, or a GPU without grouped GEMMs): tokens sorted by expert, one pair of matmuls per used
+  expert (reads which experts are used on the host);
 - static (`static_shapes=True`, what a CUDA graph captures): the same sort done on the device — counts by
   `scatter_add_`, a stable `argsort`, offsets by `cumsum` — and the experts as grouped GEMMs (`torch._grouped_mm`)
-  over the sorted rows: no host sync and no shape that depends on the routing.
+  over the sorted rows: no host sync and no shape that depends on the routing. On CUDA it runs eager steps too.
 Every path sums a token's experts in slot order, so a row's output does not depend on the rows beside it.
 Routing breaks ties toward the lower expert (and group) index on every path.
 """
@@ -23,6 +24,14 @@ from workers.model.kernels import native, native_moe
 from workers.model.layers.feed_forward import MLP, activate
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def grouped_gemm_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs a MoE step's experts here: bfloat16 on CUDA compute capability ≥ 8.0; any
+    float dtype but float64 on CPU (where graphs are never captured: the form runs eagerly, for tests)."""
+    if device.type != "cuda":
+        return dtype != torch.float64
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +146,9 @@ class MoE(nn.Module):
         if self.packed is not None:
             routed = native_moe.experts(x.contiguous(), weights, expert_ids, self.packed)
         else:
-            rows = _rows_grouped if static_shapes else _rows_eager
+            # On CUDA the grouped form runs eager steps too: no host sync per expert.
+            grouped = static_shapes or (x.is_cuda and grouped_gemm_fits(x.device, x.dtype))
+            rows = _rows_grouped if grouped else _rows_eager
             out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
             k = expert_ids.shape[1]
             routed = (out.view(-1, k, out.shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)

@@ -186,3 +186,23 @@ def test_invalid_groupings_are_refused():
     object.__setattr__(config, "hidden_size", 16)
     with pytest.raises(ValueError, match="8 experts cannot form 3 groups"):
         moe.MoE(config)
+
+
+@needs_native
+@pytest.mark.parametrize("weights", [{}, {"quantization": "int8"}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize("family", ["granite_moe", "qwen3_5_moe"])
+def test_a_rows_logits_through_the_plan_do_not_depend_on_the_batch(checkpoint_dir, family, weights):
+    """Row 0 (same token, position and states) alone and among 4, 15 and 32 other rows: the same logits, bit for
+    bit, through every layer (the other rows' tokens route to other experts)."""
+    from tests.workers.model.test_decode_plan import _clone, _random_pool
+    from workers.model import load_checkpoint
+    from workers.model.steps.decode_plan import DecodePlan
+
+    model = load_checkpoint(str(checkpoint_dir(family)), **weights).model
+    pool = _random_pool(model, slots=33, capacity=12, seed=11)
+    tokens = torch.randint(0, model.config.vocab_size, (33,), generator=torch.Generator().manual_seed(12)).tolist()
+    logits = {}
+    for b in (1, 5, 16, 33):
+        plan = DecodePlan(model, _clone(pool))
+        logits[b] = plan.run(tokens[:b], [7] + [3] * (b - 1))[0].clone()
+    assert all(torch.equal(logits[b], logits[1]) for b in (5, 16, 33))

@@ -328,7 +328,9 @@ def load_checkpoint(
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
     def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
-        return prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced)
+        backend = prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced)
+        native.return_freed_memory()
+        return backend
 
     load_weights(model, handles, prepare)
     head_format = weight_format if weight_format == "bfloat16" or weight_format in QUANTIZED_HEADS else None

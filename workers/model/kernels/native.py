@@ -186,6 +186,17 @@ def keep_freed_memory_mapped() -> bool:
     return _heap_tuned
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim; nothing elsewhere). The loader calls it after
+    each block, whose float32 weights its packed ones just replaced: packing's temporaries otherwise stay resident
+    between the packed panels (measured: 1.29× → 1.22× the int8 weights at the peak of a 48-block MoE load)."""
+    if sys.platform == "linux" and os.environ.get(MALLOC_TUNING_ENV, "1") != "0":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def pointer(t: torch.Tensor | None) -> int | None:
     if t is None:
         return None

@@ -161,7 +161,7 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
 @pytest.mark.parametrize(
     "family, method, draft_family",
     [("granite_dense", "ngram", None), ("bamba", "draft", "draft_hybrid"), ("bamba", "draft", "bamba"),
-     ("granite_moe", "ngram", None), ("qwen3_5_moe", "draft", "qwen3_5_moe")],
+     ("granite_moe", "draft", "granite_moe"), ("qwen3_5_moe", "draft", "qwen3_5_moe")],
 )  # fmt: skip  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
 def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, family, method, draft_family):
     path = str(checkpoint_dir(family))

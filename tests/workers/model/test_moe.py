@@ -149,9 +149,15 @@ def test_a_rows_experts_do_not_depend_on_the_rows_beside_it(weight_format):
     x = torch.randn(33, width, generator=torch.Generator().manual_seed(5))
     weights, ids = routing(33, num_experts, k, seed=6)
     alone = native_moe.experts(x[:1].contiguous(), weights[:1].contiguous(), ids[:1].contiguous(), packed)
-    for b in (1, 5, 16, 33):
-        batch = native_moe.experts(x[:b].contiguous(), weights[:b].contiguous(), ids[:b].contiguous(), packed)
-        assert torch.equal(batch[0], alone[0]), b
+    threads = torch.get_num_threads()
+    try:  # one thread runs each expert's linears whole, several split experts (or their linears) between them
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for b in (1, 5, 16, 33):
+                batch = native_moe.experts(x[:b].contiguous(), weights[:b].contiguous(), ids[:b].contiguous(), packed)
+                assert torch.equal(batch[0], alone[0]), (b, num_threads)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native

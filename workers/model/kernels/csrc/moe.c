@@ -28,6 +28,7 @@ enum { ACTIVATION_SILU_GATED = 0, ACTIVATION_RELU_SQUARE = 1 };
 enum { FORMAT_FLOAT32 = 0, FORMAT_INT8 = 1, FORMAT_BFLOAT16 = 2 };
 
 #define CHUNK_PAIRS 4096 /* (token, slot) pairs per pass: bounds the scratch, not the weight reads of a step */
+#define SMALL_ROWS 16    /* rows per used expert up to which threads take whole experts */
 
 /* out[0..k) = the indices of the k largest v[i] with allowed[i] (all when NULL), largest first; the lower index
  * first among equal values; NaN only once no number is left. `taken` is n bytes of scratch. */
@@ -132,12 +133,39 @@ static const void *expert_panels(const void *base, int64_t format, int64_t index
     return (const char *)base + index * size;
 }
 
+typedef struct {
+    float *xs, *h, *act, *o;
+    const int64_t *offsets;
+    int64_t width, inter, up_n, activation, format;
+    int path;
+    const void *up;
+    const float *up_scale;
+    int64_t up_stride;
+    const void *down;
+    const float *down_scale;
+    int64_t down_stride;
+} expert_work;
+
+/* Expert e over its rows: the up projection, the activation, the down projection. */
+static void run_expert(const expert_work *w, int64_t e, int num_threads) {
+    const int64_t first = w->offsets[e], rows = w->offsets[e + 1] - first, up_n = w->up_n, inter = w->inter;
+    expert_linear(w->format, w->path, w->xs + first * w->width, expert_panels(w->up, w->format, e * w->up_stride),
+                  w->up_scale ? w->up_scale + e * up_n : NULL, w->h + first * up_n, rows, up_n, w->width, num_threads);
+    if (w->activation == ACTIVATION_SILU_GATED)
+        silu_mul(w->h + first * up_n, w->act + first * inter, rows, inter, num_threads);
+    else
+        relu_square(w->h + first * up_n, w->act + first * inter, rows * inter, num_threads);
+    expert_linear(w->format, w->path, w->act + first * inter, expert_panels(w->down, w->format, e * w->down_stride),
+                  w->down_scale ? w->down_scale + e * w->width : NULL, w->o + first * w->width, rows, w->width, inter,
+                  num_threads);
+}
+
 /* Tokens [0, t) of one pass: pairs sorted by expert, each used expert run once over its rows, then the sums. */
 static void experts_pass(const float *x, const float *weights, const int64_t *ids, float *out, int64_t t, int64_t k,
                          int64_t E, int64_t width, int64_t inter, int64_t activation, int64_t format, int path,
                          const void *up, const float *up_scale, int64_t up_stride, const void *down,
                          const float *down_scale, int64_t down_stride, float *scratch, int64_t *offsets,
-                         int64_t *order, int64_t *row_of, int num_threads) {
+                         int64_t *used, int64_t *order, int64_t *row_of, int num_threads) {
     const int64_t pairs = t * k, up_n = activation == ACTIVATION_SILU_GATED ? 2 * inter : inter;
     float *xs = scratch, *h = xs + pairs * width, *act = h + pairs * up_n, *o = act + pairs * inter;
     memset(offsets, 0, (E + 1) * sizeof(int64_t));
@@ -151,17 +179,19 @@ static void experts_pass(const float *x, const float *weights, const int64_t *id
     for (int64_t e = E; e > 0; --e) offsets[e] = offsets[e - 1]; /* back to each expert's first row */
     offsets[0] = 0;
     for (int64_t r = 0; r < pairs; ++r) memcpy(xs + r * width, x + (order[r] / k) * width, width * sizeof(float));
-    for (int64_t e = 0; e < E; ++e) {
-        const int64_t first = offsets[e], rows = offsets[e + 1] - first;
-        if (rows == 0) continue;
-        expert_linear(format, path, xs + first * width, expert_panels(up, format, e * up_stride),
-                      up_scale ? up_scale + e * up_n : NULL, h + first * up_n, rows, up_n, width, num_threads);
-        if (activation == ACTIVATION_SILU_GATED)
-            silu_mul(h + first * up_n, act + first * inter, rows, inter, num_threads);
-        else
-            relu_square(h + first * up_n, act + first * inter, rows * inter, num_threads);
-        expert_linear(format, path, act + first * inter, expert_panels(down, format, e * down_stride),
-                      down_scale ? down_scale + e * width : NULL, o + first * width, rows, width, inter, num_threads);
+    int64_t num_used = 0;
+    for (int64_t e = 0; e < E; ++e)
+        if (offsets[e + 1] > offsets[e]) used[num_used++] = e;
+    const expert_work work = {xs, h, act, o, offsets, width, inter, up_n, activation, format, path,
+                              up, up_scale, up_stride, down, down_scale, down_stride};
+    /* Few rows per expert (decode steps): each thread runs whole experts, one parallel region for the call. Many
+     * (prompts), or fewer experts than threads can share: each expert's linears split over the threads. Either way
+     * a row's result is the same (the panel kernels compute each row alone). */
+    if (num_threads > 1 && num_used >= 2 * num_threads && pairs <= SMALL_ROWS * num_used) {
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+        for (int64_t j = 0; j < num_used; ++j) run_expert(&work, used[j], 1);
+    } else {
+        for (int64_t j = 0; j < num_used; ++j) run_expert(&work, used[j], num_threads);
     }
     for (int64_t r = 0; r < t; ++r) { /* each token's slots in order: the same sum in any batch */
         float *y = out + r * width;
@@ -183,12 +213,12 @@ int64_t moe_experts(const float *x, const float *weights, const int64_t *ids, fl
     const int64_t chunk = k >= CHUNK_PAIRS ? 1 : CHUNK_PAIRS / k, max_pairs = (t < chunk ? t : chunk) * k;
     const int64_t up_n = activation == ACTIVATION_SILU_GATED ? 2 * inter : inter;
     float *scratch = malloc(max_pairs * (2 * width + up_n + inter) * sizeof(float));
-    int64_t *offsets = malloc((E + 1) * sizeof(int64_t)), *order = malloc(2 * max_pairs * sizeof(int64_t));
+    int64_t *offsets = malloc((2 * E + 1) * sizeof(int64_t)), *order = malloc(2 * max_pairs * sizeof(int64_t));
     for (int64_t first = 0; first < t; first += chunk) {
         const int64_t n = t - first < chunk ? t - first : chunk;
         experts_pass(x + first * width, weights + first * k, ids + first * k, out + first * width, n, k, E, width,
                      inter, activation, format, (int)path, up, up_scale, up_stride, down, down_scale, down_stride,
-                     scratch, offsets, order, order + max_pairs, num_threads);
+                     scratch, offsets, offsets + E + 1, order, order + max_pairs, num_threads);
     }
     free(scratch);
     free(offsets);

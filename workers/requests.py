@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from workers.sampling import SamplingParams
-from workers.spec_decode.metrics import SpecStats
-from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingParams
+from workers.spec_stats import SpecStats
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
 

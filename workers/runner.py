@@ -21,12 +21,10 @@ from workers.requests import GenerationResult, Request, ScoreResult
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
 from workers.scorer import Scorer
-from workers.spec_decode import SpecStats, SpeculativeConfig
-from workers.spec_decode.draft_model import DraftModelProposer
-from workers.spec_decode.mtp import MtpProposer
-from workers.spec_decode.ngram import NgramProposer
+from workers.spec_decode import SpecStats, SpeculativeConfig, registry
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
+from workers.spec_decode.registry import ProposerContext
 from workers.tokenizer import check_same_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,17 +92,16 @@ class ModelRunner:
         self._seed_source = random.Random()  # fresh OS entropy: unseeded requests never repeat across runners
         self.speculative = speculative
         self.draft_model = draft_model
-        self._proposer_override = proposer
-        self._mtp_proposer: MtpProposer | None = None
+        self._proposer = proposer  # built on first use (`_make_proposer`) unless given; kept for the runner's life
         self.decode_plan = decode_plan
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._scheduler: Scheduler | None = None  # one for the runner's life (`_engine`)
         self._request_counter = itertools.count()
         self._request_keys: dict[int, Hashable] = {}  # Request.index → the caller's request_id
         self._unclaimed: list[tuple[Hashable, GenerationResult]] = []  # results the next `step` returns first
-        self._draft_proposer: DraftModelProposer | None = None  # kept with its slots and plans
         self._spec_stats = SpecStats()
-        mtp = speculative is not None and speculative.method == "mtp"
+        proposer_class = type(proposer) if proposer is not None else speculative and speculative.proposer_class
+        mtp = bool(proposer_class and proposer_class.drafts_from_hidden)
         logger.info("decode steps on %s: %s", self.device, execution_summary(model, decode_plan, self.cuda_graphs, mtp))
         if speculative is not None and self.device.type == "cpu" and self.dtype != torch.float32:
             logger.warning(
@@ -113,20 +110,19 @@ class ModelRunner:
                 "token-exact",
                 str(self.dtype).removeprefix("torch."),
             )
-        if speculative is not None and speculative.method == "mtp" and model.mtp is None:
-            raise ValueError("speculative method 'mtp' needs the model loaded with its MTP head (from_pretrained does)")
+        if mtp and model.mtp is None:
+            raise ValueError(
+                f"speculative method {speculative.method!r} needs the model loaded with its MTP head "
+                "(from_pretrained does)"
+            )
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
-        free = (
-            getattr(proposer, "drafts_cost_nothing", False)
-            if proposer is not None
-            else bool(speculative is not None and speculative.method == "ngram")
-        )
+        free = bool(proposer_class and proposer_class.drafts_cost_nothing)
         self._policy = (
             make_policy(speculative.policy, speculative.num_speculative_tokens, free) if speculative else None
         )
-        if speculative is not None and speculative.method == "draft":
+        if proposer is None and speculative is not None and speculative.proposer_class.needs_draft_model:
             if draft_model is None:
-                raise ValueError("speculative method 'draft' needs a draft model")
+                raise ValueError(f"speculative method {speculative.method!r} needs a draft model")
             if draft_model.config.vocab_size != self.config.vocab_size:
                 raise ValueError(
                     f"draft model vocab_size {draft_model.config.vocab_size} differs from the target's "
@@ -136,7 +132,7 @@ class ModelRunner:
         self.memory_plan = plan_memory(
             [model] + ([draft_model] if draft_model is not None else []), self.device, self.dtype,
             runner_budget(self.device, max_memory, gpu_memory_utilization), self.max_num_batched_tokens,
-            max_num_seqs, k, mtp=speculative is not None and speculative.method == "mtp",
+            max_num_seqs, k, mtp=mtp,
             prefix_caching=enable_prefix_caching,
         )  # fmt: skip
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
@@ -176,7 +172,7 @@ class ModelRunner:
         `cuda_graphs`, `enable_prefix_caching`: see `__init__`. `quantization` (vLLM's name): None, or "int8" (CPU:
         linear weights quantized per output channel at load, for the target and a draft model alike).
         """
-        mtp = speculative is not None and speculative.method == "mtp"
+        mtp = speculative is not None and speculative.proposer_class.drafts_from_hidden
         checkpoint = load_checkpoint(path, _resolve_device(device), dtype, linear_backend, decode_kernel, mtp, revision,
                                      quantization)  # fmt: skip
         eos = set(checkpoint.config.eos_token_ids)
@@ -185,7 +181,7 @@ class ModelRunner:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         tokenizer = load_tokenizer(checkpoint.directory)
         draft_model = None
-        if speculative is not None and speculative.method == "draft":
+        if speculative is not None and speculative.proposer_class.needs_draft_model:
             device_used = checkpoint.model.embed_tokens.weight.device
             draft = load_checkpoint(speculative.draft_model, device_used, dtype, linear_backend, decode_kernel,
                                     revision=speculative.draft_revision, quantization=quantization)  # fmt: skip
@@ -197,19 +193,15 @@ class ModelRunner:
                    enable_prefix_caching=enable_prefix_caching)  # fmt: skip
 
     def _make_proposer(self) -> Proposer:
-        if self._proposer_override is not None:
-            return self._proposer_override
-        assert self.speculative is not None
-        if self.speculative.method == "ngram":
-            return NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        if self.speculative.method == "mtp":  # kept: its KV caches and plan follow the reused workspace
-            if self._mtp_proposer is None:
-                self._mtp_proposer = MtpProposer(self.model, self.speculative.num_speculative_tokens, self.decode_plan)
-            return self._mtp_proposer
-        if self._draft_proposer is None:  # kept: its state slots and plans are reused by later runs when they fit
-            k = self.speculative.num_speculative_tokens
-            self._draft_proposer = DraftModelProposer(self.draft_model, k, self.decode_plan)
-        return self._draft_proposer
+        """The runner's proposer, built once through the method registry: its state (KV caches, slots, plans)
+        follows the reused workspace."""
+        if self._proposer is None:
+            config = self.speculative
+            assert config is not None
+            context = ProposerContext(self.model, config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)  # fmt: skip
+            self._proposer = registry.method(config.method).build(context)
+        return self._proposer
 
     def spec_stats(self) -> dict[str, Any]:
         """Speculative decoding counters over every request this runner has finished, and how many steps
@@ -297,9 +289,8 @@ class ModelRunner:
         on a fresh engine; what the runner learnt — policy, proposers — stays)."""
         if self._scheduler is not None and self._scheduler.workspace is not None:
             self._scheduler.workspace.release()
-            release = getattr(self._scheduler.proposer, "release", None)
-            if release is not None:
-                release()
+            if self._scheduler.proposer is not None:
+                self._scheduler.proposer.release()
         self._scheduler = None
         self._request_keys.clear()
         self._unclaimed.clear()

@@ -8,6 +8,9 @@ import torch
 
 from workers.model.kernels import native
 
+# An empty place in a step's output rows: a verification's row holds its valid tokens from column 0, then these.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:

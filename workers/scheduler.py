@@ -72,9 +72,9 @@ class Scheduler:
         self.device = model.embed_tokens.weight.device
         self.max_num_seqs, self.num_kv_blocks = max_num_seqs, num_kv_blocks
         self.num_prefix_checkpoints = num_prefix_checkpoints
-        self.mtp = hasattr(proposer, "observe_target")  # a proposer drafting from the target's hidden states
+        self.mtp = proposer is not None and proposer.drafts_from_hidden
         self.sharing: PrefixSharing | None = None  # made with each workspace
-        self.executor = choose_executor(model, decode_plan, cuda_graphs, hasattr(proposer, "observe_target"))
+        self.executor = choose_executor(model, decode_plan, cuda_graphs, self.mtp)
         self.workspace = workspace
         self.pool: StatePool | None = None  # set with `plan` and `blocks` for the first requests
         self.plan: DecodePlan | GraphPlan | None = None
@@ -122,7 +122,7 @@ class Scheduler:
                 max_capacity = max(r.max_model_len for r in self.waiting) + self.num_speculative_tokens
                 num_slots, capacity, num_blocks = grown(workspace, num_slots, capacity, num_blocks, max_capacity)
                 workspace.release()
-                if proposer is not None and hasattr(proposer, "release"):
+                if proposer is not None:
                     proposer.release()
             total = num_slots + extra_slots(self.executor)  # the graph plan's null slot: no request ever holds it
             blocks = BlockTable(total, capacity, num_blocks, DEFAULT_BLOCK_SIZE, self.device)
@@ -307,14 +307,13 @@ class Scheduler:
 
     def _observe(self, requests: list[Request], hidden: torch.Tensor, cache_lens: list[int], kept: list[int]) -> None:
         """Hand the target's final hidden states to a proposer that drafts from them (MTP); others ignore them."""
-        observe = getattr(self.proposer, "observe_target", None)
-        if observe is not None:
-            observe(requests, hidden, cache_lens, kept)
+        if self.mtp:
+            self.proposer.observe_target(requests, hidden, cache_lens, kept)
 
     def _observe_plan(self, requests: list[Request], cache_lens: list[int], kept: list[int]) -> None:
         """`_observe` after a planned step: the CPU decode plan hands out its final hidden states (`choose_executor`
         never picks the graph plan, which does not, for a proposer that drafts from them)."""
-        if hasattr(self.proposer, "observe_target"):
+        if self.mtp:
             self._observe(requests, self.plan.last_hidden(), cache_lens, kept)
 
     def _sample_and_append(self, requests: list[Request], logits: torch.Tensor) -> None:
@@ -338,7 +337,7 @@ class Scheduler:
         # A free proposer (n-gram lookup) drafts before the decision: a row without a match costs nothing whatever
         # k is, so the policy decides over the drafts that exist, and a row that gets none checks its first draft
         # against the token the step produces (a "shadow" draft: acceptance evidence on plain steps).
-        free = getattr(self.proposer, "drafts_cost_nothing", False) and not self.policy.settled_plain(len(requests))
+        free = self.proposer.drafts_cost_nothing and not self.policy.settled_plain(len(requests))
         looked_up = self.proposer.lookup(requests, budget) if free else None
         if looked_up is not None:
             budget = [len(d) for d in looked_up]

@@ -22,7 +22,7 @@ from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.model.steps.draft_chain import DraftChain
 from workers.requests import Request
-from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
+from workers.spec_decode.proposal import Proposal, Proposer, choose_draft_token, empty_draft_probs
 
 
 @dataclass
@@ -37,8 +37,10 @@ class PendingShift:
     # the states are in the pool and the chain's snapshots)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Proposes k tokens per request with a smaller model that shares the target's vocabulary."""
+
+    needs_draft_model = True
 
     def __init__(
         self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = False, native_chain: bool = True

@@ -25,7 +25,7 @@ from workers.model.state import free_storage, paged_kv_cache
 from workers.model.steps import mtp_plan
 from workers.model.steps.mtp_plan import MtpPlan
 from workers.requests import Request
-from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
+from workers.spec_decode.proposal import Proposal, Proposer, choose_draft_token, empty_draft_probs
 
 # A row's pending hidden states beyond this many positions are consumed at once (the head catches up on those whose
 # next token is known), so a long plain stretch or a long prompt never accumulates them: memory stays bounded by
@@ -44,8 +44,10 @@ def pending_bytes(
     return (steps + max_num_batched_tokens) * hidden_size * element
 
 
-class MtpProposer:
+class MtpProposer(Proposer):
     """Proposes k tokens per request with `model.mtp` (see the module docstring for the state it keeps)."""
+
+    drafts_from_hidden = True
 
     def __init__(self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = True):
         """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`). `decode_plan`: run the

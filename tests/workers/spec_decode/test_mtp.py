@@ -31,6 +31,8 @@ class ForcedMtp(ScriptedProposer):
     """Runs the real MTP proposer every step (its catch-up and chain write its KV), but hands the verifier the
     scripted drafts, so that acceptance follows the scripted patterns (0 drafts, all, none, partial)."""
 
+    drafts_from_hidden = True
+
     def __init__(self, mtp: MtpProposer, reference: dict[int, list[int]], vocab_size: int):
         super().__init__(reference, vocab_size)
         self.mtp = mtp

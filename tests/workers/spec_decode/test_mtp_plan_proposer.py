@@ -50,6 +50,8 @@ class TwinMtp(ScriptedProposer):
     """Runs the planned and the decode-form proposer side by side on the same target hidden states and checks they
     agree; hands the verifier the scripted drafts (`forced`) or the planned proposer's own."""
 
+    drafts_from_hidden = True
+
     def __init__(self, model, reference: dict[int, list[int]] | None):
         super().__init__(reference or {}, model.config.vocab_size)
         self.planned, self.module = MtpProposer(model, K), DecodeFormMtp(model, K)

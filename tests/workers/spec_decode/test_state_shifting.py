@@ -17,7 +17,7 @@ from workers.model import ForwardBatch, StatePool
 from workers.requests import Request
 from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
-from workers.spec_decode.proposal import Proposal
+from workers.spec_decode.proposal import Proposal, Proposer
 
 TOL = dict(atol=5e-5, rtol=1e-4)  # float32 rounding of native vs chunked paths; a wrong shift is off by O(0.1)
 K = 4
@@ -26,7 +26,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PATTERNS = [(0, 0), (4, 4), (4, 0), (2, 1), (3, 3), (1, 0), (4, 2), (2, 2)]
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts the reference continuation: `correct` right tokens, then wrong ones; records what it expects."""
 
     def __init__(self, reference: dict[int, list[int]], vocab_size: int):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.steps.decode_plan import DecodePlan
 from workers.model.steps.plan_records import Op
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.kernels import native
 
 BUILD_TARGETS = ("llama-batched-bench", "llama-quantize")

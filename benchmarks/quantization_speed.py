@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.layers.linear import NativeLinear
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeline.benchmark import bench_resume
-from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.benchmark import (
+from bench.driver_bookkeeping import bench_resume
+from bench.generation import (
     H200_BANDWIDTH_GBS,
     PRESETS,
     batch1_roofline,
@@ -37,10 +36,11 @@ from workers.benchmark import (
     reset_peak_memory,
     timed,
 )
-from workers.job_benchmark import bench_prefix, bench_shards
-from workers.model.checkpoint.loader import DECODE_KERNELS
+from bench.job_throughput import bench_prefix, bench_shards
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model.kernels import native
 from workers.model.layers.linear import QUANTIZATIONS
+from workers.model.loader import DECODE_KERNELS
 from workers.model.steps import cuda_graph
 from workers.model.steps.decode_plan import unsupported_reason
 
@@ -143,9 +143,8 @@ def bench_generate(args: argparse.Namespace, path: str, runner: ModelRunner) -> 
 
 def _eager_twin(runner: ModelRunner) -> ModelRunner:
     """A runner over the same loaded weights that runs every step eagerly (no weights loaded twice)."""
-    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
-                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
-                       cuda_graphs=False)  # fmt: skip
+    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.engine_config,
+                       cuda_graphs=False, speculative=None)  # fmt: skip
 
 
 def _measure(runner: ModelRunner, engine: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this process (run through `--one`): wall seconds, tokens/s and peak RSS."""
     import torch
 
-    from workers.benchmark import random_prompts
+    from bench.generation import random_prompts
 
     torch.manual_seed(0)
     prompts = random_prompts(spec["n"], spec["length"], 32000)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(measure(json.loads(args.one))))
         return 0
-    from workers.benchmark import build_preset
+    from bench.generation import build_preset
 
     path = str(build_preset("bench", Path(tempfile.gettempdir()) / "hybridgen-bench"))
     runs = [(dict(engine=e, n=1, length=n, new=1), e, ROOT) for n in args.lengths for e in args.engines]

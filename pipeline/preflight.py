@@ -60,7 +60,7 @@ def _check_directory(directory: Path, need_tokenizer: bool, need_mtp: bool) -> N
         shapes.update(read_safetensors_header(directory / name))
     _check_tensors(config, shapes)
     if need_mtp:
-        from workers.model.checkpoint.loader import check_mtp_head
+        from workers.model.loader import check_mtp_head
 
         check_mtp_head(config, shapes, directory)
     if need_tokenizer and not any((directory / name).exists() for name in TOKENIZER_FILES):
@@ -151,8 +151,8 @@ def _check_tensors(config: HybridConfig, shapes: dict[str, tuple[int, ...]]) -> 
     """The tensors the architecture needs are all there, with the right shapes (same rule as the loader)."""
     import torch
 
-    from workers.model.checkpoint.loader import match_weights
     from workers.model.layers.hybrid import HybridModel
+    from workers.model.loader import match_weights
 
     with torch.device("meta"):
         model = HybridModel(config)
@@ -179,7 +179,7 @@ def _check_hub_repo(repo: str, need_mtp: bool, revision: str | None) -> str:
         shapes.update({key: tuple(info.shape) for key, info in file_metadata.tensors.items()})
     _check_tensors(config, shapes)
     if need_mtp:
-        from workers.model.checkpoint.loader import check_mtp_head
+        from workers.model.loader import check_mtp_head
 
         check_mtp_head(config, shapes, repo)
     return commit

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from workers import ModelRunner
 from workers.model import load_checkpoint
 from workers.model.checkpoint.config import HybridConfig
-from workers.model.checkpoint.loader import resolve_dtype
 from workers.model.kernels import native, native_bf16
+from workers.model.loader import resolve_dtype
 
 
 def _copy(src, tmp_path, name="model"):

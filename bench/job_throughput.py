@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from workers.benchmark import random_prompts
+from bench.generation import random_prompts
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.stream import SHARDS_PER_WORKER, ShardStream
@@ -101,9 +101,8 @@ def bench_shards(load: Callable[[], ModelRunner], num_rows: int, prompt_len: int
 
 def _twin(runner: ModelRunner, caching: bool) -> ModelRunner:
     """Another runner over the same loaded model, with the prefix cache on or off."""
-    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
-                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
-                       enable_prefix_caching=caching)  # fmt: skip
+    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.engine_config,
+                       enable_prefix_caching=caching, speculative=None)  # fmt: skip
 
 
 def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]],

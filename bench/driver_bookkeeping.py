@@ -21,12 +21,13 @@ from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
 from pipeline.sharding import Shard, plan_shards
 from workers.actor import WorkerSpec
+from workers.sampling import SamplingParams
 
 
 def synthetic_job(num_shards: int, output: str) -> Job:
     """A generate job of `num_shards` one-row shards over an in-memory dataset; nothing in it loads a model."""
     rows = datasets.Dataset.from_dict({"text": [""] * num_shards})
-    return Job(name="generate", rows=rows, worker=WorkerSpec("generate", "synthetic", task_options={"seed": 0}),
+    return Job(name="generate", rows=rows, worker=WorkerSpec("generate", "synthetic", sampling=SamplingParams(seed=0)),
                task_fields=[], id_column=None, plan=plan_shards(num_shards, 1),
                scaling=ScalingConfig(rows_per_shard=1), output=OutputConfig(output), config={},
                fingerprint={"synthetic": num_shards})  # fmt: skip

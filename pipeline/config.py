@@ -11,12 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
+from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SchedulerConfig
+from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
+from workers.sampling import SamplingParams
+from workers.spec_decode import SpeculativeConfig, registry
+from workers.spec_decode.policy import POLICIES
 
-DEVICES = ("auto", "cuda", "cpu")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int8_weight_only")
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
-SPECULATIVE_POLICIES = ("adaptive", "fixed")
+# The workers' lists (`workers/config.py`), as flags spell them: "none" for no quantization or speculation.
+DTYPES = LOAD_DTYPES
+QUANTIZATIONS = ("none", *WORKER_QUANTIZATIONS)
+SPECULATIVE_METHODS = ("none", *registry.method_names())
+SPECULATIVE_POLICIES = POLICIES
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -63,24 +68,27 @@ class ModelConfig:
     )
     quantization: str = _doc("weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
                              "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
-                             "log-probs move slightly, see docs) or int8_weight_only (the same, the LM head float32)",
+                             "log-probs move slightly, see docs), int8_weight_only (the same, the LM head float32) or w8a8 "
+                             "(int8 weights × int8 activations everywhere)",
                              default="none")  # fmt: skip
-    max_num_seqs: int = _doc("requests decoded together per worker", default=64)
+    max_num_seqs: int = _doc("requests decoded together per worker", default=SchedulerConfig.max_num_seqs)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
     max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "
-                                       "and long rows scored in chunks of this many", default=4096)  # fmt: skip
+                                       "and long rows scored in chunks of this many",
+                                       default=SchedulerConfig.max_num_batched_tokens)  # fmt: skip
     max_memory: str | None = _doc("CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
                                   "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
                                   "divided among the workers its CPUs hold; 80 percent of the memory available when "
                                   "the worker starts if no node was up to measure); rows wait for KV room, a row that "
                                   "can never fit gets an error", default=None)  # fmt: skip
     gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
-                                         "name and meaning)", default=0.9)  # fmt: skip
+                                         "name and meaning)", default=CacheConfig.gpu_memory_utilization)  # fmt: skip
     enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
                                "by default on CUDA and never used on CPU)", default=False)  # fmt: skip
     enable_prefix_caching: bool = _doc("rows that share a prompt prefix (a template, a system prompt) compute it once: "
                                        "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
-                                       "with every speculative method)", default=True)  # fmt: skip
+                                       "with every speculative method)",
+                                       default=CacheConfig.enable_prefix_caching)  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -114,15 +122,15 @@ class ModelConfig:
 class SamplingConfig:
     """vLLM's sampling names; validated again by `workers.SamplingParams`."""
 
-    max_tokens: int = _doc("tokens to generate per row at most", default=256)
-    temperature: float = _doc("0 = greedy", default=1.0)
-    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=1.0)
-    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=0)
+    max_tokens: int = _doc("tokens to generate per row at most", default=SamplingParams.max_tokens)
+    temperature: float = _doc("0 = greedy", default=SamplingParams.temperature)
+    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=SamplingParams.top_p)
+    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=SamplingParams.top_k)
     seed: int | None = _doc("base seed: row i samples with seed + i (modulo 2^64), so results do not depend on "
                             "sharding; without it the job draws one, recorded in the manifest as sampling_seed",
                             default=None)  # fmt: skip
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
-    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=False)
+    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -131,12 +139,12 @@ class SpeculativeOptions:
 
     speculative: str = _doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
     draft_model: str | None = _doc("draft model directory or hub id (with --speculative draft)", default=None)
-    num_speculative_tokens: int = _doc("draft tokens per step at most", default=4)
+    num_speculative_tokens: int = _doc("draft tokens per step at most", default=SpeculativeConfig.num_speculative_tokens)
     speculative_policy: str = _doc("adaptive: each step verifies the number of drafts (0 … --num-speculative-tokens) "
                                    "that this run's measured step times and acceptance say pays best; fixed: always "
-                                   "--num-speculative-tokens", default="adaptive")  # fmt: skip
-    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=2)
-    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=5)
+                                   "--num-speculative-tokens", default=SpeculativeConfig.policy)  # fmt: skip
+    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_min)
+    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_max)
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:

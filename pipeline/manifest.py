@@ -46,9 +46,9 @@ class Resume:
 
 def _sampling_seed(job: Job, old: dict[str, Any] | None) -> int | None:
     """`--seed` when given; else the seed this job drew in an earlier run (resume); else fresh entropy."""
-    if "seed" not in job.worker.task_options:
+    if job.worker.sampling is None:
         return None  # not a sampling job
-    given = job.worker.task_options["seed"]
+    given = job.worker.sampling.seed
     if given is not None:
         return given
     if old is not None and isinstance(old.get("sampling_seed"), int):

@@ -266,3 +266,13 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     make_tokenizer(byte_level=name in BYTE_LEVEL_FAMILIES or flavour == "bpe").save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory
+
+
+def engine_config(max_num_seqs: int, num_speculative_tokens: int = 0, decode_plan: bool = False, **options):
+    """The `EngineConfig` of a bare `Scheduler` in tests: `max_num_seqs` slots, up to `num_speculative_tokens`
+    drafts per step (with a proposer the test passes), the module path unless `decode_plan`."""
+    from workers.config import EngineConfig
+    from workers.spec_decode import SpeculativeConfig
+
+    speculative = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens) if num_speculative_tokens else None
+    return EngineConfig().replace(max_num_seqs=max_num_seqs, decode_plan=decode_plan, speculative=speculative, **options)

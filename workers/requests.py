@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingParams
+from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, SamplingParams
 from workers.spec_stats import SpecStats
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
@@ -126,3 +126,8 @@ class Request:
             self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
         )  # fmt: skip
+
+
+def sampling_batch(requests: list[Request]) -> SamplingBatch:
+    """The requests' sampling state, row by row."""
+    return SamplingBatch([r.params for r in requests], [r.generator for r in requests])

@@ -10,7 +10,7 @@ import pytest
 from jobs.score import main
 from tests.pipeline.conftest import BAD_ROWS, NUM_ROWS, read_output
 from workers import ModelRunner
-from workers.scoring import score_shard
+from workers.scoring import ScoreSpec, score_shard
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_score_job_end_to_end_with_resume(checkpoint_dir, dataset, tmp_path, ray
     assert [row["id"] for row in rows] == [f"row-{i:03d}" for i in range(NUM_ROWS)]
     runner = ModelRunner.from_pretrained(str(model), max_model_len=12)
     texts = [json.loads(row["text"]) for row in rows]  # mixed-type column: stored as JSON text
-    direct = score_shard(runner, [{"text": t} for t in texts], {"text_column": "text"})
+    direct = score_shard(runner, [{"text": t} for t in texts], ScoreSpec(text_column="text"))
     for i, row in enumerate(rows):
         if i in BAD_ROWS or direct["error"][i]:
             assert row["error"] == direct["error"][i] and row["error"]

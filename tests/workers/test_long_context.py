@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_models import FAMILIES, QWEN_GDN_FAMILIES, draft_for
+from tests.tiny_models import FAMILIES, QWEN_GDN_FAMILIES, draft_for, engine_config
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model.layers import attention
 from workers.model.layers.hybrid import HybridModel
@@ -33,7 +33,7 @@ def _prompts(vocab_size: int, seed: int = 0, long: bool = True) -> list[list[int
 
 def _runner_like(runner: ModelRunner, **options) -> ModelRunner:
     """Another runner over the same loaded model (and draft), with other scheduling options."""
-    return ModelRunner(runner.model, runner.tokenizer, runner.eos_token_ids, runner.max_num_seqs,
+    return ModelRunner(runner.model, runner.tokenizer, runner.eos_token_ids, max_num_seqs=runner.max_num_seqs,
                        speculative=runner.speculative, draft_model=runner.draft_model, **options)  # fmt: skip
 
 
@@ -169,7 +169,7 @@ def test_kv_memory_follows_each_requests_own_length(checkpoint_dir):
                 make_generator(GREEDY, torch.device("cpu"), 0), runner.max_model_len)
         for i, n in enumerate(lengths)
     ]  # fmt: skip
-    scheduler = Scheduler(runner.model, requests, 16, max_num_batched_tokens=256)
+    scheduler = Scheduler(runner.model, engine_config(16, max_num_batched_tokens=256), requests)
     while scheduler.prefilling or scheduler.waiting or not scheduler.running:
         scheduler.step()
     used = sum(len(owned) for owned in scheduler.blocks.owned) * scheduler.blocks.block_size

@@ -154,12 +154,14 @@ def test_seeds_are_taken_modulo_2_to_the_64(runner):
 
 
 def test_shard_seeds_near_2_to_the_64_do_not_overflow(runner):
+    from dataclasses import replace
+
     from workers.rows import PromptSource, generate_shard
 
     rows = [{"text": "the cat"}, {"text": "a dog"}, {"text": "the cat"}]
-    sampling = dict(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 1)
+    sampling = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 1)
     columns = generate_shard(runner, rows, PromptSource(prompt_column="text"), sampling, first_row=0)
     assert columns["error"] == [None] * 3
     # Row i samples with seed + i modulo 2^64: row 1 uses seed 0, row 2 seed 1.
-    again = generate_shard(runner, rows[1:], PromptSource(prompt_column="text"), {**sampling, "seed": 0}, 0)
+    again = generate_shard(runner, rows[1:], PromptSource(prompt_column="text"), replace(sampling, seed=0), 0)
     assert again["generated_token_ids"] == columns["generated_token_ids"][1:]

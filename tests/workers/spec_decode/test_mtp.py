@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import NEMOTRON_MTP_FAMILIES
+from tests.tiny_models import NEMOTRON_MTP_FAMILIES, engine_config
 from tests.workers.spec_decode.test_greedy_exactness import PARAMS as GREEDY
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
 from tests.workers.spec_decode.test_runner_speculative import assert_second_tokens_follow_the_target
@@ -108,7 +108,7 @@ def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
         str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS))}  # fmt: skip
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4)
+    scheduler = Scheduler(runner.model, engine_config(4, 4), _requests(prompts), proposer)
     assert run_checking_mtp_kv(scheduler, mtp) > 20
     for accepted, expected in proposer.seen:
         assert accepted == expected

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import NEMOTRON_MTP_FAMILIES
+from tests.tiny_models import NEMOTRON_MTP_FAMILIES, engine_config
 from tests.workers.spec_decode.test_state_shifting import _prompts, _requests
 from workers import ModelRunner, SpeculativeConfig
 from workers.model import HybridConfig, load_checkpoint
@@ -167,7 +167,7 @@ def test_mtp_drafts_match_the_reference(family, checkpoint_dir, hf_model):
     cfg = json.loads((path / "config.json").read_text())
     model = load_checkpoint(str(path), mtp=True).model
     proposer = RecordingMtp(model, 3)
-    scheduler = Scheduler(model, _requests(_prompts()), 4, None, proposer, 3, decode_plan=True)
+    scheduler = Scheduler(model, engine_config(4, 3, decode_plan=True), _requests(_prompts()), proposer)
     while scheduler.has_work():
         scheduler.step()
     assert len(proposer.records) > 100 and sum(len(drafts) for *_, drafts in proposer.records) > 300

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch
@@ -112,8 +113,7 @@ def test_planned_drafts_and_kv_equal_the_module_path_under_forced_acceptance(che
     reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
         str(checkpoint_dir(family)), max_num_seqs=batch, decode_plan=False).generate(prompts, PARAMS))}  # fmt: skip
     twin = TwinMtp(runner.model, reference)
-    scheduler = Scheduler(runner.model, _requests(prompts, [PARAMS] * len(prompts)), batch, None, twin, K,
-                          decode_plan=True)  # fmt: skip
+    scheduler = Scheduler(runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, [PARAMS] * len(prompts)), twin)  # fmt: skip
     while scheduler.has_work():
         scheduler.step()
     assert all(accepted == expected for accepted, expected in twin.seen)
@@ -133,7 +133,7 @@ def test_sampled_rows_chain_one_call_per_step_and_draw_what_the_module_path_draw
     prompts = _prompts(batch + 1)
     params = [SAMPLED if i % 2 == 0 else PARAMS for i in range(len(prompts))]  # sampled and greedy rows mixed
     twin = TwinMtp(runner.model, None)
-    scheduler = Scheduler(runner.model, _requests(prompts, params), batch, None, twin, K, decode_plan=True)
+    scheduler = Scheduler(runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, params), twin)
     while scheduler.has_work():
         scheduler.step()
     assert len(twin.feed_lengths) > 5 and all(len(r.output) == 24 for r in scheduler.finished)

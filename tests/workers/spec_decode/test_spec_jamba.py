@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_jamba import build_jamba_checkpoint
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode import test_greedy_exactness as exactness
 from tests.workers.spec_decode import test_state_shifting as shifting
 from tests.workers.spec_decode.test_state_shifting import assert_forced_acceptance_exact
@@ -48,7 +49,7 @@ def test_a_jamba_draft_state_is_shifted_to_what_it_has_seen(jamba_dir):
     prompts = shifting._prompts(seed=3)
     reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, shifting.PARAMS))}
     proposer = DraftModelProposer(draft_runner.model)
-    scheduler = Scheduler(target.model, shifting._requests(prompts), 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), shifting._requests(prompts), proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()

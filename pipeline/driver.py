@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import signal
 import time
 from collections import Counter, deque
 from typing import Any
@@ -27,6 +25,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
 from pipeline.address import answers, recorded_address
+from pipeline.fault_injection import maybe_kill_driver
 from pipeline.job import Job
 from pipeline.liveness import Watch
 from pipeline.manifest import finalize_output, open_output, prepare_output
@@ -326,7 +325,7 @@ class ShardLoop:
                             "command to resume") from error  # fmt: skip
         self.counts.show(self.progress, table.num_rows, value.stats)
         self.written[shard.index] = info
-        _maybe_kill_driver(len(self.written))
+        maybe_kill_driver(len(self.written))
 
     def _lost_worker(self, shard: Shard, error: Exception, preempted: bool) -> None:
         """A ready worker died while it held `shard`: requeue the shard (a preemption uses up no retry)."""
@@ -362,14 +361,6 @@ class ShardLoop:
         say(f"shard {shard.index} requeued ({failure.attempts} of at most {retries} retries): {one_line(cause)}")
         self.queue.appendleft(shard)
         return failure
-
-
-def _maybe_kill_driver(num_written: int) -> None:
-    """Crash-test hook: {"kill_driver_after_shards": N} in HYBRIDGEN_FAULT_INJECTION kills this driver (SIGKILL)
-    right after it has written N shard files."""
-    plan = json.loads(os.environ.get(FAULT_INJECTION_ENV) or "{}")
-    if plan.get("kill_driver_after_shards") == num_written:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(job: Job) -> dict[str, Any]:

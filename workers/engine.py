@@ -9,6 +9,9 @@ from typing import Any
 from workers.requests import GenerationResult, Request
 from workers.sampling import SamplingParams, make_generator
 from workers.scheduler import Scheduler
+from workers.spec_decode import registry
+from workers.spec_decode.proposal import Proposer
+from workers.spec_decode.registry import ProposerContext
 
 
 class RequestEngine:
@@ -118,6 +121,17 @@ class RequestEngine:
                 f"sampling must be one SamplingParams or one per prompt ({len(prompts)}), got {len(sampling)} items"
             )
         return sampling
+
+    def _make_proposer(self) -> Proposer:
+        """The runner's proposer, built once through the method registry: its state (KV caches, slots, plans)
+        follows the reused workspace."""
+        if self._proposer is None:
+            config = self.speculative
+            assert config is not None
+            context = ProposerContext(self.model, config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)  # fmt: skip
+            self._proposer = registry.method(config.method).build(context)
+        return self._proposer
 
     def _engine(self) -> Scheduler:
         """The runner's one scheduler, made on first use: slots, plans and proposer state live as long as it."""

@@ -21,10 +21,9 @@ from workers.prefix_sharing import scan_chunk
 from workers.requests import GenerationResult, ScoreResult
 from workers.scheduler import Scheduler
 from workers.scorer import Scorer
-from workers.spec_decode import SpecStats, registry
+from workers.spec_decode import SpecStats
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
-from workers.spec_decode.registry import ProposerContext
 from workers.tokenizer import check_same_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -178,17 +177,6 @@ class ModelRunner(RequestEngine):
             check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), config, draft_model)
-
-    def _make_proposer(self) -> Proposer:
-        """The runner's proposer, built once through the method registry: its state (KV caches, slots, plans)
-        follows the reused workspace."""
-        if self._proposer is None:
-            config = self.speculative
-            assert config is not None
-            context = ProposerContext(self.model, config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)  # fmt: skip
-            self._proposer = registry.method(config.method).build(context)
-        return self._proposer
 
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are

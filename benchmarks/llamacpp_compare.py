@@ -73,7 +73,7 @@ def llama_source(cache: Path) -> Path:
     if not sdists:
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "llama-cpp-python", "-d", str(cache)], check=True)  # fmt: skip
+                        "llama-cpp-python", "-d", str(cache)], check=True)
         sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
     source = cache / sdists[-1].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
     if not (source / "CMakeLists.txt").exists():
@@ -124,14 +124,14 @@ def convert(source: Path, bin_dir: Path, checkpoint: Path, out_dir: Path) -> dic
         staged = staged_checkpoint(checkpoint, out_dir)
         done = subprocess.run([sys.executable, "-c", CONVERT_SHIM, str(source / "convert_hf_to_gguf.py"), str(staged),
                                "--outtype", "f32", "--outfile", str(ggufs["f32"])],
-                              env=env, capture_output=True, text=True)  # fmt: skip
+                              env=env, capture_output=True, text=True)
         if done.returncode != 0:
             if "not supported" in done.stderr:
                 return None
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     if not ggufs["q8_0"].exists():
         subprocess.run([str(bin_dir / "llama-quantize"), str(ggufs["f32"]), str(ggufs["q8_0"]), "q8_0"],
-                       check=True, capture_output=True)  # fmt: skip
+                       check=True, capture_output=True)
     return ggufs
 
 
@@ -211,7 +211,7 @@ def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int, 
     if None in prompt_ids:
         return "greedy check skipped (prompt words are not single tokens)"
     done = subprocess.run([str(build_llama(cache, ("llama-simple",), isa) / "llama-simple"), "-m", str(gguf), "-n",
-                           str(new_tokens), GREEDY_PROMPT], capture_output=True)  # fmt: skip
+                           str(new_tokens), GREEDY_PROMPT], capture_output=True)
     if done.returncode != 0:
         return f"greedy check skipped (llama-simple failed: {done.stderr.decode().strip().splitlines()[-1:]})"
     before, _, llama_text = done.stdout.partition(GREEDY_PROMPT.encode())
@@ -291,7 +291,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hybridgen" / "llama.cpp")
     p.add_argument("--greedy-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt")  # fmt: skip
+                   help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt")
     p.add_argument(
         "--isa",
         choices=["native", "avx2"],

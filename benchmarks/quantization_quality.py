@@ -35,7 +35,7 @@ def main() -> int:
     args = p.parse_args()
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     runners = {name: ModelRunner.from_pretrained(args.model, max_num_seqs=32, **VARIANTS[name])
-               for name in ("float32", args.variant)}  # fmt: skip
+               for name in ("float32", args.variant)}
     prompts = [runners["float32"].tokenizer.encode(row["prompt"]) for row in rows[: args.max_prompts]]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     outputs = {q: [r.token_ids for r in runner.generate(prompts, params)] for q, runner in runners.items()}
@@ -52,7 +52,7 @@ def main() -> int:
     if args.draft:
         speculative = SpeculativeConfig("draft", 4, draft_model=args.draft)
         spec = ModelRunner.from_pretrained(args.model, max_num_seqs=32, speculative=speculative,
-                                           **VARIANTS[args.variant])  # fmt: skip
+                                           **VARIANTS[args.variant])
         spec_outputs = [r.token_ids for r in spec.generate(prompts, params)]
         result[f"{args.variant}_speculative_equals_plain"] = spec_outputs == outputs[args.variant]
         result[f"{args.variant}_acceptance_rate"] = spec.spec_stats()["acceptance_rate"]

@@ -93,7 +93,7 @@ def main() -> int:
     runners = {name: load_variant(path, name, max(args.batch_sizes)) for name in args.variants}
     print(f"preset {args.preset}, {torch.get_num_threads()} threads, {args.prompt_len}-token prompts, "
           f"{args.new_tokens} new tokens, medians of {args.rounds} alternating rounds; greedy tokens equal to "
-          f"{args.variants[0]}'s in brackets")  # fmt: skip
+          f"{args.variants[0]}'s in brackets")
     print("batch  " + "  ".join(f"{name:>22}" for name in args.variants))
     results = []
     for batch in args.batch_sizes:

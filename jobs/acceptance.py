@@ -54,7 +54,7 @@ def measure(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, Any]
         for k in args.ks:
             speculative = SpeculativeConfig(method, k, draft_model=draft, policy="fixed")
             runner = ModelRunner.from_pretrained(path, dtype="float32", max_num_seqs=args.max_num_seqs,
-                                                 speculative=speculative)  # fmt: skip
+                                                 speculative=speculative)
             start = time.perf_counter()
             results = runner.generate(token_ids, params)
             seconds = time.perf_counter() - start
@@ -65,7 +65,7 @@ def measure(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, Any]
                          "mean_accepted_length": stats["mean_accepted_length"],
                          "num_verification_steps": stats["num_drafts"],
                          "identical_to_plain": [r.token_ids for r in results] == expected,
-                         "seconds": seconds})  # fmt: skip
+                         "seconds": seconds})
     return rows
 
 
@@ -81,7 +81,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['mean_accepted_length']:.3f}",
             str(row["num_verification_steps"]),
             str(row["identical_to_plain"]),
-        ]  # fmt: skip
+        ]
         for row in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]

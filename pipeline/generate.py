@@ -35,7 +35,7 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     sampling = SamplingParams(**dataclasses.asdict(config.sampling))  # the same validation the workers apply, now
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
     revision = check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp",
-                           revision=config.model.revision)  # fmt: skip
+                           revision=config.model.revision)
     draft_revision = None
     if config.speculative.speculative == "draft":
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)

@@ -56,7 +56,7 @@ def safetensors_identity(path: Path) -> dict[str, Any]:
             raise ValueError(f"{path} is not a complete safetensors file ({size} bytes)")
         header = f.read(header_len)
     return {"bytes": size, "header_sha256": _sha256(header),
-            "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size)}  # fmt: skip
+            "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size)}
 
 
 def _local_model_identity(directory: Path) -> dict[str, Any]:
@@ -121,5 +121,5 @@ def input_identity(rows: datasets.Dataset, source: str, revision: str | None = N
     """Row count, features and what the rows were read from: the size and whole-content sha256 of each local data
     file (`source` local: a remote input's copy), or the commit `revision` of a hub dataset."""
     files = {_file_key(name, source): {"bytes": os.path.getsize(name), "sha256": file_sha256(name)}
-             for name in input_files(source) or []}  # fmt: skip
+             for name in input_files(source) or []}
     return {"num_rows": len(rows), "features": str(rows.features), "files": files, "revision": revision}

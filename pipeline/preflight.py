@@ -82,12 +82,12 @@ def _hybrid_config(raw: Any) -> HybridConfig:
         raise ValueError("config.json is not a JSON object")
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {raw.get('model_type')!r} (architectures={raw.get('architectures')}); "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     try:
         return HybridConfig.from_hf_dict(raw)
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"config.json of model_type {raw['model_type']!r} cannot be read: "
-                         f"{type(error).__name__}: {error}") from None  # fmt: skip
+                         f"{type(error).__name__}: {error}") from None
 
 
 def weight_files(directory: Path) -> list[str]:
@@ -101,7 +101,7 @@ def weight_files(directory: Path) -> list[str]:
         missing = [name for name in files if not (directory / name).is_file()]
         if missing:
             raise ValueError(f"{len(missing)} of the {len(files)} weight files named in {index.name} are missing: "
-                             f"{missing[:5]} (an interrupted download?)")  # fmt: skip
+                             f"{missing[:5]} (an interrupted download?)")
         return files
     if (directory / "model.safetensors").is_file():
         return ["model.safetensors"]
@@ -120,7 +120,7 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"{path.name}: header of {header_len} bytes does not fit in the file's {size} bytes "
-                             "(truncated or not a safetensors file)")  # fmt: skip
+                             "(truncated or not a safetensors file)")
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -143,7 +143,7 @@ def _header_shapes(header: Any, name: str, data_bytes: int | None) -> dict[str, 
             raise ValueError(f"{name}: safetensors header entry {key!r} is malformed") from None
     if data_bytes is not None and end > data_bytes:
         raise ValueError(f"{name} is truncated: its header describes {end} bytes of tensor data, the file holds "
-                         f"{data_bytes} (an interrupted download?)")  # fmt: skip
+                         f"{data_bytes} (an interrupted download?)")
     return shapes
 
 

@@ -108,7 +108,7 @@ class RequestEngine:
         occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
         hits = scheduler.num_prefix_hit_tokens if scheduler is not None else 0
         return {"num_steps": steps, "num_slot_steps": slot_steps, "mean_occupancy": occupancy,
-                "prefix_cache_hit_tokens": hits}  # fmt: skip
+                "prefix_cache_hit_tokens": hits}
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:
         if sampling is None:
@@ -129,7 +129,7 @@ class RequestEngine:
             config = self.speculative
             assert config is not None
             context = ProposerContext(self.model, config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)  # fmt: skip
+                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)
             self._proposer = registry.method(config.method).build(context)
         return self._proposer
 
@@ -138,5 +138,5 @@ class RequestEngine:
         if self._scheduler is None:
             proposer = self._make_proposer() if self.speculative else None
             self._scheduler = Scheduler(self.model, self.engine_config, (), proposer, self._policy, self.tokenizer,
-                                        self.num_kv_blocks, self.memory_plan.num_prefix_checkpoints)  # fmt: skip
+                                        self.num_kv_blocks, self.memory_plan.num_prefix_checkpoints)
         return self._scheduler

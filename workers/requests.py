@@ -125,7 +125,7 @@ class Request:
             list(self.output), self.finish_reason or "length", self.error, text, len(self.prompt),
             self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
-        )  # fmt: skip
+        )
 
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:

@@ -76,7 +76,7 @@ class Scheduler(RequestSlots):
         num_slots, capacity, num_blocks = workspace_sizes(
             [self._positions_needed(r) for r in self.waiting], self.config.max_num_seqs,
             self.budget.max_num_batched_tokens, self.num_kv_blocks, DEFAULT_BLOCK_SIZE,
-        )  # fmt: skip
+        )
         tokens_per_row = self.num_speculative_tokens + 1
         workspace, proposer, kind = self.workspace, self.proposer, self.executor_kind
         if workspace is None or not workspace.fits(num_slots, capacity, tokens_per_row, kind, num_blocks):
@@ -115,7 +115,7 @@ class Scheduler(RequestSlots):
             # also prefilled, or whose proposer caught up on a prompt, says nothing about the cost of its drafts
             seconds = time.perf_counter() - started if outcome.timed and not plan.chunks else None
             self.policy.observe(outcome.request_ids, outcome.num_drafts, outcome.num_accepted_drafts, seconds,
-                                outcome.width)  # fmt: skip
+                                outcome.width)
         for request_id in self.retired:  # after the policy learnt from their last step
             self.policy.forget(request_id)
         self.retired.clear()

@@ -95,7 +95,7 @@ def test_an_empty_or_malformed_input_is_refused_in_one_line(name, write, message
         (['{"id": "a", "text": "x"}', '{"id": null, "text": "y"}'], [],
          "the input's `id` column (the output `id`): 1 rows have no id (null or empty: rows 1)"),
     ],
-)  # fmt: skip
+)
 def test_duplicate_or_missing_ids_are_refused_naming_them(lines, flag, named, model, tmp_path, capsys, no_ray):
     data = tmp_path / ("ids.csv" if "," in lines[0] and "{" not in lines[0] else "ids.jsonl")
     data.write_text("\n".join(lines) + "\n")

@@ -53,7 +53,7 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
         (lambda m, d, data: write_dataset(data, num_rows=49), "input_identity.num_rows"),
     ],
     ids=["weights", "config", "tokenizer", "draft", "input-contents", "input-rows"],
-)  # fmt: skip
+)
 def test_a_changed_model_draft_or_input_is_refused_naming_what_changed(setup, change, named):
     model, draft, data, out, prepare = setup
     change(model, draft, data)

@@ -167,7 +167,7 @@ class MtpProposer(Proposer):
     def _propose_planned(
         self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
         rows: list[int],
-    ) -> list[list[int]]:  # fmt: skip
+    ) -> list[list[int]]:
         """`propose` through the MTP plan: all greedy, the catch-up and the whole chain in one native call; else one
         call per step, the drafts chosen here. Pending runs longer than the plan takes (new prompts) catch up
         module by module and chain through the plan from there."""
@@ -193,7 +193,7 @@ class MtpProposer(Proposer):
     def _propose_module(
         self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
         rows: list[int],
-    ) -> list[list[int]]:  # fmt: skip
+    ) -> list[list[int]]:
         """`propose` module by module: the catch-up's last output drafts d_1; each further draft feeds the head its
         own output and the previous draft."""
         last = self._catch_up(active, taken)
@@ -210,7 +210,7 @@ class MtpProposer(Proposer):
                 break
             previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
             batch = ForwardBatch(slots, torch.tensor(positions, device=self.device), torch.ones_like(slots),
-                                 one_token_each=True)  # fmt: skip
+                                 one_token_each=True)
             last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.caches)[:, 0]
             positions = [p + 1 for p in positions]
         return chains

@@ -47,7 +47,7 @@ def empty_draft_probs(
 
 
 def choose_draft_token(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
-                       row: int, step: int) -> int:  # fmt: skip
+                       row: int, step: int) -> int:
     """The next draft token of a model proposer: argmax for greedy requests, else a sample from q, recorded in
     probs[row, step] for verification. Steps past a request's own budget only keep the batch running; they draw
     nothing from its generator, so its random stream does not depend on the other requests."""

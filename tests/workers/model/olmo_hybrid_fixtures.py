@@ -23,7 +23,7 @@ _OLMO = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hi
              num_key_value_heads=2, rms_norm_eps=1e-3, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=16, linear_value_head_dim=24, max_position_embeddings=512,
              layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-             pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+             pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 
 OLMO_HYBRID_FAMILIES = {
     # The released layout: no RoPE (rope_theta null), linear_allow_neg_eigval true.

@@ -195,7 +195,7 @@ def test_draft_model_steps_through_plans_propose_what_the_module_path_proposes()
     models = Path(__file__).resolve().parents[3] / "examples" / "models"
     target, draft = str(models / "demo-target"), str(models / "demo-draft")
     prompts = [[int(t) for t in torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (12, 5, 20)]  # fmt: skip
+               for n in (12, 5, 20)]
     prompts[0] = prompts[0][:6] * 2  # copy-heavy: drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [r.token_ids for r in ModelRunner.from_pretrained(target, dtype="float32").generate(prompts, params)]

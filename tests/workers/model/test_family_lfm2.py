@@ -84,7 +84,7 @@ def _hub_lfm2(hidden: int, layers: int, ff: int, attention: list[int], **extra) 
             "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "block_ff_dim": ff,
             "intermediate_size": ff, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
             "block_multiple_of": 256, "full_attn_idxs": attention, "layer_types": layer_types, "conv_L_cache": 3,
-            "conv_bias": False, "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_embedding": True, **extra}  # fmt: skip
+            "conv_bias": False, "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_embedding": True, **extra}
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_hub_lfm2_moe_config_reads_dense_first_layers():
     assert config.block_kinds[1::2] == (MLP, MLP, MOE, MOE, MOE, MOE, MOE, MOE)
     ff = config.feed_forward
     assert (ff.intermediate_size, ff.expert_intermediate_size, ff.num_experts, ff.experts_per_token) == (
-        7168, 1792, 32, 4)  # fmt: skip
+        7168, 1792, 32, 4)
     with pytest.raises(ValueError, match="unknown lfm2_moe layer types \\['mamba'\\]"):
         HybridConfig.from_hf_dict({**raw, "layer_types": ["mamba"] * 8})
 
@@ -131,7 +131,7 @@ def test_hub_lfm2_moe_config_reads_dense_first_layers():
         ("lfm2_moe", "model.layers.3.feed_forward.experts.1.w2.weight", "drop", "experts.1.w2.weight"),
         ("lfm3", "model.layers.4.self_attn.gate_proj.weight", "drop", "self_attn.g_proj.weight"),
     ],
-)  # fmt: skip
+)
 def test_preflight_names_missing_and_misshaped_tensors(family, key, change, message, lfm_checkpoint, tmp_path):  # noqa: F811
     model = shutil.copytree(lfm_checkpoint(family), tmp_path / "model")
     tensors = load_file(model / "model.safetensors")

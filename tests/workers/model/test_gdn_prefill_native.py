@@ -77,7 +77,7 @@ def _native_prefill(
     return native_recurrent.gdn_prefill(
         proj.contiguous(), num_tokens, mixer.conv1d.weight.squeeze(1), mixer.dt_bias, mixer.A_log, mixer.norm.weight,
         mixer.norm.eps, g.num_key_heads, g.num_value_heads, None if state is None else (state.conv, state.ssm),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("from_state", [False, True], ids=["zero", "kept"])

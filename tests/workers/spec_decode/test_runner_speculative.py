@@ -21,7 +21,7 @@ def _next_token_probs(runner: ModelRunner, sequences: list[list[int]], params: S
     ids = torch.tensor([s + [0] * (max(lengths) - len(s)) for s in sequences])
     pool = StatePool(runner.config, len(sequences), max(lengths), torch.device("cpu"), torch.float32)
     batch = ForwardBatch(torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long),
-                         torch.tensor(lengths))  # fmt: skip
+                         torch.tensor(lengths))
     with torch.no_grad():
         hidden = runner.model(ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
     last = hidden[torch.arange(len(sequences)), torch.tensor(lengths) - 1]
@@ -125,7 +125,7 @@ def _self_draft_counts(num_tokens: int, k: int, max_tokens: int) -> tuple[int, i
 
 @pytest.mark.parametrize("method,family", [("draft", "bamba"), ("mtp", "qwen3_5")])
 def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(method, family, checkpoint_dir,
-                                                                            monkeypatch):  # fmt: skip
+                                                                            monkeypatch):
     """Every tensor the rejection sampler receives is on the runner's device, and the draft side makes no host
     copies of its distributions (on CUDA those would meet the target's probabilities on another device)."""
     import workers.scheduler
@@ -156,7 +156,7 @@ def test_rejection_sampler_refuses_inputs_on_another_device():
     logits = torch.zeros(1, 2, 8)
     with pytest.raises(AssertionError, match="target's device"):
         rejection_sample(torch.zeros(1, 1, dtype=torch.long), logits, torch.zeros(1, 1, 8, device="meta"),
-                         [SamplingParams(temperature=1.0)], [torch.Generator()])  # fmt: skip
+                         [SamplingParams(temperature=1.0)], [torch.Generator()])
 
 
 def test_metrics_per_request_and_per_runner(checkpoint_dir):
@@ -203,7 +203,7 @@ def test_a_proposer_catching_up_on_a_prompt_is_not_timed_as_a_step(method, famil
     [(dict(method="eagle"), "method='eagle'"), (dict(num_speculative_tokens=0), "num_speculative_tokens=0"),
      (dict(method="draft"), "draft_model is required"), (dict(prompt_lookup_min=0), "prompt_lookup_min=0"),
      (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max=2")],
-)  # fmt: skip
+)
 def test_invalid_speculative_config_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)

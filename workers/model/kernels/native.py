@@ -262,7 +262,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
     out = torch.empty(rows, out_features)
     if rows:
         lib.linear_panels(pointer(x), pointer(panels), pointer(bias), pointer(out), rows, out_features,
-                          in_features, torch.get_num_threads())  # fmt: skip
+                          in_features, torch.get_num_threads())
     return out
 
 
@@ -300,7 +300,7 @@ def linear_int8(
     out = torch.empty(rows, out_features)
     if rows:
         lib.linear_panels_int8(pointer(x), panels.data_ptr(), pointer(scale), pointer(bias), pointer(out), rows,
-                               out_features, in_features, torch.get_num_threads())  # fmt: skip
+                               out_features, in_features, torch.get_num_threads())
     return out
 
 
@@ -324,7 +324,7 @@ def add_rms_norm(
     out = torch.empty_like(hidden)
     d = hidden.shape[-1]
     load().add_rms_norm(pointer(hidden), pointer(delta), alpha, pointer(weight), eps, pointer(out),
-                        hidden.numel() // d, d, torch.get_num_threads())  # fmt: skip
+                        hidden.numel() // d, d, torch.get_num_threads())
     return out
 
 
@@ -388,5 +388,5 @@ def attention_decode(
         blocks.tables.data_ptr(), blocks.max_blocks_per_slot, blocks.block_size, cache.key.shape[1],
         slot_ids.data_ptr(), positions.data_ptr(), scale, pointer(out), b, num_heads, cache.key.shape[0], head_dim,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out

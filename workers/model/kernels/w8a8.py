@@ -115,7 +115,7 @@ def linear(x: torch.Tensor, packed: W8A8Panels, bias: torch.Tensor | None, path:
             pointer(x), packed.panels.data_ptr(), pointer(packed.scale), packed.correction.data_ptr(), pointer(bias),
             pointer(out), rows, packed.out_features, in_features, packed.group_size, PATHS[path],
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
     return out
 
 
@@ -127,4 +127,4 @@ def rescore_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, logits {tuple(logits.shape)} disagree")
     if rows:
         load().rescore_top_logits(pointer(x), pointer(weight), pointer(bias), pointer(logits), rows, weight.shape[0],
-                                  in_features, top_k, torch.get_num_threads())  # fmt: skip
+                                  in_features, top_k, torch.get_num_threads())

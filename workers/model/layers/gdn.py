@@ -130,7 +130,7 @@ class GatedDeltaNetMixer(nn.Module):
         out = native_recurrent.gdn_decode_step(
             self.in_proj(hidden[:, 0]).contiguous(), state.conv, self.conv1d.weight.squeeze(1), self.dt_bias,
             self.A_log, state.ssm, self.norm.weight, self.norm.eps, g.num_key_heads,
-        )  # fmt: skip
+        )
         return self.out_proj(out)[:, None]
 
     def _native_prefill(
@@ -145,7 +145,7 @@ class GatedDeltaNetMixer(nn.Module):
         out, conv, delta_state, qkv = native_recurrent.gdn_prefill(
             proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.dt_bias, self.A_log, self.norm.weight,
             self.norm.eps, g.num_key_heads, g.num_value_heads, None if state is None else (state.conv, state.ssm),
-        )  # fmt: skip
+        )
         out = self.out_proj(out)
         if state is None:
             return out, RecurrentState(conv, delta_state), None
@@ -164,7 +164,7 @@ class GatedDeltaNetMixer(nn.Module):
         y = gdn_decode_step(
             self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.A_log,
             self.dt_bias, self.norm.weight, self.norm.eps, g.num_key_heads,
-        )  # fmt: skip
+        )
         return self.out_proj(y)[:, None]
 
     def state_after(

@@ -125,7 +125,7 @@ class Mamba2Mixer(nn.Module):
             proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
             (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
             conv_out=conv_out,
-        )  # fmt: skip
+        )
 
     def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
@@ -140,7 +140,7 @@ class Mamba2Mixer(nn.Module):
             self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
             self.norm.eps, m.num_groups,
-        )  # fmt: skip
+        )
         return self.out_proj(y)[:, None]
 
     def _native_prefill(
@@ -154,7 +154,7 @@ class Mamba2Mixer(nn.Module):
             proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
             self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
             self.norm.eps, m.num_heads, m.num_groups, None if state is None else (state.conv, state.ssm),
-        )  # fmt: skip
+        )
         if state is None:
             return self.out_proj(out), MambaState(conv, ssm), None
         b, length, _ = hidden.shape

@@ -62,5 +62,5 @@ def find_capture_hazards(step: Callable[[], Any]) -> list[str]:
             step()
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
             recorder.hazards.append(f"a data-dependent operation FakeTensorMode refused ({type(error).__name__}: "
-                                    f"{error})")  # fmt: skip
+                                    f"{error})")
     return recorder.hazards

@@ -238,7 +238,7 @@ class DecodePlan:
         rec = Recorder(b, length)
         hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
         rec.emit(Op.EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
-                 (config.embedding_multiplier,))  # fmt: skip
+                 (config.embedding_multiplier,))
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
         rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
@@ -258,7 +258,7 @@ class DecodePlan:
                 self._record_mlp(rec, block.mixer)
             recurrent_layer += block.kind in RECURRENT_KINDS
             rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
-                     (config.residual_multiplier, next_norm.eps))  # fmt: skip
+                     (config.residual_multiplier, next_norm.eps))
         rec.linear(model.lm_head, normed, self.logits[:n])
         return rec.tensor()
 
@@ -280,7 +280,7 @@ class DecodePlan:
                  [proj, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log,
                   mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc[:n], y, b,
                   m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
-                 (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+                 (m.dt_min, m.dt_max, mixer.norm.eps))
         rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
 
     def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
@@ -299,7 +299,7 @@ class DecodePlan:
         # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
         rec.emit(Op.GDN if length == 1 else Op.GDN_VERIFY,
                  [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
-                 (mixer.norm.eps,))  # fmt: skip
+                 (mixer.norm.eps,))
         rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
 
     def _record_shift(self, b: int, length: int) -> torch.Tensor:
@@ -318,7 +318,7 @@ class DecodePlan:
             rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,
                                     mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], scratch, b, m.num_heads,
                                     m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
-                     (m.dt_min, m.dt_max))  # fmt: skip
+                     (m.dt_min, m.dt_max))
         return rec.tensor()
 
     def _record_parallel(
@@ -331,7 +331,7 @@ class DecodePlan:
         self._record_mamba(rec, block.mixer.mamba, recurrent_layer)
         self._record_attention(rec, block.mixer.self_attn, attention_layer, self.branch[:n])
         rec.emit(Op.ADD_RMS_NORM, [self.mixed[:n], self.branch[:n], block.norm.weight, self.branch_normed[:n], n, d],
-                 (1.0, block.norm.eps))  # fmt: skip
+                 (1.0, block.norm.eps))
 
     def _record_attention(
         self, rec: Recorder, attention: Attention, layer: int, into: torch.Tensor | None = None
@@ -355,7 +355,7 @@ class DecodePlan:
                  [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids, self.positions[0, :b],
                   blocks.tables, out, b, a.num_heads, a.num_kv_heads, a.head_dim, self.pool.capacity,
                   blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2], length],
-                 (a.scale,))  # fmt: skip
+                 (a.scale,))
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)

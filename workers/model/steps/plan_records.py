@@ -96,13 +96,13 @@ def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: i
     if packed is not None:
         return Op.LINEAR_W8A8, [x, packed.panels, packed.scale, packed.correction, layer.bias, y, rows,
                                 layer.out_features, layer.in_features, packed.group_size, layer.float_weight,
-                                layer.top_k]  # fmt: skip
+                                layer.top_k]
     if getattr(layer, "bf16_path", None) is not None:
         return Op.LINEAR_BF16, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features,
-                                native_bf16.BF16_PATHS[layer.bf16_path]]  # fmt: skip
+                                native_bf16.BF16_PATHS[layer.bf16_path]]
     if layer.scale is not None:
         return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
-                                layer.in_features]  # fmt: skip
+                                layer.in_features]
     return Op.LINEAR, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features]
 
 
@@ -124,7 +124,7 @@ def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: 
         q = scratch.query[:n].view(length, b, width)
         for part, offset in ((q, 0), (scratch.gate[:n], a.head_dim)):
             rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
-                                    2 * a.head_dim])  # fmt: skip
+                                    2 * a.head_dim])
     else:
         q = projected.view(length, b, width)
     if attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE

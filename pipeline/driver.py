@@ -69,8 +69,10 @@ def connect(address: str = "auto") -> None:
         record = get_ray_address_file(None)
         address = recorded_address(record)
         if address is not None and not answers(address, timeout_s=2.0):
-            say(f"note: no Ray cluster answers at {address} (recorded in {record} by an earlier `ray start`; "
-                 "stale after an unclean stop): starting a local Ray instead")
+            say(
+                f"note: no Ray cluster answers at {address} (recorded in {record} by an earlier `ray start`; "
+                "stale after an unclean stop): starting a local Ray instead"
+            )
             address = None
         if address is None:
             ray.init(**local)
@@ -101,13 +103,17 @@ class Fleet:
 
     def __init__(self, job: Job, num_workers: int):
         engine = job.worker.engine
-        self.placement = plan_placement(engine.load.device, job.scaling, _alive_nodes(), num_workers,
-                                        engine.cache.max_memory)
+        self.placement = plan_placement(
+            engine.load.device, job.scaling, _alive_nodes(), num_workers, engine.cache.max_memory
+        )
         options: dict[str, Any] = self.placement.actor_options()
         if FAULT_INJECTION_ENV in os.environ:  # crash tests: hand the hook to the workers
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
-        engine = engine.replace(device=self.placement.device, num_threads=self.placement.num_threads,
-                                max_memory=self.placement.memory or engine.cache.max_memory)
+        engine = engine.replace(
+            device=self.placement.device,
+            num_threads=self.placement.num_threads,
+            max_memory=self.placement.memory or engine.cache.max_memory,
+        )
         self.spec = dataclasses.replace(job.worker, engine=engine)
         # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py);
         # progress polls have a thread of their own, so they never wait behind shards.
@@ -320,9 +326,11 @@ class ShardLoop:
         try:
             self.out.write_table(shard.file_name, table, info)
         except OSError as error:  # full disk, lost credentials …: what is written stays; a rerun resumes
-            raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
-                            f"the {len(self.written)} shard files written by this run are kept: rerun the same "
-                            "command to resume") from error
+            raise JobFailed(
+                f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
+                f"the {len(self.written)} shard files written by this run are kept: rerun the same "
+                "command to resume"
+            ) from error
         self.counts.show(self.progress, table.num_rows, value.stats)
         self.written[shard.index] = info
         maybe_kill_driver(len(self.written))
@@ -341,8 +349,10 @@ class ShardLoop:
         limit = self.job.scaling.max_worker_start_failures
         line = f"a worker failed to start on node {node}: {error}"
         if self.num_start_failures >= limit:
-            raise JobFailed(f"{self.num_start_failures} workers failed to start (--max-worker-start-failures "
-                            f"{limit}); the last: {line}")
+            raise JobFailed(
+                f"{self.num_start_failures} workers failed to start (--max-worker-start-failures "
+                f"{limit}); the last: {line}"
+            )
         say(f"{line} ({self.num_start_failures} of at most {limit}; starting another)")
         if self.queue:
             self._start_worker()

@@ -34,8 +34,9 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     sampling = SamplingParams(**dataclasses.asdict(config.sampling))  # the same validation the workers apply, now
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
-    revision = check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp",
-                           revision=config.model.revision)
+    revision = check_model(
+        config.model.model, need_mtp=config.speculative.speculative == "mtp", revision=config.model.revision
+    )
     draft_revision = None
     if config.speculative.speculative == "draft":
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)

@@ -57,13 +57,17 @@ def oversized(path: Path, root: Path = ROOT) -> list[str]:
 def docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of a function's docstring (0 without one)."""
     first = node.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    is_doc = (
+        isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    )
     return first.end_lineno - first.lineno + 1 if is_doc else 0
 
 
 def test_oversized_finds_long_functions_without_counting_docstrings(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
-    (tmp_path / "long.py").write_text(f'def f():\n    """Doc."""\n{body}\n\ndef g():\n    """Doc.\n\n    More."""\n    return 1\n')
+    (tmp_path / "long.py").write_text(
+        f'def f():\n    """Doc."""\n{body}\n\ndef g():\n    """Doc.\n\n    More."""\n    return 1\n'
+    )
     assert oversized(tmp_path / "long.py", tmp_path) == ["long.py::f (62 lines > 60)"]
 
 

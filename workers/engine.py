@@ -107,8 +107,12 @@ class RequestEngine:
         slot_steps = scheduler.num_slot_steps if scheduler is not None else 0
         occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
         hits = scheduler.num_prefix_hit_tokens if scheduler is not None else 0
-        return {"num_steps": steps, "num_slot_steps": slot_steps, "mean_occupancy": occupancy,
-                "prefix_cache_hit_tokens": hits}
+        return {
+            "num_steps": steps,
+            "num_slot_steps": slot_steps,
+            "mean_occupancy": occupancy,
+            "prefix_cache_hit_tokens": hits,
+        }
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:
         if sampling is None:
@@ -128,8 +132,14 @@ class RequestEngine:
         if self._proposer is None:
             config = self.speculative
             assert config is not None
-            context = ProposerContext(self.model, config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max, self.draft_model, self.decode_plan)
+            context = ProposerContext(
+                self.model,
+                config.num_speculative_tokens,
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+                self.draft_model,
+                self.decode_plan,
+            )
             self._proposer = registry.method(config.method).build(context)
         return self._proposer
 
@@ -137,6 +147,14 @@ class RequestEngine:
         """The runner's one scheduler, made on first use: slots, plans and proposer state live as long as it."""
         if self._scheduler is None:
             proposer = self._make_proposer() if self.speculative else None
-            self._scheduler = Scheduler(self.model, self.engine_config, (), proposer, self._policy, self.tokenizer,
-                                        self.num_kv_blocks, self.memory_plan.num_prefix_checkpoints)
+            self._scheduler = Scheduler(
+                self.model,
+                self.engine_config,
+                (),
+                proposer,
+                self._policy,
+                self.tokenizer,
+                self.num_kv_blocks,
+                self.memory_plan.num_prefix_checkpoints,
+            )
         return self._scheduler

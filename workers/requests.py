@@ -122,8 +122,14 @@ class Request:
             visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
             text = tokenizer.decode(visible, skip_special_tokens=True)
         return GenerationResult(
-            list(self.output), self.finish_reason or "length", self.error, text, len(self.prompt),
-            self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
+            list(self.output),
+            self.finish_reason or "length",
+            self.error,
+            text,
+            len(self.prompt),
+            self.spec.num_drafts,
+            self.spec.num_draft_tokens,
+            self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
         )
 

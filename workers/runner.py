@@ -76,7 +76,9 @@ class ModelRunner(RequestEngine):
         self._request_keys: dict[int, Hashable] = {}  # Request.index → the caller's request_id
         self._unclaimed: list[tuple[Hashable, GenerationResult]] = []  # results the next `step` returns first
         self._spec_stats = SpecStats()
-        proposer_class = type(proposer) if proposer is not None else config.speculative and config.speculative.proposer_class
+        proposer_class = (
+            type(proposer) if proposer is not None else config.speculative and config.speculative.proposer_class
+        )
         self._check_speculative(proposer_class)
         # Kept across generate calls: what it measured (step times, acceptance) stays true for the next shard.
         self._policy = None
@@ -93,12 +95,24 @@ class ModelRunner(RequestEngine):
         cache, scheduler = config.cache, config.scheduler
         budget = runner_budget(self.device, cache.max_memory_bytes, cache.gpu_memory_utilization)
         self.memory_plan = plan_memory(
-            models, self.device, self.dtype, budget, scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
-            config.num_speculative_tokens, mtp=self._drafts_from_hidden, prefix_caching=cache.enable_prefix_caching,
+            models,
+            self.device,
+            self.dtype,
+            budget,
+            scheduler.max_num_batched_tokens,
+            scheduler.max_num_seqs,
+            config.num_speculative_tokens,
+            mtp=self._drafts_from_hidden,
+            prefix_caching=cache.enable_prefix_caching,
         )
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
-        self._scorer = Scorer(model, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scan_chunk(model),
-                              share_prefixes=cache.enable_prefix_caching)
+        self._scorer = Scorer(
+            model,
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+            scan_chunk(model),
+            share_prefixes=cache.enable_prefix_caching,
+        )
 
     def _check_speculative(self, proposer_class: type[Proposer] | None) -> None:
         """Say how steps run (one log line), and refuse a speculative method the loaded models cannot serve."""
@@ -161,8 +175,16 @@ class ModelRunner(RequestEngine):
         config = (config or EngineConfig()).replace(**options)
         load, speculative = config.load, config.speculative
         mtp = speculative is not None and speculative.proposer_class.drafts_from_hidden
-        checkpoint = load_checkpoint(path, _resolve_device(load.device), load.dtype, load.linear_backend,
-                                     load.decode_kernel, mtp, load.revision, load.quantization)
+        checkpoint = load_checkpoint(
+            path,
+            _resolve_device(load.device),
+            load.dtype,
+            load.linear_backend,
+            load.decode_kernel,
+            mtp,
+            load.revision,
+            load.quantization,
+        )
         eos = set(checkpoint.config.eos_token_ids)
         generation_eos = checkpoint.generation_config.get("eos_token_id")
         if generation_eos is not None:
@@ -171,9 +193,15 @@ class ModelRunner(RequestEngine):
         draft_model = None
         if speculative is not None and speculative.proposer_class.needs_draft_model:
             device_used = checkpoint.model.embed_tokens.weight.device
-            draft = load_checkpoint(speculative.draft_model, device_used, load.dtype, load.linear_backend,
-                                    load.decode_kernel, revision=speculative.draft_revision,
-                                    quantization=load.quantization)
+            draft = load_checkpoint(
+                speculative.draft_model,
+                device_used,
+                load.dtype,
+                load.linear_backend,
+                load.decode_kernel,
+                revision=speculative.draft_revision,
+                quantization=load.quantization,
+            )
             check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
             draft_model = draft.model
         return cls(checkpoint.model, tokenizer, sorted(eos), config, draft_model)
@@ -198,8 +226,10 @@ class ModelRunner(RequestEngine):
         if len(prompt) > self.max_model_len:
             return f"prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}"
         if generating and len(prompt) == self.max_model_len:
-            return (f"prompt has {len(prompt)} tokens, max_model_len={self.max_model_len} (prompt + generated "
-                    "tokens) leaves no room to generate")
+            return (
+                f"prompt has {len(prompt)} tokens, max_model_len={self.max_model_len} (prompt + generated "
+                "tokens) leaves no room to generate"
+            )
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             return f"prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
@@ -227,8 +257,10 @@ class ModelRunner(RequestEngine):
         for i, seq in enumerate(token_ids):
             problem = self._check_prompt(seq)
             if problem is None and len(seq) > max_positions:
-                problem = (f"prompt has {len(seq)} tokens, more than the KV cache holds ({max_positions} positions): "
-                           "raise max_memory / gpu_memory_utilization")
+                problem = (
+                    f"prompt has {len(seq)} tokens, more than the KV cache holds ({max_positions} positions): "
+                    "raise max_memory / gpu_memory_utilization"
+                )
             if problem:
                 results[i] = ScoreResult([], problem.replace("prompt", "sequence", 1))
             else:

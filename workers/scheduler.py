@@ -74,8 +74,11 @@ class Scheduler(RequestSlots):
         """Before admitting into an idle scheduler: slots and KV for what waits, reusing the workspace when it fits,
         else replacing it by one at least as large (the old storage freed first: one workspace at a time)."""
         num_slots, capacity, num_blocks = workspace_sizes(
-            [self._positions_needed(r) for r in self.waiting], self.config.max_num_seqs,
-            self.budget.max_num_batched_tokens, self.num_kv_blocks, DEFAULT_BLOCK_SIZE,
+            [self._positions_needed(r) for r in self.waiting],
+            self.config.max_num_seqs,
+            self.budget.max_num_batched_tokens,
+            self.num_kv_blocks,
+            DEFAULT_BLOCK_SIZE,
         )
         tokens_per_row = self.num_speculative_tokens + 1
         workspace, proposer, kind = self.workspace, self.proposer, self.executor_kind
@@ -114,8 +117,9 @@ class Scheduler(RequestSlots):
         if outcome is not None:  # the policy times whole steps (plain steps pay the bookkeeping too); a step that
             # also prefilled, or whose proposer caught up on a prompt, says nothing about the cost of its drafts
             seconds = time.perf_counter() - started if outcome.timed and not plan.chunks else None
-            self.policy.observe(outcome.request_ids, outcome.num_drafts, outcome.num_accepted_drafts, seconds,
-                                outcome.width)
+            self.policy.observe(
+                outcome.request_ids, outcome.num_drafts, outcome.num_accepted_drafts, seconds, outcome.width
+            )
         for request_id in self.retired:  # after the policy learnt from their last step
             self.policy.forget(request_id)
         self.retired.clear()

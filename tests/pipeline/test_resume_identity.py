@@ -42,14 +42,23 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
     "change,named",
     [
         (lambda m, d, data: _flip_byte(m / "model.safetensors", 1000), "model_identity.files.model.safetensors"),
-        (lambda m, d, data: (m / "config.json").write_text(
-            json.dumps({**json.loads((m / "config.json").read_text()), "rms_norm_eps": 1e-3})),
-         "model_identity.files.config.json"),
-        (lambda m, d, data: (m / "tokenizer.json").write_text((m / "tokenizer.json").read_text().replace('"cat"', '"cow"')),
-         "model_identity.files.tokenizer.json"),
+        (
+            lambda m, d, data: (m / "config.json").write_text(
+                json.dumps({**json.loads((m / "config.json").read_text()), "rms_norm_eps": 1e-3})
+            ),
+            "model_identity.files.config.json",
+        ),
+        (
+            lambda m, d, data: (m / "tokenizer.json").write_text(
+                (m / "tokenizer.json").read_text().replace('"cat"', '"cow"')
+            ),
+            "model_identity.files.tokenizer.json",
+        ),
         (lambda m, d, data: _flip_byte(d / "model.safetensors", 5000), "draft_model_identity.files.model.safetensors"),
-        (lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
-         "input_identity.files.prompts.jsonl.sha256"),
+        (
+            lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
+            "input_identity.files.prompts.jsonl.sha256",
+        ),
         (lambda m, d, data: write_dataset(data, num_rows=49), "input_identity.num_rows"),
     ],
     ids=["weights", "config", "tokenizer", "draft", "input-contents", "input-rows"],

@@ -16,9 +16,27 @@ pytestmark = pytest.mark.slow
 
 
 def _argv(model, dataset, output, *extra):
-    return ["--model", str(model), "--input", str(dataset), "--text-column", "text", "--id-column", "key",
-            "--max-model-len", "12", "--num-workers", "2", "--rows-per-shard", "10", "--ray-address", "local",
-            "--output", str(output), *extra]
+    return [
+        "--model",
+        str(model),
+        "--input",
+        str(dataset),
+        "--text-column",
+        "text",
+        "--id-column",
+        "key",
+        "--max-model-len",
+        "12",
+        "--num-workers",
+        "2",
+        "--rows-per-shard",
+        "10",
+        "--ray-address",
+        "local",
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def test_score_job_end_to_end_with_resume(checkpoint_dir, dataset, tmp_path, ray_session, capsys):

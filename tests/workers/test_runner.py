@@ -96,8 +96,16 @@ def test_max_model_len_ends_generation(checkpoint_dir):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", "x"),
-     ("stop", [""]), ("stop_token_ids", [-3])],
+    [
+        ("max_tokens", 0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("seed", "x"),
+        ("stop", [""]),
+        ("stop_token_ids", [-3]),
+    ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
@@ -147,8 +155,10 @@ def test_a_prompt_of_max_model_len_tokens_gets_an_error_plain_and_speculative(ch
 
 def test_seeds_are_taken_modulo_2_to_the_64(runner):
     prompt = [5, 6, 7, 8]
-    sampled = [SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
-               for seed in (5, 2**64 + 5, 2**64 - 1, -1)]
+    sampled = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
+        for seed in (5, 2**64 + 5, 2**64 - 1, -1)
+    ]
     results = [r.token_ids for r in runner.generate([prompt] * 4, sampled)]
     assert results[0] == results[1] and results[2] == results[3]
 

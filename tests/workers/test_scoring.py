@@ -52,8 +52,9 @@ def test_chat_scores_the_last_assistant_turn(checkpoint_dir):
     conversation = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the cat sat"}]
     columns = score_shard(runner, [{"m": conversation}, {"m": conversation[:1]}], ScoreSpec(messages_column="m"))
     full = runner.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
-    prompt = runner.tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+    prompt = runner.tokenizer.apply_chat_template(
+        conversation[:1], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert columns["num_scored_tokens"][0] == len(full) - len(prompt) > 0
     assert "assistant" in columns["error"][1]
 
@@ -69,6 +70,9 @@ def test_bad_rows_and_truncation(checkpoint_dir):
     assert strict["error"][3] is None and strict["num_scored_tokens"][3] == 2
     cut = score_shard(runner, rows, ScoreSpec(text_column="text", truncate=True))
     assert cut["num_truncated_tokens"][2] == 8 and cut["num_scored_tokens"][2] == 11 and cut["error"][2] is None
-    full = score_shard(ModelRunner.from_pretrained(str(checkpoint_dir("granite_dense"))), [{"text": " ".join(["cat"] * 12)}],
-                       ScoreSpec(text_column="text"))
+    full = score_shard(
+        ModelRunner.from_pretrained(str(checkpoint_dir("granite_dense"))),
+        [{"text": " ".join(["cat"] * 12)}],
+        ScoreSpec(text_column="text"),
+    )
     assert cut["sum_logprob"][2] == pytest.approx(full["sum_logprob"][0], abs=1e-4)  # the first 12 tokens, scored alike

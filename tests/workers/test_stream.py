@@ -28,9 +28,13 @@ def _shard(index: int, num_rows: int) -> ShardTask:
 
 @pytest.fixture
 def worker(checkpoint_dir):
-    spec = WorkerSpec("generate", str(checkpoint_dir("granite_moe")), EngineConfig().replace(max_num_seqs=4, dtype="auto"),
-                      prompt=PromptSource(prompt_column="text"),
-                      sampling=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    spec = WorkerSpec(
+        "generate",
+        str(checkpoint_dir("granite_moe")),
+        EngineConfig().replace(max_num_seqs=4, dtype="auto"),
+        prompt=PromptSource(prompt_column="text"),
+        sampling=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     worker = ShardWorker(spec)
     assert worker.start_error is None
     return worker

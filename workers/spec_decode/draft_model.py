@@ -141,8 +141,14 @@ class DraftModelProposer(Proposer):
         return torch.cat([first[None], rest]).t().tolist()
 
     def _step_by_step(
-        self, active: list[Request], rows: list[int], budgets: list[int], unseen: list[list[int]],
-        cache_lens: list[int], planned: bool, probs: torch.Tensor | None,
+        self,
+        active: list[Request],
+        rows: list[int],
+        budgets: list[int],
+        unseen: list[list[int]],
+        cache_lens: list[int],
+        planned: bool,
+        probs: torch.Tensor | None,
     ) -> tuple[list[list[int]], list[list[MambaState]] | None]:
         """The draft steps one by one (any sampling): the tokens each row drew, and the module path's states after
         each step (None when planned: the pool holds the last step's, the chain's snapshots the others)."""
@@ -184,7 +190,11 @@ class DraftModelProposer(Proposer):
                 self.covered[request.slot] = start + len(piece)
 
     def _module_step(
-        self, inputs: list[list[int]], lengths: list[int], cache_lens: list[int], slots: torch.Tensor,
+        self,
+        inputs: list[list[int]],
+        lengths: list[int],
+        cache_lens: list[int],
+        slots: torch.Tensor,
         states: list[MambaState],
     ) -> tuple[torch.Tensor, list[MambaState]]:
         """One draft forward module by module from `states` → (logits [b, v] after each row's last input, new states)."""
@@ -192,8 +202,9 @@ class DraftModelProposer(Proposer):
         for row, tokens in enumerate(inputs):
             input_ids[row, : len(tokens)] = torch.tensor(tokens)
         num_tokens = torch.tensor(lengths, device=self.device)
-        batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens,
-                             one_token_each=all(n == 1 for n in lengths))
+        batch = ForwardBatch(
+            slots, torch.tensor(cache_lens, device=self.device), num_tokens, one_token_each=all(n == 1 for n in lengths)
+        )
         out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
         last = out.hidden[torch.arange(len(inputs), device=self.device), num_tokens - 1]
         return self.model.logits(last), out.mamba_states

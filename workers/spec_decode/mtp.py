@@ -165,7 +165,11 @@ class MtpProposer(Proposer):
         return Proposal.from_lists(drafts, probs, caught_up)
 
     def _propose_planned(
-        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        self,
+        active: list[Request],
+        taken: list[_Pending],
+        budgets: list[int],
+        probs: torch.Tensor | None,
         rows: list[int],
     ) -> list[list[int]]:
         """`propose` through the MTP plan: all greedy, the catch-up and the whole chain in one native call; else one
@@ -191,7 +195,11 @@ class MtpProposer(Proposer):
         return chains
 
     def _propose_module(
-        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        self,
+        active: list[Request],
+        taken: list[_Pending],
+        budgets: list[int],
+        probs: torch.Tensor | None,
         rows: list[int],
     ) -> list[list[int]]:
         """`propose` module by module: the catch-up's last output drafts d_1; each further draft feeds the head its
@@ -209,8 +217,9 @@ class MtpProposer(Proposer):
             if step + 1 == max(budgets):
                 break
             previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
-            batch = ForwardBatch(slots, torch.tensor(positions, device=self.device), torch.ones_like(slots),
-                                 one_token_each=True)
+            batch = ForwardBatch(
+                slots, torch.tensor(positions, device=self.device), torch.ones_like(slots), one_token_each=True
+            )
             last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.caches)[:, 0]
             positions = [p + 1 for p in positions]
         return chains

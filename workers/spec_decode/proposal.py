@@ -46,8 +46,9 @@ def empty_draft_probs(
     return torch.zeros(num_reqs, max_k, vocab_size, device=device) if sampled else None
 
 
-def choose_draft_token(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
-                       row: int, step: int) -> int:
+def choose_draft_token(
+    logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None, row: int, step: int
+) -> int:
     """The next draft token of a model proposer: argmax for greedy requests, else a sample from q, recorded in
     probs[row, step] for verification. Steps past a request's own budget only keep the batch running; they draw
     nothing from its generator, so its random stream does not depend on the other requests."""
@@ -116,4 +117,3 @@ class Proposer:
 
     def release(self) -> None:
         """Free storage of the proposer's own now (the target's workspace is being replaced)."""
-

@@ -67,5 +67,7 @@ def method_names() -> tuple[str, ...]:
 
 
 register("ngram", NgramProposer, lambda c: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max))
-register("draft", DraftModelProposer, lambda c: DraftModelProposer(c.draft_model, c.num_speculative_tokens, c.decode_plan))
+register(
+    "draft", DraftModelProposer, lambda c: DraftModelProposer(c.draft_model, c.num_speculative_tokens, c.decode_plan)
+)
 register("mtp", MtpProposer, lambda c: MtpProposer(c.target, c.num_speculative_tokens, c.decode_plan))

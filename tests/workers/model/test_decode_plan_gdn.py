@@ -172,8 +172,12 @@ def test_mtp_drafts_from_the_plans_hidden_states(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     runner = ModelRunner.from_pretrained(path, max_num_seqs=4, speculative=SpeculativeConfig("mtp", 4))
     prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        path, max_num_seqs=4, decode_plan=False).generate(prompts, PARAMS))}
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(path, max_num_seqs=4, decode_plan=False).generate(prompts, PARAMS)
+        )
+    }
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
     scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)

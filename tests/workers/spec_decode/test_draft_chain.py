@@ -137,8 +137,10 @@ def test_chain_drafts_and_kept_states_equal_the_step_by_step_paths(checkpoint_di
     model = load_checkpoint(str(checkpoint_dir(draft))).model
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(4, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(batch)]
+    prompts = [
+        torch.randint(4, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(batch)
+    ]
     runs = {
         "chain": Lockstep(model, prompts, decode_plan=True, native_chain=True),
         "plan steps": Lockstep(model, prompts, decode_plan=True, native_chain=False),

@@ -101,11 +101,19 @@ def _slot_keys(caches: list[KVCache], slot: int, num_tokens: int) -> torch.Tenso
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, linear_backend="torch",
-                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=4))
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)),
+        max_num_seqs=4,
+        linear_backend="torch",
+        speculative=SpeculativeConfig("mtp", num_speculative_tokens=4),
+    )
     prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS))}
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS)
+        )
+    }
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
     scheduler = Scheduler(runner.model, engine_config(4, 4), _requests(prompts), proposer)
@@ -170,8 +178,11 @@ def test_mtp_on_a_mamba2_family_is_refused(checkpoint_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_moe"])
 def test_sampled_mtp_tokens_follow_the_target_distribution(family, checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=64,
-                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=2, policy="fixed"))
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)),
+        max_num_seqs=64,
+        speculative=SpeculativeConfig("mtp", num_speculative_tokens=2, policy="fixed"),
+    )
     prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()[:40]
     n = 1500
     params = [SamplingParams(temperature=1.0, top_k=16, max_tokens=3, seed=i, ignore_eos=True) for i in range(n)]

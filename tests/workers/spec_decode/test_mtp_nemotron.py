@@ -82,8 +82,10 @@ def _mtp_outputs(w: dict, cfg: dict, token_ids: list[int], hidden: torch.Tensor)
     pattern = cfg.get("mtp_hybrid_override_pattern") or "".join(_KINDS[t] for t in cfg["mtp_layers_block_type"])
     eps, first, last = cfg["layer_norm_epsilon"], "mtp.layers.0", f"mtp.layers.{len(pattern) - 1}"
     embedded = w["backbone.embeddings.weight"][torch.tensor(token_ids)]
-    fused = torch.cat([_rms_norm(embedded, w[f"{first}.enorm.weight"], eps),
-                       _rms_norm(hidden, w[f"{first}.hnorm.weight"], eps)], dim=-1)
+    fused = torch.cat(
+        [_rms_norm(embedded, w[f"{first}.enorm.weight"], eps), _rms_norm(hidden, w[f"{first}.hnorm.weight"], eps)],
+        dim=-1,
+    )
     x = fused @ w[f"{first}.eh_proj.weight"].T
     for i, kind in enumerate(pattern):
         normed = _rms_norm(x, w[f"mtp.layers.{i}.norm.weight"], eps)

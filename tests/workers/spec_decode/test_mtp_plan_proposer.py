@@ -38,8 +38,12 @@ class DecodeFormMtp(MtpProposer):
             live = [i for i, c in enumerate(counts) if j < c]
             ids = torch.tensor([[requests[i].token_at(starts[i] + 1 + j)] for i in live])
             positions = torch.tensor([starts[i] + j for i in live])
-            batch = ForwardBatch(torch.tensor([requests[i].slot for i in live]), positions,
-                                 torch.ones_like(positions), one_token_each=True)
+            batch = ForwardBatch(
+                torch.tensor([requests[i].slot for i in live]),
+                positions,
+                torch.ones_like(positions),
+                one_token_each=True,
+            )
             hidden = torch.stack([hiddens[i][j] for i in live])[:, None]
             out = self.head(ids, hidden, self.model.embed_tokens, batch, self.caches)[:, 0]
             for row, i in enumerate(live):
@@ -100,20 +104,30 @@ def _requests(prompts, params) -> list[Request]:
 
 def _prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(n)
-    return [torch.randint(4, 128, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(4, 128, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("batch", [1, 5, 16])
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_dense"])
 def test_planned_drafts_and_kv_equal_the_module_path_under_forced_acceptance(checkpoint_dir, family, batch):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=batch,
-                                         speculative=SpeculativeConfig("mtp", K))
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)), max_num_seqs=batch, speculative=SpeculativeConfig("mtp", K)
+    )
     prompts = _prompts(batch + 2)  # more requests than slots: slots free up and requests move
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        str(checkpoint_dir(family)), max_num_seqs=batch, decode_plan=False).generate(prompts, PARAMS))}
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=batch, decode_plan=False).generate(
+                prompts, PARAMS
+            )
+        )
+    }
     twin = TwinMtp(runner.model, reference)
-    scheduler = Scheduler(runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, [PARAMS] * len(prompts)), twin)
+    scheduler = Scheduler(
+        runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, [PARAMS] * len(prompts)), twin
+    )
     while scheduler.has_work():
         scheduler.step()
     assert all(accepted == expected for accepted, expected in twin.seen)
@@ -128,8 +142,9 @@ def test_planned_drafts_and_kv_equal_the_module_path_under_forced_acceptance(che
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_sampled_rows_chain_one_call_per_step_and_draw_what_the_module_path_draws(checkpoint_dir, batch):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5_text")), max_num_seqs=batch,
-                                         speculative=SpeculativeConfig("mtp", K))
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir("qwen3_5_text")), max_num_seqs=batch, speculative=SpeculativeConfig("mtp", K)
+    )
     prompts = _prompts(batch + 1)
     params = [SAMPLED if i % 2 == 0 else PARAMS for i in range(len(prompts))]  # sampled and greedy rows mixed
     twin = TwinMtp(runner.model, None)

@@ -90,8 +90,17 @@ def _speculative(method: str, jamba_dir, checkpoint_dir) -> SpeculativeConfig:
 
 @pytest.mark.parametrize(
     "method, batch",
-    [("ngram", 1), ("ngram", 5), ("ngram", 16), ("mamba1", 1), ("mamba1", 5), ("mamba1", 16),
-     ("attention", 5), ("mamba2", 5), ("self", 5)],
+    [
+        ("ngram", 1),
+        ("ngram", 5),
+        ("ngram", 16),
+        ("mamba1", 1),
+        ("mamba1", 5),
+        ("mamba1", 16),
+        ("attention", 5),
+        ("mamba2", 5),
+        ("self", 5),
+    ],
 )
 def test_greedy_speculative_equals_greedy_plain(method, batch, jamba_dir, checkpoint_dir, plain_outputs):
     speculative = _speculative(method, jamba_dir, checkpoint_dir)

@@ -57,8 +57,16 @@ def plain_outputs(olmo_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "batch"),
-    [("ngram", 1), ("ngram", 5), ("ngram", 16), ("draft_hybrid", 1), ("draft_hybrid", 5), ("draft_hybrid", 16),
-     ("draft_attention", 16), ("self", 5)],
+    [
+        ("ngram", 1),
+        ("ngram", 5),
+        ("ngram", 16),
+        ("draft_hybrid", 1),
+        ("draft_hybrid", 5),
+        ("draft_hybrid", 16),
+        ("draft_attention", 16),
+        ("self", 5),
+    ],
 )
 def test_greedy_speculative_equals_greedy_plain(method, batch, olmo_dir, plain_outputs, checkpoint_dir):
     if method == "ngram":  # fixed k: the lookup keeps drafting wherever it matches

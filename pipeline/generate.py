@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import GenerateJobConfig
-from pipeline.job import Job, build_job, engine_config
+from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
-from workers.actor import WorkerSpec
 from workers.rows import GENERATE_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
@@ -41,9 +40,9 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     if config.speculative.speculative == "draft":
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input
-    engine = engine_config(model, revision, speculative_config(config, draft_revision))
+    speculative = speculative_config(config, draft_revision)
     prompt = PromptSource(columns.prompt_column, columns.messages_column)
-    worker = WorkerSpec("generate", model.model, engine, prompt, sampling=sampling)
+    worker = worker_spec("generate", model, revision, speculative, prompt=prompt, sampling=sampling)
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
     return build_job(

@@ -75,6 +75,18 @@ def engine_config(
     )
 
 
+def worker_spec(
+    task: str,
+    model: ModelConfig,
+    revision: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+    **task_fields: Any,
+) -> WorkerSpec:
+    """The `WorkerSpec` of a job's workers (generate and score alike): the engine config built from the model section
+    and the speculative config, plus the task's typed options (`prompt`, `sampling` or `scoring`)."""
+    return WorkerSpec(task, model.model, engine_config(model, revision, speculative), **task_fields)
+
+
 def readable(column: pa.ChunkedArray) -> pa.ChunkedArray:
     """An input column as the output copies it: text that is not valid UTF-8 (pyarrow's JSON reader lets it through;
     that row's `error` says so) with each bad byte replaced by U+FFFD, so that every reader can read the file."""

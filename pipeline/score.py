@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import ScoreJobConfig
-from pipeline.job import Job, build_job, engine_config
+from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
-from workers.actor import WorkerSpec
 from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
 
 
@@ -22,7 +21,7 @@ def build_score_job(config: ScoreJobConfig) -> Job:
         messages_column=columns.messages_column,
         **dataclasses.asdict(config.scoring),
     )
-    worker = WorkerSpec("score", model.model, engine_config(model, revision), scoring=spec)
+    worker = worker_spec("score", model, revision, scoring=spec)
     flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
              "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip

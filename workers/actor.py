@@ -68,6 +68,11 @@ class WorkerSpec:
         return self.engine.load.revision
 
     @property
+    def enforce_eager(self) -> bool:
+        """Whether the workers run every step eagerly, without CUDA graphs (vLLM's name)."""
+        return self.engine.execution.cuda_graphs is False
+
+    @property
     def max_num_seqs(self) -> int:
         """Requests each worker decodes together."""
         return self.engine.scheduler.max_num_seqs

@@ -97,7 +97,10 @@ def test_enforce_eager_reaches_the_workers_and_a_job_resumes_across_it(setup, mo
     assert parsed.enforce_eager and not ModelConfig(model=str(model)).enforce_eager
     assert worker_spec("score", parsed).enforce_eager
     arguments = {}
-    monkeypatch.setattr("workers.actor.ModelRunner.from_pretrained", lambda *a, **k: arguments.update(k))
+    monkeypatch.setattr(
+        "workers.actor.ModelRunner.from_pretrained",
+        lambda path, config: arguments.update(cuda_graphs=config.execution.cuda_graphs),
+    )
     ShardWorker(worker_spec("generate", parsed))
     assert arguments["cuda_graphs"] is False
     ShardWorker(worker_spec("generate", ModelConfig(model=str(model))))

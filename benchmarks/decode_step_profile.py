@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.steps.decode_plan import DecodePlan
 from workers.model.steps.plan_records import Op
 
@@ -69,8 +69,13 @@ def profile(runner: ModelRunner, batch: int, args: argparse.Namespace) -> dict[s
     if not steps:
         raise SystemExit("no planned decode steps ran (native kernels off, or a GPU runner)")
     per_step = {name: 1e3 * t / steps for name, t in totals.items()}
-    return {"batch": batch, "steps": steps, "generate_s": wall, "ms_per_step": per_step,
-            "records_per_step": {name: c // steps for name, c in counts.items()}}  # fmt: skip
+    return {
+        "batch": batch,
+        "steps": steps,
+        "generate_s": wall,
+        "ms_per_step": per_step,
+        "records_per_step": {name: c // steps for name, c in counts.items()},
+    }
 
 
 def main() -> int:
@@ -93,8 +98,10 @@ def main() -> int:
         result = profile(runner, batch, args)
         results.append(result)
         total = sum(result["ms_per_step"].values())
-        print(f"\n{args.preset} {args.variant}, batch {batch}, {torch.get_num_threads()} threads: "
-              f"{total:.2f} ms per decode step over {result['steps']} steps")  # fmt: skip
+        print(
+            f"\n{args.preset} {args.variant}, batch {batch}, {torch.get_num_threads()} threads: "
+            f"{total:.2f} ms per decode step over {result['steps']} steps"
+        )
         print(f"{'op':<20} {'records':>8} {'ms/step':>9} {'share':>7}")
         for name, ms in sorted(result["ms_per_step"].items(), key=lambda kv: -kv[1]):
             print(f"{name:<20} {result['records_per_step'][name]:>8} {ms:>9.3f} {ms / total:>7.1%}")

@@ -38,8 +38,8 @@ def measure(preset: str, batch_sizes: list[int], rounds: int, threads: int) -> d
     """In this process: best output tok/s per path and batch size, and prompt tok/s per prefill shape."""
     import torch
 
+    from bench.generation import build_preset, random_prompts
     from workers import ModelRunner, SamplingParams
-    from workers.benchmark import build_preset, random_prompts
     from workers.model.kernels import native
 
     torch.set_num_threads(threads)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.kernels import native
 
 BUILD_TARGETS = ("llama-batched-bench", "llama-quantize")
@@ -72,8 +72,21 @@ def llama_source(cache: Path) -> Path:
     sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
         cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "llama-cpp-python", "-d", str(cache)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "llama-cpp-python",
+                "-d",
+                str(cache),
+            ],
+            check=True,
+        )
         sdists = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
     source = cache / sdists[-1].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
     if not (source / "CMakeLists.txt").exists():
@@ -122,16 +135,32 @@ def convert(source: Path, bin_dir: Path, checkpoint: Path, out_dir: Path) -> dic
     if not ggufs["f32"].exists():
         env = {**os.environ, "PYTHONPATH": f"{source}{os.pathsep}{source / 'gguf-py'}"}
         staged = staged_checkpoint(checkpoint, out_dir)
-        done = subprocess.run([sys.executable, "-c", CONVERT_SHIM, str(source / "convert_hf_to_gguf.py"), str(staged),
-                               "--outtype", "f32", "--outfile", str(ggufs["f32"])],
-                              env=env, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CONVERT_SHIM,
+                str(source / "convert_hf_to_gguf.py"),
+                str(staged),
+                "--outtype",
+                "f32",
+                "--outfile",
+                str(ggufs["f32"]),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             if "not supported" in done.stderr:
                 return None
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     if not ggufs["q8_0"].exists():
-        subprocess.run([str(bin_dir / "llama-quantize"), str(ggufs["f32"]), str(ggufs["q8_0"]), "q8_0"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), str(ggufs["f32"]), str(ggufs["q8_0"]), "q8_0"],
+            check=True,
+            capture_output=True,
+        )
     return ggufs
 
 
@@ -210,8 +239,17 @@ def greedy_check(cache: Path, gguf: Path, runner: ModelRunner, new_tokens: int, 
     prompt_ids = [ids.get(word if i == 0 else "Ġ" + word) for i, word in enumerate(GREEDY_PROMPT.split())]
     if None in prompt_ids:
         return "greedy check skipped (prompt words are not single tokens)"
-    done = subprocess.run([str(build_llama(cache, ("llama-simple",), isa) / "llama-simple"), "-m", str(gguf), "-n",
-                           str(new_tokens), GREEDY_PROMPT], capture_output=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            str(build_llama(cache, ("llama-simple",), isa) / "llama-simple"),
+            "-m",
+            str(gguf),
+            "-n",
+            str(new_tokens),
+            GREEDY_PROMPT,
+        ],
+        capture_output=True,
+    )
     if done.returncode != 0:
         return f"greedy check skipped (llama-simple failed: {done.stderr.decode().strip().splitlines()[-1:]})"
     before, _, llama_text = done.stdout.partition(GREEDY_PROMPT.encode())
@@ -290,8 +328,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hybridgen" / "llama.cpp")
-    p.add_argument("--greedy-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt")  # fmt: skip
+    p.add_argument(
+        "--greedy-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare greedy tokens of llama-simple (f32) and hybridgen float32 on one prompt",
+    )
     p.add_argument(
         "--isa",
         choices=["native", "avx2"],

@@ -56,8 +56,13 @@ def measure(path: str, batch: int, new_tokens: int, quantization: str | None, pl
     held = sum(t.numel() * t.element_size() for t in tensors.values())
     float32 = 4 * sum(p.numel() for p in model.parameters())
     float32 += 4 * sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "panels"))
-    return {"start_mib": start, "loaded_mib": loaded, "generated_mib": generated, "held_mib": held / 2**20,
-            "float32_weights_mib": float32 / 2**20}  # fmt: skip
+    return {
+        "start_mib": start,
+        "loaded_mib": loaded,
+        "generated_mib": generated,
+        "held_mib": held / 2**20,
+        "float32_weights_mib": float32 / 2**20,
+    }
 
 
 def main() -> int:

@@ -26,7 +26,9 @@ def main() -> int:
     """Print the agreement figures as a table (and write them as JSON with --json)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "examples/models/demo-target"))
-    p.add_argument("--variant", choices=sorted(set(VARIANTS) - {"float32"}), default="int8", help="the weights to compare")
+    p.add_argument(
+        "--variant", choices=sorted(set(VARIANTS) - {"float32"}), default="int8", help="the weights to compare"
+    )
     p.add_argument("--draft", default=None, help="also check greedy speculative == plain under the variant with it")
     p.add_argument("--prompts", default=str(ROOT / "examples/prompts.jsonl"))
     p.add_argument("--new-tokens", type=int, default=64)
@@ -34,8 +36,10 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args()
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    runners = {name: ModelRunner.from_pretrained(args.model, max_num_seqs=32, **VARIANTS[name])
-               for name in ("float32", args.variant)}  # fmt: skip
+    runners = {
+        name: ModelRunner.from_pretrained(args.model, max_num_seqs=32, **VARIANTS[name])
+        for name in ("float32", args.variant)
+    }
     prompts = [runners["float32"].tokenizer.encode(row["prompt"]) for row in rows[: args.max_prompts]]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     outputs = {q: [r.token_ids for r in runner.generate(prompts, params)] for q, runner in runners.items()}
@@ -51,8 +55,9 @@ def main() -> int:
               "mean_abs_delta_logprob": deltas.mean().item(), "max_abs_delta_logprob": deltas.max().item()}  # fmt: skip
     if args.draft:
         speculative = SpeculativeConfig("draft", 4, draft_model=args.draft)
-        spec = ModelRunner.from_pretrained(args.model, max_num_seqs=32, speculative=speculative,
-                                           **VARIANTS[args.variant])  # fmt: skip
+        spec = ModelRunner.from_pretrained(
+            args.model, max_num_seqs=32, speculative=speculative, **VARIANTS[args.variant]
+        )
         spec_outputs = [r.token_ids for r in spec.generate(prompts, params)]
         result[f"{args.variant}_speculative_equals_plain"] = spec_outputs == outputs[args.variant]
         result[f"{args.variant}_acceptance_rate"] = spec.spec_stats()["acceptance_rate"]

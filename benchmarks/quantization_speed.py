@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.generation import PRESETS, build_preset, random_prompts
 from workers import ModelRunner, SamplingParams
-from workers.benchmark import PRESETS, build_preset, random_prompts
 from workers.model.layers.linear import NativeLinear
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -91,9 +91,11 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     path = str(build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}"))
     runners = {name: load_variant(path, name, max(args.batch_sizes)) for name in args.variants}
-    print(f"preset {args.preset}, {torch.get_num_threads()} threads, {args.prompt_len}-token prompts, "
-          f"{args.new_tokens} new tokens, medians of {args.rounds} alternating rounds; greedy tokens equal to "
-          f"{args.variants[0]}'s in brackets")  # fmt: skip
+    print(
+        f"preset {args.preset}, {torch.get_num_threads()} threads, {args.prompt_len}-token prompts, "
+        f"{args.new_tokens} new tokens, medians of {args.rounds} alternating rounds; greedy tokens equal to "
+        f"{args.variants[0]}'s in brackets"
+    )
     print("batch  " + "  ".join(f"{name:>22}" for name in args.variants))
     results = []
     for batch in args.batch_sizes:

@@ -53,19 +53,27 @@ def measure(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, Any]
         expected = [r.token_ids for r in plain.generate(token_ids, params)]
         for k in args.ks:
             speculative = SpeculativeConfig(method, k, draft_model=draft, policy="fixed")
-            runner = ModelRunner.from_pretrained(path, dtype="float32", max_num_seqs=args.max_num_seqs,
-                                                 speculative=speculative)  # fmt: skip
+            runner = ModelRunner.from_pretrained(
+                path, dtype="float32", max_num_seqs=args.max_num_seqs, speculative=speculative
+            )
             start = time.perf_counter()
             results = runner.generate(token_ids, params)
             seconds = time.perf_counter() - start
             stats = runner.spec_stats()
-            rows.append({"method": method, "model": Path(path).name, "draft": Path(draft).name if draft else "mtp head",
-                         "k": k, "acceptance_per_position": stats["acceptance_per_position"][:k],
-                         "acceptance_rate": stats["acceptance_rate"],
-                         "mean_accepted_length": stats["mean_accepted_length"],
-                         "num_verification_steps": stats["num_drafts"],
-                         "identical_to_plain": [r.token_ids for r in results] == expected,
-                         "seconds": seconds})  # fmt: skip
+            rows.append(
+                {
+                    "method": method,
+                    "model": Path(path).name,
+                    "draft": Path(draft).name if draft else "mtp head",
+                    "k": k,
+                    "acceptance_per_position": stats["acceptance_per_position"][:k],
+                    "acceptance_rate": stats["acceptance_rate"],
+                    "mean_accepted_length": stats["mean_accepted_length"],
+                    "num_verification_steps": stats["num_drafts"],
+                    "identical_to_plain": [r.token_ids for r in results] == expected,
+                    "seconds": seconds,
+                }
+            )
     return rows
 
 
@@ -81,7 +89,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['mean_accepted_length']:.3f}",
             str(row["num_verification_steps"]),
             str(row["identical_to_plain"]),
-        ]  # fmt: skip
+        ]
         for row in rows
     ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]

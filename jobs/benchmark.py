@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeline.benchmark import bench_resume
-from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.benchmark import (
+from bench.driver_bookkeeping import bench_resume
+from bench.generation import (
     H200_BANDWIDTH_GBS,
     PRESETS,
     batch1_roofline,
@@ -37,10 +36,11 @@ from workers.benchmark import (
     reset_peak_memory,
     timed,
 )
-from workers.job_benchmark import bench_prefix, bench_shards
-from workers.model.checkpoint.loader import DECODE_KERNELS
+from bench.job_throughput import bench_prefix, bench_shards
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model.kernels import native
 from workers.model.layers.linear import QUANTIZATIONS
+from workers.model.loader import DECODE_KERNELS
 from workers.model.steps import cuda_graph
 from workers.model.steps.decode_plan import unsupported_reason
 
@@ -50,10 +50,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--task", choices=["generate", "score", "shards", "prefix", "resume"], default="generate",
-                   help="what to measure (shards: a job's rows streamed through one worker against one call per "
-                   "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
-                   "and distinct prompts; resume: the driver's shard bookkeeping, no model)")  # fmt: skip
+    p.add_argument(
+        "--task",
+        choices=["generate", "score", "shards", "prefix", "resume"],
+        default="generate",
+        help="what to measure (shards: a job's rows streamed through one worker against one call per "
+        "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
+        "and distinct prompts; resume: the driver's shard bookkeeping, no model)",
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="bench", help="random-weight model shapes")
     p.add_argument("--model", help="a local checkpoint instead of a preset")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -73,43 +77,75 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--speculative", choices=["ngram", "draft", "mtp"], help="add spec-decode runs on copy-heavy prompts"
     )
-    p.add_argument("--prompts", help="JSONL with a `prompt` text column to use instead of generated prompts "
-                   "(speculative runs; tokenized with the model's tokenizer; generation stops at eos)")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        help="JSONL with a `prompt` text column to use instead of generated prompts "
+        "(speculative runs; tokenized with the model's tokenizer; generation stops at eos)",
+    )
     p.add_argument("--prompt-kind", help="only --prompts rows whose `kind` is this (the demo's: copy, continue)")
-    p.add_argument("--min-prompts", type=int, default=1,
-                   help="speculative runs: at least this many prompts per batch size, run batch-size at a time "
-                   "(batch 1 over several prompts)")  # fmt: skip
+    p.add_argument(
+        "--min-prompts",
+        type=int,
+        default=1,
+        help="speculative runs: at least this many prompts per batch size, run batch-size at a time "
+        "(batch 1 over several prompts)",
+    )
     p.add_argument("--draft-model", help="draft checkpoint for --speculative draft (default: the model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step at most")
-    p.add_argument("--speculative-policy", choices=["adaptive", "fixed", "curve"], default="adaptive",
-                   help="adaptive: drafts per step chosen from measured step times and acceptance; fixed: always "
-                   "--num-speculative-tokens; curve: fixed k = 1 … --num-speculative-tokens and adaptive, each "
-                   "against the same plain runs")  # fmt: skip
+    p.add_argument(
+        "--speculative-policy",
+        choices=["adaptive", "fixed", "curve"],
+        default="adaptive",
+        help="adaptive: drafts per step chosen from measured step times and acceptance; fixed: always "
+        "--num-speculative-tokens; curve: fixed k = 1 … --num-speculative-tokens and adaptive, each "
+        "against the same plain runs",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--decode-kernel", choices=list(DECODE_KERNELS), default="auto",
-                   help="how Mamba2 and Gated DeltaNet decode steps run: auto (native C kernel on CPU float32, else "
-                   "torch; Triton on CUDA), torch (the reference path), compile (torch.compile; Mamba2 only), native or "
-                   "triton")  # fmt: skip
+    p.add_argument(
+        "--decode-kernel",
+        choices=list(DECODE_KERNELS),
+        default="auto",
+        help="how Mamba2 and Gated DeltaNet decode steps run: auto (native C kernel on CPU float32, else "
+        "torch; Triton on CUDA), torch (the reference path), compile (torch.compile; Mamba2 only), native or "
+        "triton",
+    )
     p.add_argument(
         "--no-decode-plan",
         action="store_true",
         help="run decode steps module by module instead of as one native call (the plan's baseline)",
     )
-    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="decode and verification steps as CUDA graphs (auto: on for CUDA; on, on CPU: their eager "
-                   "form); when on, the same weights are also measured eagerly in the same run")  # fmt: skip
-    p.add_argument("--peak-bandwidth-gbs", type=float, default=None,
-                   help=f"memory bandwidth for the batch-1 roofline share (default: {H200_BANDWIDTH_GBS:.0f}, an "
-                   "H200's HBM, on CUDA; on CPU only when given)")  # fmt: skip
+    p.add_argument(
+        "--cuda-graphs",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode and verification steps as CUDA graphs (auto: on for CUDA; on, on CPU: their eager "
+        "form); when on, the same weights are also measured eagerly in the same run",
+    )
+    p.add_argument(
+        "--peak-bandwidth-gbs",
+        type=float,
+        default=None,
+        help=f"memory bandwidth for the batch-1 roofline share (default: {H200_BANDWIDTH_GBS:.0f}, an "
+        "H200's HBM, on CUDA; on CPU only when given)",
+    )
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
-    p.add_argument("--shard-rows", type=int, default=None, help="--task shards: rows per shard (default: 2 × the "
-                   "largest --batch-sizes, which is max_num_seqs)")  # fmt: skip
+    p.add_argument(
+        "--shard-rows",
+        type=int,
+        default=None,
+        help="--task shards: rows per shard (default: 2 × the largest --batch-sizes, which is max_num_seqs)",
+    )
     p.add_argument("--prefix-len", type=int, default=1500, help="--task prefix: tokens of the shared prefix")
     p.add_argument("--suffix-len", type=int, default=30, help="--task prefix: mean tokens of each row's own suffix")
-    p.add_argument("--num-distinct", type=int, default=1000, help="--task prefix: rows of the distinct-prompt run "
-                   "(--prompt-len tokens each)")  # fmt: skip
-    p.add_argument("--num-shards", type=int, nargs="+", default=[100_000],
-                   help="--task resume: shards in the plan (one row each)")  # fmt: skip
+    p.add_argument(
+        "--num-distinct",
+        type=int,
+        default=1000,
+        help="--task prefix: rows of the distinct-prompt run (--prompt-len tokens each)",
+    )
+    p.add_argument(
+        "--num-shards", type=int, nargs="+", default=[100_000], help="--task resume: shards in the plan (one row each)"
+    )
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     return p.parse_args(argv)
 
@@ -143,20 +179,30 @@ def bench_generate(args: argparse.Namespace, path: str, runner: ModelRunner) -> 
 
 def _eager_twin(runner: ModelRunner) -> ModelRunner:
     """A runner over the same loaded weights that runs every step eagerly (no weights loaded twice)."""
-    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
-                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
-                       cuda_graphs=False)  # fmt: skip
+    return ModelRunner(
+        runner.model,
+        runner.tokenizer,
+        sorted(runner.eos_token_ids),
+        runner.engine_config,
+        cuda_graphs=False,
+        speculative=None,
+    )
 
 
 def _measure(runner: ModelRunner, engine: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """Rates of one engine on `prompts` (a 1-token run times prefill), and its peak memory meanwhile."""
     reset_peak_memory(runner.device)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    first = timed(lambda: runner.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
-                  args.repeats, runner.device)  # fmt: skip
+    first = timed(
+        lambda: runner.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+        args.repeats,
+        runner.device,
+    )
     full = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
-    return {**_rates(engine, len(prompts), args, first.seconds, full.seconds),
-            "peak_memory_mb": peak_memory_mb(runner.device)}  # fmt: skip
+    return {
+        **_rates(engine, len(prompts), args, first.seconds, full.seconds),
+        "peak_memory_mb": peak_memory_mb(runner.device),
+    }
 
 
 def _rates(engine: str, batch: int, args: argparse.Namespace, prefill_s: float, total_s: float) -> dict[str, Any]:
@@ -192,8 +238,13 @@ def _spec_variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(label, policy, k) of every speculative configuration to measure: one, or the whole curve."""
     k = args.num_speculative_tokens
     if args.speculative_policy != "curve":
-        return [(f"{args.speculative_policy} k≤{k}" if args.speculative_policy == "adaptive" else f"fixed k={k}",
-                 args.speculative_policy, k)]  # fmt: skip
+        return [
+            (
+                f"{args.speculative_policy} k≤{k}" if args.speculative_policy == "adaptive" else f"fixed k={k}",
+                args.speculative_policy,
+                k,
+            )
+        ]
     return [(f"fixed k={j}", "fixed", j) for j in range(1, k + 1)] + [(f"adaptive k≤{k}", "adaptive", k)]
 
 
@@ -205,8 +256,9 @@ def _spec_prompts(args: argparse.Namespace, runner: ModelRunner, batch: int) -> 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     texts = [row["prompt"] for row in rows if args.prompt_kind in (None, row.get("kind"))]
     if len(texts) < count:
-        raise SystemExit(f"--prompts {args.prompts} has {len(texts)} prompts of kind {args.prompt_kind!r}, "
-                         f"{count} needed")  # fmt: skip
+        raise SystemExit(
+            f"--prompts {args.prompts} has {len(texts)} prompts of kind {args.prompt_kind!r}, {count} needed"
+        )
     return [runner.tokenizer.encode(text) for text in texts[:count]]
 
 
@@ -227,7 +279,7 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
             decode_kernel=args.decode_kernel,
             decode_plan=not args.no_decode_plan,
             quantization=args.quantization,
-        )  # fmt: skip
+        )
         for label, policy, k in _spec_variants(args)
     }
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=not args.prompts)
@@ -260,14 +312,22 @@ def bench_speculative(args: argparse.Namespace, path: str, runner: ModelRunner) 
             steps = after["num_drafts"] - before[label]["num_drafts"]
             chosen = {k: n - before[label]["num_steps_by_k"].get(k, 0) for k, n in after["num_steps_by_k"].items()}
             fast = statistics.median(times[label])
-            rows.append({"engine": f"hybridgen+{args.speculative}", "policy": label, "batch": batch,
-                         "prompts": len(prompts), "identical_to_plain": same[label],
-                         "acceptance_rate": accepted / drafts if drafts else 0.0,
-                         "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
-                         "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
-                         "plain_tokens_per_s": tokens / plain, "spec_tokens_per_s": tokens / fast,
-                         "speedup": plain / fast,
-                         "decode_speedup": (plain - prefill.seconds) / max(fast - prefill.seconds, 1e-9)})  # fmt: skip
+            rows.append(
+                {
+                    "engine": f"hybridgen+{args.speculative}",
+                    "policy": label,
+                    "batch": batch,
+                    "prompts": len(prompts),
+                    "identical_to_plain": same[label],
+                    "acceptance_rate": accepted / drafts if drafts else 0.0,
+                    "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                    "steps_by_k": " ".join(f"{k}:{n}" for k, n in sorted(chosen.items()) if n),
+                    "plain_tokens_per_s": tokens / plain,
+                    "spec_tokens_per_s": tokens / fast,
+                    "speedup": plain / fast,
+                    "decode_speedup": (plain - prefill.seconds) / max(fast - prefill.seconds, 1e-9),
+                }
+            )
     return rows
 
 
@@ -288,13 +348,20 @@ def bench_job_shards(args: argparse.Namespace) -> int:
     def load() -> ModelRunner:
         if args.threads:
             torch.set_num_threads(args.threads)
-        return ModelRunner.from_pretrained(str(path), device=args.device, dtype=args.dtype,
-                                           max_num_seqs=max(args.batch_sizes),
-                                           quantization=args.quantization)  # fmt: skip
+        return ModelRunner.from_pretrained(
+            str(path),
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=max(args.batch_sizes),
+            quantization=args.quantization,
+        )
 
     rows = bench_shards(load, args.num_rows, args.prompt_len, shard_rows, args.new_tokens, args.repeats)
-    print_table(f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
-                f"(mean {args.new_tokens}): streamed shards vs one call", rows)  # fmt: skip
+    print_table(
+        f"job of {args.num_rows} rows, max_num_seqs {max(args.batch_sizes)}, log-normal output lengths "
+        f"(mean {args.new_tokens}): streamed shards vs one call",
+        rows,
+    )
     Path(args.json).write_text(json.dumps({"shards": rows, "model": str(path), "args": vars(args)}, indent=2))
     return 0
 
@@ -326,11 +393,21 @@ def main(argv: list[str] | None = None) -> int:
                               "decode_plan": _decode_plan(runner), "cuda_graphs": _cuda_graphs(runner),
                               "args": vars(args)}  # fmt: skip
     if args.task == "prefix":
-        result["prefix"] = bench_prefix(runner, args.num_rows, args.prefix_len, args.suffix_len, args.new_tokens,
-                                        args.num_distinct, args.prompt_len, args.repeats)  # fmt: skip
-        print_table(f"prefix caching: {args.num_rows} rows sharing {args.prefix_len} tokens (+ ~{args.suffix_len} "
-                    f"own), {args.num_distinct} distinct prompts of {args.prompt_len}; {args.new_tokens} new tokens",
-                    result["prefix"])  # fmt: skip
+        result["prefix"] = bench_prefix(
+            runner,
+            args.num_rows,
+            args.prefix_len,
+            args.suffix_len,
+            args.new_tokens,
+            args.num_distinct,
+            args.prompt_len,
+            args.repeats,
+        )
+        print_table(
+            f"prefix caching: {args.num_rows} rows sharing {args.prefix_len} tokens (+ ~{args.suffix_len} "
+            f"own), {args.num_distinct} distinct prompts of {args.prompt_len}; {args.new_tokens} new tokens",
+            result["prefix"],
+        )
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

@@ -19,10 +19,19 @@ import torch
 from torch import nn
 
 GDN_SHAPES: dict[str, Any] = dict(
-    hidden_size=256, num_hidden_layers=6, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
-    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, intermediate_size=768,
-)  # fmt: skip
+    hidden_size=256,
+    num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    intermediate_size=768,
+)
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's λ for the MTP loss early in training
 
 
@@ -32,9 +41,16 @@ def gdn_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
             "mrope_section": [3, 3, 2], "mrope_interleaved": True}  # fmt: skip
-    config = Qwen3_5TextConfig(vocab_size=vocab_size, tie_word_embeddings=True, max_position_embeddings=2048,
-                               rope_parameters=rope, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                               bos_token_id=eos_token_id, **GDN_SHAPES)  # fmt: skip
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        rope_parameters=rope,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=eos_token_id,
+        **GDN_SHAPES,
+    )
     config.mtp_num_hidden_layers = 1  # as Qwen3.5 checkpoints declare their head (transformers does not read it)
     return config
 

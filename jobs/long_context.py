@@ -32,7 +32,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this process (run through `--one`): wall seconds, tokens/s and peak RSS."""
     import torch
 
-    from workers.benchmark import random_prompts
+    from bench.generation import random_prompts
 
     torch.manual_seed(0)
     prompts = random_prompts(spec["n"], spec["length"], 32000)
@@ -48,8 +48,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         from workers import ModelRunner, SamplingParams
 
         options = {"max_num_batched_tokens": spec["budget"]} if spec.get("budget") else {}
-        runner = ModelRunner.from_pretrained(spec["path"], max_num_seqs=64, max_model_len=spec["length"] + spec["new"],
-                                             **options)  # fmt: skip
+        runner = ModelRunner.from_pretrained(
+            spec["path"], max_num_seqs=64, max_model_len=spec["length"] + spec["new"], **options
+        )
         params = SamplingParams(max_tokens=spec["new"], temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         results = runner.generate(prompts, params)
@@ -59,9 +60,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(errors[0])
         new_tokens = sum(len(r.token_ids) for r in results)
     prompt_tokens = spec["n"] * spec["length"]
-    return {**spec, "wall_s": round(wall, 2), "prompt_tok_s": round(prompt_tokens / wall, 1),
-            "new_tok_s": round(new_tokens / wall, 1) if new_tokens else None,
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}  # fmt: skip
+    return {
+        **spec,
+        "wall_s": round(wall, 2),
+        "prompt_tok_s": round(prompt_tokens / wall, 1),
+        "new_tok_s": round(new_tokens / wall, 1) if new_tokens else None,
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
 
 
 def run_one(spec: dict[str, Any], source: Path, timeout: int, memory_limit_gb: float) -> dict[str, Any]:
@@ -82,15 +87,19 @@ def run_one(spec: dict[str, Any], source: Path, timeout: int, memory_limit_gb: f
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per measurement."""
-    header = f"{'engine':<22} {'prompts':>7} {'tokens':>8} {'new':>4} {'wall s':>8} {'prompt tok/s':>12} " \
-             f"{'new tok/s':>9} {'peak RSS GB':>11}  result"  # fmt: skip
+    header = (
+        f"{'engine':<22} {'prompts':>7} {'tokens':>8} {'new':>4} {'wall s':>8} {'prompt tok/s':>12} "
+        f"{'new tok/s':>9} {'peak RSS GB':>11}  result"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         label = r["label"] + (f" budget {r['budget']}" if r.get("budget") else "")
-        print(f"{label:<22} {r['n']:>7} {r['length']:>8} {r['new']:>4} {r.get('wall_s', ''):>8} "
-              f"{r.get('prompt_tok_s', ''):>12} {r.get('new_tok_s') or '':>9} {r.get('peak_rss_gb', ''):>11}  "
-              f"{r['result']}")  # fmt: skip
+        print(
+            f"{label:<22} {r['n']:>7} {r['length']:>8} {r['new']:>4} {r.get('wall_s', ''):>8} "
+            f"{r.get('prompt_tok_s', ''):>12} {r.get('new_tok_s') or '':>9} {r.get('peak_rss_gb', ''):>11}  "
+            f"{r['result']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(measure(json.loads(args.one))))
         return 0
-    from workers.benchmark import build_preset
+    from bench.generation import build_preset
 
     path = str(build_preset("bench", Path(tempfile.gettempdir()) / "hybridgen-bench"))
     runs = [(dict(engine=e, n=1, length=n, new=1), e, ROOT) for n in args.lengths for e in args.engines]

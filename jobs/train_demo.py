@@ -72,8 +72,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=PAD)
 
@@ -123,10 +124,21 @@ def train(name: str, stream: torch.Tensor, vocab_size: int, steps: int, seq_len:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     torch.manual_seed(seed)
-    config = GraniteMoeHybridConfig(vocab_size=vocab_size, num_local_experts=0, mamba_n_groups=1, mamba_d_conv=4,
-                                    mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
-                                    tie_word_embeddings=True, eos_token_id=0, pad_token_id=1, bos_token_id=0,
-                                    max_position_embeddings=2048, **MODELS[name])  # fmt: skip
+    config = GraniteMoeHybridConfig(
+        vocab_size=vocab_size,
+        num_local_experts=0,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        position_embedding_type="rope",
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        pad_token_id=1,
+        bos_token_id=0,
+        max_position_embeddings=2048,
+        **MODELS[name],
+    )
     model = GraniteMoeHybridForCausalLM(config)
 
     def loss_fn(x: torch.Tensor) -> LossParts:
@@ -201,8 +213,13 @@ def main() -> None:
     parser.add_argument("--draft-steps", type=int, default=600)
     parser.add_argument("--gdn-steps", type=int, default=350)
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--only", nargs="+", choices=NAMES, help="train only these models, reusing the shipped "
-                        "tokenizer (examples/models/demo-target) and leaving the prompts as they are")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=NAMES,
+        help="train only these models, reusing the shipped "
+        "tokenizer (examples/models/demo-target) and leaving the prompts as they are",
+    )
     parser.add_argument("--out", default=str(ROOT / "examples"))
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -218,8 +235,11 @@ def main() -> None:
     print(f"{len(train_texts)} training files ({len(stream)} tokens), {len(held_texts)} held out", flush=True)
     for name, steps, seed in (("demo-draft", args.draft_steps, 1), ("demo-target", args.target_steps, 0)):
         if name in names:
-            save_model(train(name, stream, len(tokenizer), steps, seq_len=256, batch=16, seed=seed),
-                       out / "models" / name, tokenizer)  # fmt: skip
+            save_model(
+                train(name, stream, len(tokenizer), steps, seq_len=256, batch=16, seed=seed),
+                out / "models" / name,
+                tokenizer,
+            )
     if "demo-gdn" in names:
         model, head = train_gdn(stream, tokenizer, args.gdn_steps, seq_len=256, batch=16, seed=2)
         save_model(model, out / "models" / "demo-gdn", tokenizer, demo_gdn.mtp_tensors(head))

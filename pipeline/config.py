@@ -11,12 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
+from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SchedulerConfig
+from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
+from workers.sampling import SamplingParams
+from workers.spec_decode import SpeculativeConfig, registry
+from workers.spec_decode.policy import POLICIES
 
-DEVICES = ("auto", "cuda", "cpu")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int8_weight_only")
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "mtp")
-SPECULATIVE_POLICIES = ("adaptive", "fixed")
+# The workers' lists (`workers/config.py`), as flags spell them: "none" for no quantization or speculation.
+DTYPES = LOAD_DTYPES
+QUANTIZATIONS = ("none", *WORKER_QUANTIZATIONS)
+SPECULATIVE_METHODS = ("none", *registry.method_names())
+SPECULATIVE_POLICIES = POLICIES
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -33,13 +38,17 @@ def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
 class InputConfig:
     """Where the rows come from and which columns hold what."""
 
-    input: str = _doc("hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory",
-                      default="")  # fmt: skip
+    input: str = _doc(
+        "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
+    )
     split: str = _doc("dataset split to read", default="train")
     prompt_column: str | None = _doc("column with raw prompt text", default=None)
     messages_column: str | None = _doc("column with chat messages (list of {role, content})", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
-                                "has one, else the row index)", default=None)  # fmt: skip
+    id_column: str | None = _doc(
+        "column whose values become the output `id` (default: the input's `id` column if it "
+        "has one, else the row index)",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if not self.input:
@@ -51,36 +60,56 @@ class ModelConfig:
     """Which model each worker loads and how."""
 
     model: str = _doc("local HF model directory or hub repo id (safetensors only)", default="")
-    revision: str | None = _doc("hub repo ids: the branch, tag or commit to load (vLLM's name); the driver resolves it "
-                                "to a commit once and every worker loads that commit (default: main)",
-                                default=None)  # fmt: skip
-    device: str = _doc(f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)",
-                       default="auto")  # fmt: skip
+    revision: str | None = _doc(
+        "hub repo ids: the branch, tag or commit to load (vLLM's name); the driver resolves it "
+        "to a commit once and every worker loads that commit (default: main)",
+        default=None,
+    )
+    device: str = _doc(
+        f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)", default="auto"
+    )
     dtype: str = _doc(
         f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU; bfloat16 on CPU: bf16 "
         "linear weights on the AMX / AVX512-BF16 kernels, float32 activations and states)",
         default="auto",
     )
-    quantization: str = _doc("weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
-                             "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
-                             "log-probs move slightly, see docs) or int8_weight_only (the same, the LM head float32)",
-                             default="none")  # fmt: skip
-    max_num_seqs: int = _doc("requests decoded together per worker", default=64)
+    quantization: str = _doc(
+        "weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
+        "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
+        "log-probs move slightly, see docs), int8_weight_only (the same, the LM head float32) or w8a8 "
+        "(int8 weights × int8 activations everywhere)",
+        default="none",
+    )
+    max_num_seqs: int = _doc("requests decoded together per worker", default=SchedulerConfig.max_num_seqs)
     max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
-    max_num_batched_tokens: int = _doc("new tokens one forward may take (vLLM's name): long prompts are prefilled "
-                                       "and long rows scored in chunks of this many", default=4096)  # fmt: skip
-    max_memory: str | None = _doc("CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
-                                  "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
-                                  "divided among the workers its CPUs hold; 80 percent of the memory available when "
-                                  "the worker starts if no node was up to measure); rows wait for KV room, a row that "
-                                  "can never fit gets an error", default=None)  # fmt: skip
-    gpu_memory_utilization: float = _doc("GPU workers: fraction of the device's memory a worker may use (vLLM's "
-                                         "name and meaning)", default=0.9)  # fmt: skip
-    enforce_eager: bool = _doc("GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
-                               "by default on CUDA and never used on CPU)", default=False)  # fmt: skip
-    enable_prefix_caching: bool = _doc("rows that share a prompt prefix (a template, a system prompt) compute it once: "
-                                       "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
-                                       "with every speculative method)", default=True)  # fmt: skip
+    max_num_batched_tokens: int = _doc(
+        "new tokens one forward may take (vLLM's name): long prompts are prefilled "
+        "and long rows scored in chunks of this many",
+        default=SchedulerConfig.max_num_batched_tokens,
+    )
+    max_memory: str | None = _doc(
+        "CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
+        "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
+        "divided among the workers its CPUs hold; 80 percent of the memory available when "
+        "the worker starts if no node was up to measure); rows wait for KV room, a row that "
+        "can never fit gets an error",
+        default=None,
+    )
+    gpu_memory_utilization: float = _doc(
+        "GPU workers: fraction of the device's memory a worker may use (vLLM's name and meaning)",
+        default=CacheConfig.gpu_memory_utilization,
+    )
+    enforce_eager: bool = _doc(
+        "GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
+        "by default on CUDA and never used on CPU)",
+        default=False,
+    )
+    enable_prefix_caching: bool = _doc(
+        "rows that share a prompt prefix (a template, a system prompt) compute it once: "
+        "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
+        "with every speculative method)",
+        default=CacheConfig.enable_prefix_caching,
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -114,15 +143,17 @@ class ModelConfig:
 class SamplingConfig:
     """vLLM's sampling names; validated again by `workers.SamplingParams`."""
 
-    max_tokens: int = _doc("tokens to generate per row at most", default=256)
-    temperature: float = _doc("0 = greedy", default=1.0)
-    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=1.0)
-    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=0)
-    seed: int | None = _doc("base seed: row i samples with seed + i (modulo 2^64), so results do not depend on "
-                            "sharding; without it the job draws one, recorded in the manifest as sampling_seed",
-                            default=None)  # fmt: skip
+    max_tokens: int = _doc("tokens to generate per row at most", default=SamplingParams.max_tokens)
+    temperature: float = _doc("0 = greedy", default=SamplingParams.temperature)
+    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=SamplingParams.top_p)
+    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=SamplingParams.top_k)
+    seed: int | None = _doc(
+        "base seed: row i samples with seed + i (modulo 2^64), so results do not depend on "
+        "sharding; without it the job draws one, recorded in the manifest as sampling_seed",
+        default=None,
+    )
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
-    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=False)
+    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -131,12 +162,17 @@ class SpeculativeOptions:
 
     speculative: str = _doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
     draft_model: str | None = _doc("draft model directory or hub id (with --speculative draft)", default=None)
-    num_speculative_tokens: int = _doc("draft tokens per step at most", default=4)
-    speculative_policy: str = _doc("adaptive: each step verifies the number of drafts (0 … --num-speculative-tokens) "
-                                   "that this run's measured step times and acceptance say pays best; fixed: always "
-                                   "--num-speculative-tokens", default="adaptive")  # fmt: skip
-    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=2)
-    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=5)
+    num_speculative_tokens: int = _doc(
+        "draft tokens per step at most", default=SpeculativeConfig.num_speculative_tokens
+    )
+    speculative_policy: str = _doc(
+        "adaptive: each step verifies the number of drafts (0 … --num-speculative-tokens) "
+        "that this run's measured step times and acceptance say pays best; fixed: always "
+        "--num-speculative-tokens",
+        default=SpeculativeConfig.policy,
+    )
+    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_min)
+    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_max)
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:
@@ -147,8 +183,12 @@ class SpeculativeOptions:
                 f"must be one of {', '.join(SPECULATIVE_METHODS)}",
             )
         if self.speculative_policy not in SPECULATIVE_POLICIES:
-            _fail("SpeculativeOptions", "speculative_policy", self.speculative_policy,
-                  f"must be one of {', '.join(SPECULATIVE_POLICIES)}")  # fmt: skip
+            _fail(
+                "SpeculativeOptions",
+                "speculative_policy",
+                self.speculative_policy,
+                f"must be one of {', '.join(SPECULATIVE_POLICIES)}",
+            )
 
 
 RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -159,8 +199,11 @@ class ScalingConfig:
     """How many workers, where they go, how rows are cut into shards, how failures are retried."""
 
     num_workers: int | None = _doc("fixed number of workers (default: autoscale between min and max)", default=None)
-    min_workers: int = _doc("autoscaling: fewest workers asked of the cluster (fewer only when there are fewer "
-                            "shards); work starts as soon as one is ready", default=1)  # fmt: skip
+    min_workers: int = _doc(
+        "autoscaling: fewest workers asked of the cluster (fewer only when there are fewer "
+        "shards); work starts as soon as one is ready",
+        default=1,
+    )
     max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
     cpus_per_worker: int | None = _doc(
         "CPUs per worker; a CPU worker also runs this many torch threads (default: GPU workers 1; CPU workers the "
@@ -178,8 +221,9 @@ class ScalingConfig:
         default=None,
     )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
-    max_shard_retries: int = _doc("times a shard is retried after it failed (its worker raised, died or passed the "
-                                  "shard's deadline)", default=3)  # fmt: skip
+    max_shard_retries: int = _doc(
+        "times a shard is retried after it failed (its worker raised, died or passed the shard's deadline)", default=3
+    )
     shard_timeout_s: float | None = _doc(
         "seconds a shard may take before its worker is stopped (whatever its progress) and the shard retried; 0 = "
         "never stop a worker. Default (auto): a worker is stopped when it makes no progress (it reports the forwards "
@@ -187,12 +231,18 @@ class ScalingConfig:
         "however long its shards take",
         default=None,
     )
-    max_worker_start_failures: int = _doc("fail the job once this many workers failed to start (each is printed)",
-                                          default=3)  # fmt: skip
-    ray_address: str = _doc("Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
-                             "Ray), 'local' (always a new local Ray) or an address", default="auto")  # fmt: skip
-    worker_startup_timeout_s: float = _doc("fail when no worker has started after this many seconds, naming what "
-                                           "the pending workers wait for", default=1800.0)  # fmt: skip
+    max_worker_start_failures: int = _doc(
+        "fail the job once this many workers failed to start (each is printed)", default=3
+    )
+    ray_address: str = _doc(
+        "Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
+        "Ray), 'local' (always a new local Ray) or an address",
+        default="auto",
+    )
+    worker_startup_timeout_s: float = _doc(
+        "fail when no worker has started after this many seconds, naming what the pending workers wait for",
+        default=1800.0,
+    )
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
@@ -214,9 +264,10 @@ class ScalingConfig:
         if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
             _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
         if self.shard_timeout_s is not None and (
-            not isinstance(self.shard_timeout_s, (int, float)) or isinstance(self.shard_timeout_s, bool)
+            not isinstance(self.shard_timeout_s, (int, float))
+            or isinstance(self.shard_timeout_s, bool)
             or self.shard_timeout_s < 0
-        ):  # fmt: skip
+        ):
             _fail("ScalingConfig", "shard_timeout_s", self.shard_timeout_s, "must be a number ≥ 0 (0 = no deadline)")
         if not isinstance(self.max_worker_start_failures, int) or self.max_worker_start_failures < 1:
             _fail(
@@ -232,16 +283,25 @@ class ScalingConfig:
                 isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
                 for k, v in resources.items()
             ):
-                _fail("ScalingConfig", "worker_resources", resources,
-                      'must be a JSON object of resource names to positive amounts, e.g. {"spot_node": 1}')  # fmt: skip
+                _fail(
+                    "ScalingConfig",
+                    "worker_resources",
+                    resources,
+                    'must be a JSON object of resource names to positive amounts, e.g. {"spot_node": 1}',
+                )
             reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
             if reserved or any(k.startswith("accelerator_type:") for k in resources):
-                _fail("ScalingConfig", "worker_resources", resources,
-                      f"{', '.join(RESERVED_RESOURCES)} and accelerator_type:* are set by --cpus-per-worker, "
-                      "--device and --accelerator-type")  # fmt: skip
+                _fail(
+                    "ScalingConfig",
+                    "worker_resources",
+                    resources,
+                    f"{', '.join(RESERVED_RESOURCES)} and accelerator_type:* are set by --cpus-per-worker, "
+                    "--device and --accelerator-type",
+                )
         accelerator = self.accelerator_type
-        if accelerator is not None and (not isinstance(accelerator, str) or not accelerator or " " in accelerator
-                                        or ":" in accelerator):  # fmt: skip
+        if accelerator is not None and (
+            not isinstance(accelerator, str) or not accelerator or " " in accelerator or ":" in accelerator
+        ):
             _fail("ScalingConfig", "accelerator_type", accelerator, "must be an accelerator name such as L4 or A100")
 
     @property
@@ -284,15 +344,19 @@ class GenerateJobConfig:
 class ScoreInputConfig:
     """Where the rows come from and which columns to score."""
 
-    input: str = _doc("hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory",
-                      default="")  # fmt: skip
+    input: str = _doc(
+        "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
+    )
     split: str = _doc("dataset split to read", default="train")
     text_column: str | None = _doc("score every token of this text after the first", default=None)
     prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
     completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
     messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc("column whose values become the output `id` (default: the input's `id` column if it "
-                                "has one, else the row index)", default=None)  # fmt: skip
+    id_column: str | None = _doc(
+        "column whose values become the output `id` (default: the input's `id` column if it "
+        "has one, else the row index)",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if not self.input:
@@ -309,10 +373,12 @@ class ScoreInputConfig:
 class ScoreOptions:
     """How rows are scored."""
 
-    add_bos: bool | None = _doc("prepend the tokenizer's special tokens (default: the tokenizer's own choice)",
-                                default=None)  # fmt: skip
-    truncate: bool = _doc("keep the first --max-model-len tokens of longer rows (else the row gets an error)",
-                          default=False)  # fmt: skip
+    add_bos: bool | None = _doc(
+        "prepend the tokenizer's special tokens (default: the tokenizer's own choice)", default=None
+    )
+    truncate: bool = _doc(
+        "keep the first --max-model-len tokens of longer rows (else the row gets an error)", default=False
+    )
     token_logprobs: bool = _doc("also write each scored token's log-probability (list<float32>)", default=False)
 
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import signal
-import sys
 import time
 from collections import Counter, deque
 from typing import Any
@@ -28,13 +25,14 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
 from pipeline.address import answers, recorded_address
+from pipeline.fault_injection import maybe_kill_driver
 from pipeline.job import Job
 from pipeline.liveness import Watch
 from pipeline.manifest import finalize_output, open_output, prepare_output
 from pipeline.messages import node_ip, one_line
 from pipeline.output import OutputDir
 from pipeline.placement import autoscaler_in_status, pending_message, plan_placement
-from pipeline.progress import ProgressCounts
+from pipeline.progress import ProgressCounts, say
 from pipeline.retry import Failure, RetryPolicy
 from pipeline.sharding import Shard
 from workers.actor import FAULT_INJECTION_ENV, ShardTask, ShardWorker
@@ -46,11 +44,6 @@ MAX_REPORT_INTERVAL_S = 300.0  # "waiting for workers" lines: first after a thir
 
 class JobFailed(RuntimeError):
     """The job could not finish (a shard kept failing, no worker could start, no cluster answered)."""
-
-
-def _say(message: str) -> None:
-    """A line on the console (stderr) that does not break the progress bar."""
-    tqdm.write(message, file=sys.stderr)
 
 
 def connect(address: str = "auto") -> None:
@@ -76,8 +69,10 @@ def connect(address: str = "auto") -> None:
         record = get_ray_address_file(None)
         address = recorded_address(record)
         if address is not None and not answers(address, timeout_s=2.0):
-            _say(f"note: no Ray cluster answers at {address} (recorded in {record} by an earlier `ray start`; "
-                 "stale after an unclean stop): starting a local Ray instead")  # fmt: skip
+            say(
+                f"note: no Ray cluster answers at {address} (recorded in {record} by an earlier `ray start`; "
+                "stale after an unclean stop): starting a local Ray instead"
+            )
             address = None
         if address is None:
             ray.init(**local)
@@ -107,14 +102,19 @@ class Fleet:
     """Starts, tracks and releases worker actors."""
 
     def __init__(self, job: Job, num_workers: int):
-        self.placement = plan_placement(job.worker.device, job.scaling, _alive_nodes(), num_workers,
-                                        job.worker.max_memory)  # fmt: skip
+        engine = job.worker.engine
+        self.placement = plan_placement(
+            engine.load.device, job.scaling, _alive_nodes(), num_workers, engine.cache.max_memory
+        )
         options: dict[str, Any] = self.placement.actor_options()
         if FAULT_INJECTION_ENV in os.environ:  # crash tests: hand the hook to the workers
             options["runtime_env"] = {"env_vars": {FAULT_INJECTION_ENV: os.environ[FAULT_INJECTION_ENV]}}
-        self.spec = dataclasses.replace(job.worker, device=self.placement.device,
-                                        num_threads=self.placement.num_threads,
-                                        max_memory=self.placement.memory or job.worker.max_memory)  # fmt: skip
+        engine = engine.replace(
+            device=self.placement.device,
+            num_threads=self.placement.num_threads,
+            max_memory=self.placement.memory or engine.cache.max_memory,
+        )
+        self.spec = dataclasses.replace(job.worker, engine=engine)
         # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py);
         # progress polls have a thread of their own, so they never wait behind shards.
         remote = ray.remote(concurrency_groups={"progress": 1})(ShardWorker)
@@ -159,7 +159,7 @@ class ShardLoop:
         # ref → (kind, actor, shard, rows, started): started is when the shard was handed out (or the worker started)
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
         self.retries = RetryPolicy(job.scaling.max_shard_retries)
-        max_tokens = job.worker.task_options.get("max_tokens", 0) if job.worker.task == "generate" else 0
+        max_tokens = job.worker.sampling.max_tokens if job.worker.sampling is not None else 0
         self.watch = Watch(job.scaling.shard_timeout_s, job.worker.max_num_seqs, max_tokens)  # hung workers
         self.num_start_failures = 0
         self.written: dict[int, dict[str, Any]] = {}  # shard index → the stats written into its file
@@ -189,7 +189,7 @@ class ShardLoop:
                 what = "replaced the lost ones" if self.had_workers else "started"
                 raise JobFailed(f"no worker {what} within {timeout:g} s: {self.fleet.why_pending(num_pending)}")
             if num_pending and now > next_report:
-                _say(f"waiting for workers ({len(self.ready)} ready): {self.fleet.why_pending(num_pending)}")
+                say(f"waiting for workers ({len(self.ready)} ready): {self.fleet.why_pending(num_pending)}")
                 interval = min(2 * interval, MAX_REPORT_INTERVAL_S)
                 next_report = now + interval
         self._release_spare_workers()
@@ -238,7 +238,7 @@ class ShardLoop:
         now = time.monotonic()
         stops, lines = self.watch.check(self._held(), now)
         for line in lines:
-            _say(line)
+            say(line)
         for stop in stops:
             self._stop_worker(stop.worker, stop.charged, TimeoutError(stop.reason))
         polling = {actor for kind, actor, *_ in self.in_flight.values() if kind == "progress"}
@@ -255,7 +255,7 @@ class ShardLoop:
                 if shard.index in charged:
                     self._retry(shard, error, None)
                 else:
-                    _say(f"shard {shard.index} requeued (no retry used): its worker was stopped")
+                    say(f"shard {shard.index} requeued (no retry used): its worker was stopped")
                     self.queue.appendleft(shard)
         self._start_worker()
 
@@ -297,7 +297,7 @@ class ShardLoop:
                 return self._start_failed(one_line(error.cause or error), "?")
             self.load[actor] -= 1
             if self._retry(shard, error, actor).replace_worker and actor in self.ready:
-                _say(f"a worker failed {self.retries.max_worker_failures} times: replacing it")
+                say(f"a worker failed {self.retries.max_worker_failures} times: replacing it")
                 self._stop_worker(actor)
             return
         except (RayActorError, RayError) as error:  # the worker process or its node is gone
@@ -326,17 +326,19 @@ class ShardLoop:
         try:
             self.out.write_table(shard.file_name, table, info)
         except OSError as error:  # full disk, lost credentials …: what is written stays; a rerun resumes
-            raise JobFailed(f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
-                            f"the {len(self.written)} shard files written by this run are kept: rerun the same "
-                            "command to resume") from error  # fmt: skip
+            raise JobFailed(
+                f"writing {shard.file_name} to {self.out.uri} failed ({type(error).__name__}: {error}); "
+                f"the {len(self.written)} shard files written by this run are kept: rerun the same "
+                "command to resume"
+            ) from error
         self.counts.show(self.progress, table.num_rows, value.stats)
         self.written[shard.index] = info
-        _maybe_kill_driver(len(self.written))
+        maybe_kill_driver(len(self.written))
 
     def _lost_worker(self, shard: Shard, error: Exception, preempted: bool) -> None:
         """A ready worker died while it held `shard`: requeue the shard (a preemption uses up no retry)."""
         if preempted:  # a spot reclaim: not the shard's fault
-            _say(f"shard {shard.index} requeued: its worker's node was preempted")
+            say(f"shard {shard.index} requeued: its worker's node was preempted")
             self.queue.appendleft(shard)
         else:
             self._retry(shard, error, None)
@@ -347,9 +349,11 @@ class ShardLoop:
         limit = self.job.scaling.max_worker_start_failures
         line = f"a worker failed to start on node {node}: {error}"
         if self.num_start_failures >= limit:
-            raise JobFailed(f"{self.num_start_failures} workers failed to start (--max-worker-start-failures "
-                            f"{limit}); the last: {line}")  # fmt: skip
-        _say(f"{line} ({self.num_start_failures} of at most {limit}; starting another)")
+            raise JobFailed(
+                f"{self.num_start_failures} workers failed to start (--max-worker-start-failures "
+                f"{limit}); the last: {line}"
+            )
+        say(f"{line} ({self.num_start_failures} of at most {limit}; starting another)")
         if self.queue:
             self._start_worker()
 
@@ -364,17 +368,9 @@ class ShardLoop:
         )
         if not failure.retry:
             raise JobFailed(f"{where} failed {failure.attempts} times; last error: {one_line(cause)}") from error
-        _say(f"shard {shard.index} requeued ({failure.attempts} of at most {retries} retries): {one_line(cause)}")
+        say(f"shard {shard.index} requeued ({failure.attempts} of at most {retries} retries): {one_line(cause)}")
         self.queue.appendleft(shard)
         return failure
-
-
-def _maybe_kill_driver(num_written: int) -> None:
-    """Crash-test hook: {"kill_driver_after_shards": N} in HYBRIDGEN_FAULT_INJECTION kills this driver (SIGKILL)
-    right after it has written N shard files."""
-    plan = json.loads(os.environ.get(FAULT_INJECTION_ENV) or "{}")
-    if plan.get("kill_driver_after_shards") == num_written:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(job: Job) -> dict[str, Any]:
@@ -383,8 +379,8 @@ def run(job: Job) -> dict[str, Any]:
     with lock:
         resume = prepare_output(out, job, job.output.overwrite)
         if resume.seed is not None:  # rows sample with seed + row index, whether the seed was given or drawn
-            options = {**job.worker.task_options, "seed": resume.seed}
-            job.worker = dataclasses.replace(job.worker, task_options=options)
+            sampling = dataclasses.replace(job.worker.sampling, seed=resume.seed)
+            job.worker = dataclasses.replace(job.worker, sampling=sampling)
         todo = [shard for shard in job.plan if shard.index not in resume.done]
         start = time.perf_counter()
         done_rows = sum(s.num_rows for s in job.plan if s.index in resume.done)

@@ -31,23 +31,18 @@ def speculative_config(config: GenerateJobConfig, draft_revision: str | None = N
 
 def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
-    sampling = dataclasses.asdict(config.sampling)
-    SamplingParams(**sampling)  # the same validation the workers apply, now
+    sampling = SamplingParams(**dataclasses.asdict(config.sampling))  # the same validation the workers apply, now
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
-    revision = check_model(config.model.model, need_mtp=config.speculative.speculative == "mtp",
-                           revision=config.model.revision)  # fmt: skip
+    revision = check_model(
+        config.model.model, need_mtp=config.speculative.speculative == "mtp", revision=config.model.revision
+    )
     draft_revision = None
     if config.speculative.speculative == "draft":
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input
-    worker = worker_spec(
-        "generate",
-        model,
-        revision=revision,
-        speculative=speculative_config(config, draft_revision),
-        prompt=PromptSource(columns.prompt_column, columns.messages_column),
-        task_options=sampling,
-    )
+    speculative = speculative_config(config, draft_revision)
+    prompt = PromptSource(columns.prompt_column, columns.messages_column)
+    worker = worker_spec("generate", model, revision, speculative, prompt=prompt, sampling=sampling)
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
     return build_job(

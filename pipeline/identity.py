@@ -55,8 +55,11 @@ def safetensors_identity(path: Path) -> dict[str, Any]:
         if header_len < 2 or 8 + header_len > size:
             raise ValueError(f"{path} is not a complete safetensors file ({size} bytes)")
         header = f.read(header_len)
-    return {"bytes": size, "header_sha256": _sha256(header),
-            "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size)}  # fmt: skip
+    return {
+        "bytes": size,
+        "header_sha256": _sha256(header),
+        "data_sha256_sampled": _sampled_blocks_sha256(path, 8 + header_len, size),
+    }
 
 
 def _local_model_identity(directory: Path) -> dict[str, Any]:
@@ -120,6 +123,8 @@ def _file_key(path: str, source: str) -> str:
 def input_identity(rows: datasets.Dataset, source: str, revision: str | None = None) -> dict[str, Any]:
     """Row count, features and what the rows were read from: the size and whole-content sha256 of each local data
     file (`source` local: a remote input's copy), or the commit `revision` of a hub dataset."""
-    files = {_file_key(name, source): {"bytes": os.path.getsize(name), "sha256": file_sha256(name)}
-             for name in input_files(source) or []}  # fmt: skip
+    files = {
+        _file_key(name, source): {"bytes": os.path.getsize(name), "sha256": file_sha256(name)}
+        for name in input_files(source) or []
+    }
     return {"num_rows": len(rows), "features": str(rows.features), "files": files, "revision": revision}

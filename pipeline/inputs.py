@@ -58,8 +58,10 @@ def hub_dataset_revision(name: str) -> str:
         return HfApi().dataset_info(name).sha
     except Exception as error:  # network, auth, missing repo, offline mode: all reported the same way
         message = (str(error).splitlines() or [""])[0][:300]
-        raise ValueError(f"input {name!r}: cannot resolve the hub dataset's revision ({type(error).__name__}: "
-                         f"{message}); give a local copy to run without the hub") from None  # fmt: skip
+        raise ValueError(
+            f"input {name!r}: cannot resolve the hub dataset's revision ({type(error).__name__}: "
+            f"{message}); give a local copy to run without the hub"
+        ) from None
 
 
 def load_rows(

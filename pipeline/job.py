@@ -11,6 +11,8 @@ import pyarrow as pa
 from pipeline.config import ModelConfig, OutputConfig, ScalingConfig
 from pipeline.sharding import Shard
 from workers.actor import ShardOutput, WorkerSpec
+from workers.config import CacheConfig, EngineConfig, ExecutionConfig, LoadConfig, SchedulerConfig
+from workers.spec_decode import SpeculativeConfig
 
 
 @dataclass
@@ -58,16 +60,31 @@ class Job:
         return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def worker_spec(task: str, model: ModelConfig, revision: str | None = None, **task_fields: Any) -> WorkerSpec:
-    """The `WorkerSpec` of a job's workers: the model section (a hub model at the commit `revision`, resolved by
-    the driver) plus task-specific fields."""
+def engine_config(
+    model: ModelConfig, revision: str | None = None, speculative: SpeculativeConfig | None = None
+) -> EngineConfig:
+    """The workers' engine config, built once from the job's model section (a hub model at the commit `revision`,
+    resolved by the driver) and its speculative config."""
     quantization = None if model.quantization == "none" else model.quantization
-    return WorkerSpec(task=task, model=model.model, revision=revision, device=model.device, dtype=model.dtype,
-                      quantization=quantization,
-                      max_num_seqs=model.max_num_seqs, max_model_len=model.max_model_len,
-                      max_num_batched_tokens=model.max_num_batched_tokens, max_memory=model.max_memory,
-                      gpu_memory_utilization=model.gpu_memory_utilization, enforce_eager=model.enforce_eager,
-                      enable_prefix_caching=model.enable_prefix_caching, **task_fields)  # fmt: skip
+    return EngineConfig(
+        load=LoadConfig(device=model.device, dtype=model.dtype, quantization=quantization, revision=revision),
+        scheduler=SchedulerConfig(model.max_num_seqs, model.max_num_batched_tokens, model.max_model_len),
+        cache=CacheConfig(model.enable_prefix_caching, model.max_memory, model.gpu_memory_utilization),
+        execution=ExecutionConfig(cuda_graphs=False if model.enforce_eager else None),
+        speculative=speculative,
+    )
+
+
+def worker_spec(
+    task: str,
+    model: ModelConfig,
+    revision: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+    **task_fields: Any,
+) -> WorkerSpec:
+    """The `WorkerSpec` of a job's workers (generate and score alike): the engine config built from the model section
+    and the speculative config, plus the task's typed options (`prompt`, `sampling` or `scoring`)."""
+    return WorkerSpec(task, model.model, engine_config(model, revision, speculative), **task_fields)
 
 
 def readable(column: pa.ChunkedArray) -> pa.ChunkedArray:

@@ -46,9 +46,9 @@ class Resume:
 
 def _sampling_seed(job: Job, old: dict[str, Any] | None) -> int | None:
     """`--seed` when given; else the seed this job drew in an earlier run (resume); else fresh entropy."""
-    if "seed" not in job.worker.task_options:
+    if job.worker.sampling is None:
         return None  # not a sampling job
-    given = job.worker.task_options["seed"]
+    given = job.worker.sampling.seed
     if given is not None:
         return given
     if old is not None and isinstance(old.get("sampling_seed"), int):
@@ -163,8 +163,11 @@ def _sum_counts(infos: list[dict[str, Any]]) -> dict[str, float]:
 
 def _throughput(counts: dict[str, float], wall_seconds: float) -> dict[str, float]:
     """Tokens per second for the token counts present."""
-    return {f"{tokens}_per_second": counts[tokens] / wall_seconds if wall_seconds else 0.0
-            for tokens in ("generated_tokens", "scored_tokens") if tokens in counts}  # fmt: skip
+    return {
+        f"{tokens}_per_second": counts[tokens] / wall_seconds if wall_seconds else 0.0
+        for tokens in ("generated_tokens", "scored_tokens")
+        if tokens in counts
+    }
 
 
 def finalize_output(
@@ -182,8 +185,10 @@ def finalize_output(
     for shard in job.plan:
         info = written[shard.index] if shard.index in written else out.shard_info(shard.file_name)
         if info.get("rows") != shard.num_rows or info.get("start") != shard.start:
-            raise RuntimeError(f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
-                               f"expected {shard.num_rows} from {shard.start}")  # fmt: skip
+            raise RuntimeError(
+                f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
+                f"expected {shard.num_rows} from {shard.start}"
+            )
         shards[str(shard.index)] = info
     totals: dict[str, Any] = {"rows": 0, "seconds": 0.0, **_sum_counts(list(shards.values()))}
     if totals["rows"] != len(job.rows):
@@ -192,8 +197,13 @@ def finalize_output(
     this_run = _sum_counts(list(written.values()))
     this_run = {"rows": this_run.get("rows", 0), **{k: this_run.get(k, 0) for k in token_keys}}
     run = manifest["runs"][-1]
-    run.update(finished_at=_now(), wall_seconds=wall_seconds, shards_written=len(written), **this_run,
-               **_throughput(this_run, wall_seconds))  # fmt: skip
+    run.update(
+        finished_at=_now(),
+        wall_seconds=wall_seconds,
+        shards_written=len(written),
+        **this_run,
+        **_throughput(this_run, wall_seconds),
+    )
     timed = [r for r in manifest["runs"] if r.get("wall_seconds") is not None]
     timed_counts = _sum_counts([{k: r.get(k, 0) for k in token_keys} for r in timed])
     totals["runs"] = len(manifest["runs"])

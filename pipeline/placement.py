@@ -29,8 +29,12 @@ class Placement:
     @property
     def bundle(self) -> dict[str, float]:
         """One worker's resources, as the autoscaler is asked for them."""
-        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}),
-                **({"memory": self.memory} if self.memory else {}), **self.resources}  # fmt: skip
+        return {
+            "CPU": self.num_cpus,
+            **({"GPU": self.num_gpus} if self.num_gpus else {}),
+            **({"memory": self.memory} if self.memory else {}),
+            **self.resources,
+        }
 
     def actor_options(self) -> dict[str, object]:
         """Options for `ray.remote(...).options(...)`."""

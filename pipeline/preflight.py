@@ -60,7 +60,7 @@ def _check_directory(directory: Path, need_tokenizer: bool, need_mtp: bool) -> N
         shapes.update(read_safetensors_header(directory / name))
     _check_tensors(config, shapes)
     if need_mtp:
-        from workers.model.checkpoint.loader import check_mtp_head
+        from workers.model.loader import check_mtp_head
 
         check_mtp_head(config, shapes, directory)
     if need_tokenizer and not any((directory / name).exists() for name in TOKENIZER_FILES):
@@ -81,13 +81,16 @@ def _hybrid_config(raw: Any) -> HybridConfig:
     if not isinstance(raw, dict):
         raise ValueError("config.json is not a JSON object")
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {raw.get('model_type')!r} (architectures={raw.get('architectures')}); "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+        raise ValueError(
+            f"unsupported model_type {raw.get('model_type')!r} (architectures={raw.get('architectures')}); "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     try:
         return HybridConfig.from_hf_dict(raw)
     except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"config.json of model_type {raw['model_type']!r} cannot be read: "
-                         f"{type(error).__name__}: {error}") from None  # fmt: skip
+        raise ValueError(
+            f"config.json of model_type {raw['model_type']!r} cannot be read: {type(error).__name__}: {error}"
+        ) from None
 
 
 def weight_files(directory: Path) -> list[str]:
@@ -100,8 +103,10 @@ def weight_files(directory: Path) -> list[str]:
             raise ValueError(f"{index.name} does not parse: {type(error).__name__}: {error}") from None
         missing = [name for name in files if not (directory / name).is_file()]
         if missing:
-            raise ValueError(f"{len(missing)} of the {len(files)} weight files named in {index.name} are missing: "
-                             f"{missing[:5]} (an interrupted download?)")  # fmt: skip
+            raise ValueError(
+                f"{len(missing)} of the {len(files)} weight files named in {index.name} are missing: "
+                f"{missing[:5]} (an interrupted download?)"
+            )
         return files
     if (directory / "model.safetensors").is_file():
         return ["model.safetensors"]
@@ -119,8 +124,10 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
             )
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path.name}: header of {header_len} bytes does not fit in the file's {size} bytes "
-                             "(truncated or not a safetensors file)")  # fmt: skip
+            raise ValueError(
+                f"{path.name}: header of {header_len} bytes does not fit in the file's {size} bytes "
+                "(truncated or not a safetensors file)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -142,8 +149,10 @@ def _header_shapes(header: Any, name: str, data_bytes: int | None) -> dict[str, 
         except (KeyError, TypeError, ValueError, IndexError):
             raise ValueError(f"{name}: safetensors header entry {key!r} is malformed") from None
     if data_bytes is not None and end > data_bytes:
-        raise ValueError(f"{name} is truncated: its header describes {end} bytes of tensor data, the file holds "
-                         f"{data_bytes} (an interrupted download?)")  # fmt: skip
+        raise ValueError(
+            f"{name} is truncated: its header describes {end} bytes of tensor data, the file holds "
+            f"{data_bytes} (an interrupted download?)"
+        )
     return shapes
 
 
@@ -151,8 +160,8 @@ def _check_tensors(config: HybridConfig, shapes: dict[str, tuple[int, ...]]) -> 
     """The tensors the architecture needs are all there, with the right shapes (same rule as the loader)."""
     import torch
 
-    from workers.model.checkpoint.loader import match_weights
     from workers.model.layers.hybrid import HybridModel
+    from workers.model.loader import match_weights
 
     with torch.device("meta"):
         model = HybridModel(config)
@@ -179,7 +188,7 @@ def _check_hub_repo(repo: str, need_mtp: bool, revision: str | None) -> str:
         shapes.update({key: tuple(info.shape) for key, info in file_metadata.tensors.items()})
     _check_tensors(config, shapes)
     if need_mtp:
-        from workers.model.checkpoint.loader import check_mtp_head
+        from workers.model.loader import check_mtp_head
 
         check_mtp_head(config, shapes, repo)
     return commit

@@ -3,9 +3,15 @@ hits, speculative acceptance) as its postfix."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 from tqdm import tqdm
+
+
+def say(message: str) -> None:
+    """A line on the console (stderr) that does not break the progress bar."""
+    tqdm.write(message, file=sys.stderr)
 
 
 class ProgressCounts:

@@ -95,8 +95,10 @@ def inside(directory: Path, relative: str, source: str) -> Path:
     """
     local = Path(os.path.normpath(directory / relative))
     if local == directory or directory not in local.parents:
-        raise ValueError(f"input object {source!r} leads outside the local copy's directory ({relative!r} under "
-                         f"{directory}); refusing to copy it: rename the object")  # fmt: skip
+        raise ValueError(
+            f"input object {source!r} leads outside the local copy's directory ({relative!r} under "
+            f"{directory}); refusing to copy it: rename the object"
+        )
     return local
 
 

@@ -21,7 +21,7 @@ def build_score_job(config: ScoreJobConfig) -> Job:
         messages_column=columns.messages_column,
         **dataclasses.asdict(config.scoring),
     )
-    worker = worker_spec("score", model, revision=revision, task_options=dataclasses.asdict(spec))
+    worker = worker_spec("score", model, revision, scoring=spec)
     flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
              "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip

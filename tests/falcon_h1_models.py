@@ -20,13 +20,35 @@ from transformers import FalconH1Config, FalconH1ForCausalLM
 
 from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, make_tokenizer, random_value
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-               intermediate_size=96, num_hidden_layers=3, max_position_embeddings=512, pad_token_id=PAD,
-               bos_token_id=BOS, eos_token_id=EOS, mamba_n_heads=4, mamba_d_state=16, mamba_d_conv=4,
-               mamba_chunk_size=16, rope_theta=10000.0)  # fmt: skip
-_MULTIPLIERS = dict(embedding_multiplier=2.5, lm_head_multiplier=0.6, attention_in_multiplier=1.3,
-                    attention_out_multiplier=0.7, key_multiplier=0.45, ssm_in_multiplier=1.25,
-                    ssm_out_multiplier=0.55, ssm_multipliers=[0.9, 1.2, 0.6, 1.4, 0.8], mlp_multipliers=[1.5, 0.65])  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    mamba_n_heads=4,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    rope_theta=10000.0,
+)
+_MULTIPLIERS = dict(
+    embedding_multiplier=2.5,
+    lm_head_multiplier=0.6,
+    attention_in_multiplier=1.3,
+    attention_out_multiplier=0.7,
+    key_multiplier=0.45,
+    ssm_in_multiplier=1.25,
+    ssm_out_multiplier=0.55,
+    ssm_multipliers=[0.9, 1.2, 0.6, 1.4, 0.8],
+    mlp_multipliers=[1.5, 0.65],
+)
 
 FALCON_H1_FAMILIES = {
     "falcon_h1": dict(**_COMMON, **_MULTIPLIERS, mamba_d_ssm=128, mamba_d_head=32, mamba_n_groups=2,

@@ -17,10 +17,28 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, make_tokenizer, randomise
 
-_KIMI = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-             num_key_value_heads=4, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-             n_group=2, topk_group=1, num_experts_per_tok=2, num_local_experts=6, n_shared_experts=1,
-             routed_scaling_factor=2.0, rms_norm_eps=1e-3, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+_KIMI = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+    num_local_experts=6,
+    n_shared_experts=1,
+    routed_scaling_factor=2.0,
+    rms_norm_eps=1e-3,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
 _LINEAR = dict(head_dim=16, num_heads=2, short_conv_kernel_size=4)
 
 KIMI_FAMILIES = {

@@ -21,8 +21,16 @@ from transformers import (
 
 from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, make_tokenizer, random_value
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    max_position_embeddings=512,
+)
 
 LFM_FAMILIES = {
     # LFM2 as the hub spells it: `full_attn_idxs`, `block_ff_dim` auto-adjusted (2/3 · 144 · 1.5 → 144), tied.

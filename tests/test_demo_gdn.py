@@ -135,6 +135,8 @@ def test_demo_gdn_yaml_runs_a_few_rows(monkeypatch):
     output = worker.process(ShardTask(0, 0, job.rows.data.table.slice(0, 4)))
     assert output.stats["num_drafts"] > 0
     plain = ModelRunner.from_pretrained(config.model.model, dtype="float32")
-    expected = plain.generate([plain.tokenizer.encode(t) for t in _texts(4)],
-                              SamplingParams(temperature=0, max_tokens=config.sampling.max_tokens))  # fmt: skip
+    expected = plain.generate(
+        [plain.tokenizer.encode(t) for t in _texts(4)],
+        SamplingParams(temperature=0, max_tokens=config.sampling.max_tokens),
+    )
     assert output.columns["generated_token_ids"] == [r.token_ids for r in expected]

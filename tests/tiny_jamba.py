@@ -18,8 +18,17 @@ from transformers import JambaConfig, JambaForCausalLM
 
 from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, fuse_experts, make_tokenizer, random_value
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=48, num_attention_heads=4, mamba_d_state=16,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=48,
+    num_attention_heads=4,
+    mamba_d_state=16,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    max_position_embeddings=512,
+)
 
 JAMBA_FAMILIES = {
     "jamba_moe": lambda: JambaConfig(

@@ -49,22 +49,58 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<bos> assistant : {% endif %}"
 )
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)  # fmt: skip
-_IBM_MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
-                  mamba_expand=2, mamba_chunk_size=16)  # fmt: skip
-_NEMOTRON = dict(head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
-                 conv_kernel=4, intermediate_size=96)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    max_position_embeddings=512,
+)
+_IBM_MAMBA = dict(
+    mamba_n_heads=4,
+    mamba_d_head=32,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+)
+_NEMOTRON = dict(
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    n_groups=2,
+    chunk_size=16,
+    conv_kernel=4,
+    intermediate_size=96,
+)
 
 # Gated DeltaNet hybrids: value heads = 2 × key heads (repeat_interleave matters), partial RoPE (0.25 of 32 dims).
 # rms_norm_eps 1e-3, not 1e-6: with random weights some heads' delta-rule outputs are ~1e-4, and the gated norm
 # then amplifies float32 rounding up to 1/sqrt(eps) — transformers itself moved by 2-3e-4 in logprob between
 # float32 and float64 at 1e-6 (measured), which would drown a 1e-4 comparison in rounding noise.
-_QWEN = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             rms_norm_eps=1e-3, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-             linear_num_value_heads=4, num_hidden_layers=4, max_position_embeddings=512,
-             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-             pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+_QWEN = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-3,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_hidden_layers=4,
+    max_position_embeddings=512,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 _VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 
@@ -230,8 +266,12 @@ def make_tokenizer(byte_level: bool = False) -> PreTrainedTokenizerFast:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         alphabet = sorted({c for word in WORDS for c in word} | {"Ġ"})  # "Ġ": byte-level space
-        trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
-                                      initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE,
+            special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
         backend.train_from_iterator([" ".join(WORDS)] * 10 + [" " + word for word in WORDS] * 10, trainer)
     else:
         vocab = {"<pad>": PAD, "<bos>": BOS, "<eos>": EOS, "<unk>": 3}
@@ -266,3 +306,15 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     make_tokenizer(byte_level=name in BYTE_LEVEL_FAMILIES or flavour == "bpe").save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "bos_token_id": BOS}))
     return directory
+
+
+def engine_config(max_num_seqs: int, num_speculative_tokens: int = 0, decode_plan: bool = False, **options):
+    """The `EngineConfig` of a bare `Scheduler` in tests: `max_num_seqs` slots, up to `num_speculative_tokens`
+    drafts per step (with a proposer the test passes), the module path unless `decode_plan`."""
+    from workers.config import EngineConfig
+    from workers.spec_decode import SpeculativeConfig
+
+    speculative = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens) if num_speculative_tokens else None
+    return EngineConfig().replace(
+        max_num_seqs=max_num_seqs, decode_plan=decode_plan, speculative=speculative, **options
+    )

@@ -25,9 +25,23 @@ from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, make_tokenizer, randomi
 
 SCALE = 0.7
 H, M = "hybrid", "mamba"
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=4,
-               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, chunk_size=16, intermediate_size=96, adapter_rank=8,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, max_position_embeddings=512)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_mamba_heads=4,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    chunk_size=16,
+    intermediate_size=96,
+    adapter_rank=8,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    max_position_embeddings=512,
+)
 ZAMBA2_LAYOUTS = {
     "zamba2_abab": dict(layers_block_type=[M, H, M, H, M, H, M], num_mem_blocks=2),
     "zamba2_lora": dict(layers_block_type=[H, M, H, M, H], num_mem_blocks=2, use_shared_attention_adapter=True,

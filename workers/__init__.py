@@ -1,8 +1,9 @@
 """The GPU side of hybridgen: the model runner, sampling, speculative decoding and the Ray actor."""
 
+from workers.config import EngineConfig
 from workers.requests import GenerationResult, ScoreResult
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
-__all__ = ["GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult", "SpeculativeConfig"]

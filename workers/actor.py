@@ -21,10 +21,10 @@ import pyarrow as pa
 import torch
 
 from workers.columns import decode_rows
-from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION
+from workers.config import EngineConfig
 from workers.rows import PromptSource, generation_columns, shard_requests
 from workers.runner import ModelRunner
-from workers.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from workers.sampling import SamplingParams
 from workers.scoring import ScoreSpec, score_shard
 from workers.spec_decode import SpeculativeConfig
 from workers.stream import ShardStream
@@ -42,30 +42,40 @@ FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to load its model and process shards."""
+    """Everything a worker needs to load its model and process shards: the engine config, passed whole to the
+    runner, and the task's typed options."""
 
     task: str  # "generate" | "score"
     model: str
-    revision: str | None = None  # a hub model's commit, resolved once by the driver (None: a local directory)
-    device: str = "cpu"
-    dtype: str = "auto"
-    quantization: str | None = None  # "int8": CPU linear weights quantized at load
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_memory: int | str | None = None  # bytes or a size like 8GB; the driver gives CPU workers their share
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    enforce_eager: bool = False  # no CUDA graphs (they are on by default on CUDA)
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # CPU workers: torch threads
-    speculative: SpeculativeConfig | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     prompt: PromptSource = field(default_factory=PromptSource)
-    task_options: dict[str, Any] = field(default_factory=dict)  # sampling (generate) or scoring options
+    sampling: SamplingParams | None = None  # generate: every row's sampling; row i of the dataset uses seed + i
+    scoring: ScoreSpec | None = None  # score: which columns are scored and how
 
     @property
     def input_columns(self) -> list[str]:
         """The input columns a worker reads (the driver sends it only these)."""
-        return self.prompt.columns if self.task == "generate" else ScoreSpec(**self.task_options).columns
+        return self.prompt.columns if self.task == "generate" else self.scoring.columns
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The engine's speculative config (None: plain decoding)."""
+        return self.engine.speculative
+
+    @property
+    def revision(self) -> str | None:
+        """The hub commit every worker loads (None: a local directory)."""
+        return self.engine.load.revision
+
+    @property
+    def enforce_eager(self) -> bool:
+        """Whether the workers run every step eagerly, without CUDA graphs (vLLM's name)."""
+        return self.engine.execution.cuda_graphs is False
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests each worker decodes together."""
+        return self.engine.scheduler.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -137,23 +147,9 @@ class ShardWorker:
     @staticmethod
     def _load(spec: WorkerSpec) -> ModelRunner:
         """The worker's runner (on the engine thread)."""
-        if spec.num_threads:
-            torch.set_num_threads(spec.num_threads)
-        return ModelRunner.from_pretrained(
-            spec.model,
-            spec.device,
-            spec.dtype,
-            spec.max_num_seqs,
-            spec.max_model_len,
-            spec.speculative,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_memory=spec.max_memory,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            cuda_graphs=False if spec.enforce_eager else None,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            revision=spec.revision,
-            quantization=spec.quantization,
-        )
+        if spec.engine.parallel.num_threads:
+            torch.set_num_threads(spec.engine.parallel.num_threads)
+        return ModelRunner.from_pretrained(spec.model, spec.engine)
 
     def ready(self) -> dict[str, Any]:
         """Called once by the driver: where the worker runs, and `error` when it could not load its model."""
@@ -175,10 +171,10 @@ class ShardWorker:
             raise RuntimeError(f"this worker failed to start: {self.start_error}")
         start = time.perf_counter()
         self._maybe_inject_fault(task)
-        options = self.spec.task_options
         if self.spec.task == "generate":
             rows = decode_rows(task.rows, self.spec.input_columns)
-            requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, options, task.first_row)
+            sampling = self.spec.sampling
+            requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row)
             results = self.stream.submit(task.index, requests, task.rows.num_rows).result()
             columns = generation_columns(results)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
@@ -186,7 +182,7 @@ class ShardWorker:
 
             def score() -> dict[str, list[Any]]:  # on the engine thread: its forwards beat the heartbeat
                 rows = list(decode_rows(task.rows, self.spec.input_columns))
-                return score_shard(self.runner, rows, options, self.stream.heartbeat.beat)
+                return score_shard(self.runner, rows, self.spec.scoring, self.stream.heartbeat.beat)
 
             columns = self.stream.call(score).result()
             stats = shard_stats(columns)

@@ -1,23 +1,151 @@
-"""How the scheduler's decode and verification steps execute, chosen once per runner (STYLE: "The step, as it grows").
+"""How a step's forwards execute, chosen once per scheduler (STYLE: "The step, as it grows").
 
-- "module": module by module, the reference path (prefill and anything else not planned always runs this way);
-- "native": the CPU decode plan, one native call per step (`workers/model/steps/decode_plan.py`);
-- "graph": the CUDA graph plan (`workers/model/steps/cuda_graph.py`), captured on CUDA, its eager form elsewhere.
+- `ModuleExecutor` ("module"): module by module, the reference path; prefill always runs this way;
+- `PlanExecutor` ("native" or "graph"): decode and verification steps of compacted rows (slots 0 … n-1) as one call
+  of a plan — the CPU decode plan (`workers/model/steps/decode_plan.py`) or the CUDA graph plan
+  (`workers/model/steps/cuda_graph.py`, captured on CUDA, its eager form elsewhere) — other rows module by module.
 
-Plans share one interface — `run`, `verify`, `keep`, `tokens_per_row` — so the scheduler holds one and never
-branches on which it is. A proposer that drafts from the target's hidden states (MTP) reads them from the decode
-plan's `last_hidden`; the graph plan does not hand them out, so it is never chosen for such a proposer.
+Both have one interface — `prefill`, `decode`, `verify`, `keep` — so the scheduler holds one and never asks which it
+is. A proposer that drafts from the target's hidden states (MTP) reads them from the decode plan's `last_hidden`;
+the graph plan does not hand them out, so it is never chosen for such a proposer.
 """
 
 from __future__ import annotations
 
-from workers.model import HybridModel, StatePool
-from workers.model.kernels import native
-from workers.model.steps import cuda_graph, decode_plan, mtp_plan
+from dataclasses import dataclass
+
+import torch
+
+from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.model.steps import cuda_graph, decode_plan
 from workers.model.steps.cuda_graph import GraphCaptureError, GraphPlan
 from workers.model.steps.decode_plan import DecodePlan
+from workers.requests import Request
 
 MODULE, NATIVE, GRAPH = "module", "native", "graph"
+
+
+@dataclass
+class Verification:
+    """A verification forward's output, until `keep` shifts the states to the accepted count."""
+
+    logits: torch.Tensor  # [num_reqs, max_k + 1, v]
+    cache_lens: list[int]  # tokens of each row before the step's inputs
+    hidden: torch.Tensor | None = None  # [num_reqs, max_k + 1, d]; the module path's
+    old_states: list | None = None  # the module path's states before the step, and its scan inputs
+    scan_inputs: list | None = None
+
+
+class ModuleExecutor:
+    """Every forward module by module over the state pool (`HybridModel.forward`)."""
+
+    kind = MODULE
+
+    def __init__(self, model: HybridModel, pool: StatePool, want_hidden: bool):
+        """`want_hidden`: hand out the target's final hidden states (a proposer drafts from them)."""
+        self.model, self.pool, self.want_hidden = model, pool, want_hidden
+        self.device = model.embed_tokens.weight.device
+
+    def slots(self, requests: list[Request]) -> torch.Tensor:
+        """The requests' slots, on the device."""
+        return torch.tensor([r.slot for r in requests], device=self.device)
+
+    def prefill(self, requests: list[Request], chunks: list[int]) -> torch.Tensor:
+        """The next chunk of each request's prompt, continuing its state (new rows start from zero states); the
+        states are written back. Returns the final hidden states [b, max chunk, d]."""
+        starts = [r.num_computed for r in requests]
+        input_ids = torch.zeros(len(requests), max(chunks), dtype=torch.long)
+        for row, (r, start, n) in enumerate(zip(requests, starts, chunks)):
+            input_ids[row, :n] = torch.tensor(r.prompt[start : start + n])
+            self.pool.blocks.ensure(r.slot, start + n)
+        slots, num_tokens = self.slots(requests), torch.tensor(chunks, device=self.device)
+        batch = ForwardBatch(slots, torch.tensor(starts, device=self.device), num_tokens)
+        states = None
+        if any(starts):  # rows continuing from their states; new rows beside them start from zero states
+            states = self.pool.read(slots)
+            fresh = [row for row, start in enumerate(starts) if start == 0]
+            for state in states:  # copies: zeroing them leaves the slots alone
+                state.conv[fresh] = 0
+                state.ssm[fresh] = 0
+        out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
+        self.pool.write(slots, out.mamba_states)
+        return out.hidden
+
+    def decode(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token for every row, states updated in their slots: (logits [b, v], hidden [b, 1, d] when wanted)."""
+        for r in requests:
+            self.pool.blocks.ensure(r.slot, r.num_tokens)
+        prefix = _compacted(requests)  # views of the pool, no copies
+        slots = self.slots(requests)
+        input_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
+        cache_lens = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)
+        batch = ForwardBatch(
+            slots, cache_lens, torch.ones_like(cache_lens), slots_are_prefix=prefix, one_token_each=True
+        )
+        states = self.pool.prefix(len(requests)) if prefix else self.pool.read(slots)
+        out = self.model(input_ids, batch, states, self.pool.kv_caches(), in_place=True)
+        if not prefix:
+            self.pool.write(slots, out.mamba_states)
+        return self.model.logits(out.hidden[:, 0]), out.hidden
+
+    def verify(self, requests: list[Request], host_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verification:
+        """The target over `host_ids` [b, max_k + 1] (row i: x_last, its num_drafts[i] drafts, padding), keeping
+        its scan inputs for the shift."""
+        slots, cache_lens = self.slots(requests), [r.num_tokens - 1 for r in requests]
+        old_states = self.pool.read(slots)
+        batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_drafts + 1)
+        out = self.model(host_ids.to(self.device), batch, old_states, self.pool.kv_caches(), keep_scan_inputs=True)
+        logits = self.model.logits(out.hidden)
+        return Verification(logits, cache_lens, out.hidden, old_states, out.scan_inputs)
+
+    def keep(
+        self, requests: list[Request], verification: Verification, accepted: list[int], counts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Shift every row's states to those after input accepted[i] − 1 (`counts`: the same on the device).
+        Returns the verification's hidden states when wanted."""
+        assert verification.old_states is not None
+        shifted = self.model.states_after(verification.old_states, verification.scan_inputs, counts)
+        self.pool.write(self.slots(requests), shifted)
+        return verification.hidden
+
+
+class PlanExecutor(ModuleExecutor):
+    """Decode and verification steps of compacted rows as one plan call each (`run`, `verify`, `keep`)."""
+
+    def __init__(self, model: HybridModel, pool: StatePool, want_hidden: bool, plan: DecodePlan | GraphPlan):
+        super().__init__(model, pool, want_hidden)
+        self.plan = plan
+        self.kind = GRAPH if isinstance(plan, GraphPlan) else NATIVE
+
+    def decode(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ModuleExecutor.decode`, planned when the rows are compacted."""
+        if not _compacted(requests):
+            return super().decode(requests)
+        for r in requests:
+            self.pool.blocks.ensure(r.slot, r.num_tokens)
+        logits = self.plan.run([r.last_token for r in requests], [r.num_tokens - 1 for r in requests])
+        return logits, self.plan.last_hidden() if self.want_hidden else None
+
+    def verify(self, requests: list[Request], host_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verification:
+        """`ModuleExecutor.verify`, planned when the rows are compacted (the plan keeps what the shift needs)."""
+        if not _compacted(requests):
+            return super().verify(requests, host_ids, num_drafts)
+        cache_lens = [r.num_tokens - 1 for r in requests]
+        return Verification(self.plan.verify(host_ids.tolist(), cache_lens), cache_lens)
+
+    def keep(
+        self, requests: list[Request], verification: Verification, accepted: list[int], counts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`ModuleExecutor.keep`; a planned verification keeps through its plan."""
+        if verification.old_states is not None:
+            return super().keep(requests, verification, accepted, counts)
+        self.plan.keep(accepted)
+        return self.plan.last_hidden() if self.want_hidden else None
+
+
+def _compacted(requests: list[Request]) -> bool:
+    """Whether the rows hold slots 0 … n-1 in order (the scheduler compacts live requests there)."""
+    return [r.slot for r in requests] == list(range(len(requests)))
 
 
 def choose_executor(model: HybridModel, decode_plan_on: bool, cuda_graphs: bool, drafts_from_hidden: bool) -> str:
@@ -50,29 +178,8 @@ def build_plan(
     return None, None
 
 
-def executor_summary(model: HybridModel, decode_plan_on: bool, cuda_graphs: bool, drafts_from_hidden: bool) -> str:
-    """The decode plan and CUDA graph parts of the runner's one log line about how steps run."""
-    plan_reason = decode_plan.unsupported_reason(model) if decode_plan_on else "turned off"
-    graph_reason = cuda_graph.unsupported_reason(model, drafts_from_hidden) if cuda_graphs else "turned off"
-    device = next(model.parameters()).device
-    graphs = "off" if graph_reason is not None else "on" if device.type == "cuda" else "eager form (no CUDA)"
-    if graph_reason is not None:
-        graphs += f" ({graph_reason})"
-    plan = "on" if plan_reason is None else f"off ({plan_reason})"
-    if graph_reason is None:
-        plan = "not used (CUDA graphs run the steps)"
-    return f"decode plan {plan}; CUDA graphs {graphs}"
-
-
-def execution_summary(model: HybridModel, decode_plan: bool, cuda_graphs: bool = False, mtp: bool = False) -> str:
-    """How decode steps run (logged once per runner): the recurrent layers' decode kernel, the decode plan and
-    CUDA graphs (`mtp`: the proposer drafts from the target's hidden states), the MTP head's plan."""
-    kernels = sorted({m.decode_kernel for m in model.modules() if hasattr(m, "decode_kernel")})
-    summary = f"recurrent decode kernel {','.join(kernels) or 'none (no recurrent layers)'}; "
-    summary += executor_summary(model, decode_plan, cuda_graphs, mtp)
-    if native.loaded():
-        summary += f"; native CPU kernels: {native.describe()}"
-    if mtp:
-        reason = mtp_plan.unsupported_reason(model) if decode_plan else "turned off"
-        summary += "; MTP head plan " + ("on" if reason is None else f"off ({reason})")
-    return summary
+def make_executor(
+    model: HybridModel, pool: StatePool, plan: DecodePlan | GraphPlan | None, want_hidden: bool
+) -> ModuleExecutor:
+    """The executor over a workspace: its plan's when it has one, else the module path."""
+    return ModuleExecutor(model, pool, want_hidden) if plan is None else PlanExecutor(model, pool, want_hidden, plan)

@@ -24,6 +24,7 @@ from workers.prefix_cache import (
     common_prefix_length,
 )
 from workers.requests import Request
+from workers.spec_decode.proposal import Proposer
 
 UPCOMING_PROMPTS = 64  # waiting prompts an admitted request's checkpoints are planned against
 
@@ -39,10 +40,10 @@ def scan_chunk(model: HybridModel) -> int:
 class PrefixSharing:
     """Prefix caching over one workspace's slots and KV blocks, for one scheduler."""
 
-    def __init__(self, model: HybridModel, pool: StatePool, num_checkpoints: int, proposer: object | None):
+    def __init__(self, model: HybridModel, pool: StatePool, num_checkpoints: int, proposer: Proposer | None):
         """`num_checkpoints` state checkpoints; `proposer` drafting from the target's hidden states (an MTP head,
         which has `observe_target`) makes the checkpoints keep the last hidden state too."""
-        self.mtp = hasattr(proposer, "observe_target")
+        self.mtp = proposer is not None and proposer.drafts_from_hidden
         self.proposer = proposer
         self.pool: StatePool = pool
         self.blocks: BlockTable = pool.blocks

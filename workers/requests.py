@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from workers.sampling import SamplingParams
-from workers.spec_decode.metrics import SpecStats
-from workers.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, SamplingParams
+from workers.spec_stats import SpecStats
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
 
@@ -123,7 +122,18 @@ class Request:
             visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
             text = tokenizer.decode(visible, skip_special_tokens=True)
         return GenerationResult(
-            list(self.output), self.finish_reason or "length", self.error, text, len(self.prompt),
-            self.spec.num_drafts, self.spec.num_draft_tokens, self.spec.num_accepted_draft_tokens,
+            list(self.output),
+            self.finish_reason or "length",
+            self.error,
+            text,
+            len(self.prompt),
+            self.spec.num_drafts,
+            self.spec.num_draft_tokens,
+            self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
-        )  # fmt: skip
+        )
+
+
+def sampling_batch(requests: list[Request]) -> SamplingBatch:
+    """The requests' sampling state, row by row."""
+    return SamplingBatch([r.params for r in requests], [r.generator for r in requests])

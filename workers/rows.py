@@ -7,6 +7,7 @@ a worker never holds a whole shard's token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -108,12 +109,12 @@ def shard_requests(
     tokenizer: Any,
     rows: Iterable[dict[str, Any] | str],
     source: PromptSource,
-    sampling: dict[str, Any],
+    sampling: SamplingParams,
     first_row: int,
 ) -> Iterator[tuple[list[int] | str, SamplingParams | None]]:
     """Per row, lazily: (prompt token ids, its sampling) or (why it cannot run, None). A row given as a string is
     one that could not be decoded. Row i of the dataset samples with seed + i when a seed is set."""
-    seed = sampling.get("seed")
+    seed = sampling.seed
     for i, row in enumerate(rows):
         try:
             if isinstance(row, str):
@@ -122,11 +123,11 @@ def shard_requests(
         except (ValueError, TypeError) as error:
             yield str(error), None
             continue
-        yield ids, SamplingParams(**{**sampling, "seed": None if seed is None else seed + first_row + i})
+        yield ids, dataclasses.replace(sampling, seed=None if seed is None else seed + first_row + i)
 
 
 def generate_shard(
-    runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: dict[str, Any], first_row: int
+    runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: SamplingParams, first_row: int
 ) -> dict[str, list[Any]]:
     """Generate for every row of a shard in one `generate` call (the streaming worker feeds `shard_requests` to
     its stream instead)."""

@@ -8,6 +8,9 @@ import torch
 
 from workers.model.kernels import native
 
+# An empty place in a step's output rows: a verification's row holds its valid tokens from column 0, then these.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -91,8 +94,24 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+@dataclass(frozen=True)
+class SamplingBatch:
+    """A step's per-row sampling state, one value: what sampling and acceptance read for each row. A feature that
+    changes how rows sample (a grammar mask, logprobs, penalties, n samples) adds a field here and a function that
+    reads it, not a branch in the step."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+
+    @property
+    def all_greedy(self) -> bool:
+        """Whether every row takes the argmax token."""
+        return all(p.greedy for p in self.params)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
     """One next token per row of logits [b, v]."""
+    params, generators = batch.params, batch.generators
     if native.loaded() and native.fits(logits) and logits.dim() == 2:
         tokens = native.argmax(logits).tolist()  # one pass per row instead of torch's ~1 ms at 32 × 32k on CPU
     else:

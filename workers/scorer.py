@@ -32,8 +32,14 @@ class _Prefix:
 class Scorer:
     """Scores sequences with a model: batched forwards within a token budget, shared prefixes computed once."""
 
-    def __init__(self, model: HybridModel, max_num_seqs: int, max_num_batched_tokens: int, multiple: int,
-                 share_prefixes: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        model: HybridModel,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        multiple: int,
+        share_prefixes: bool = True,
+    ):
         """`multiple`: shared prefixes end at multiples of it (see the module docstring)."""
         self.model, self.max_num_seqs, self.budget = model, max_num_seqs, max_num_batched_tokens
         self.multiple, self.share_prefixes = max(CHECKPOINT_MULTIPLE, multiple), share_prefixes

@@ -92,12 +92,11 @@ def tokens_to_score(row: dict[str, Any], spec: ScoreSpec, tokenizer: Any) -> tup
 def score_shard(
     runner: ModelRunner,
     rows: list[dict[str, Any] | str],
-    options: dict[str, Any],
+    spec: ScoreSpec,
     on_forward: Callable[[], None] | None = None,
 ) -> dict[str, list[Any]]:
     """Score every row (a row given as a string is one that could not be decoded: that is its error); columns in
     SCORE_FIELDS order (plus `token_logprobs` when asked). `on_forward`: see `ModelRunner.score`."""
-    spec = ScoreSpec(**options)
     limit = runner.max_model_len
     sequences, firsts, positions = [], [], []
     errors: list[str | None] = [None] * len(rows)

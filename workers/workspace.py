@@ -3,6 +3,7 @@ requests and `generate` calls, and how a workspace that no longer fits grows."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from workers.executors import extra_slots
@@ -52,3 +53,20 @@ def grown(
         max(capacity, old.capacity),
         max(num_blocks, old.blocks.num_blocks),
     )
+
+
+def workspace_sizes(
+    positions_needed: list[int],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_kv_blocks: int | None,
+    block_size: int,
+) -> tuple[int, int, int]:
+    """(slots, positions per slot, KV blocks) for requests needing these KV positions: a slot per request up to
+    `max_num_seqs` (and the token budget), the longest request's positions, KV blocks for every slot's longest
+    request within `num_kv_blocks` (None: no bound; at least the null block and one more)."""
+    capacity = max(positions_needed)
+    num_slots = max(1, min(max_num_seqs, len(positions_needed), max_num_batched_tokens))
+    max_blocks = 1 + num_slots * math.ceil(capacity / block_size)
+    num_blocks = max_blocks if num_kv_blocks is None else max(2, min(num_kv_blocks, max_blocks))
+    return num_slots, capacity, num_blocks

@@ -55,10 +55,23 @@ def cluster(machine):
 
     ray.shutdown()  # no in-process session may linger from other tests
     dashboard = _free_port()
-    head = subprocess.Popen([RAY, "start", "--head", f"--port={_free_port()}", "--num-cpus=2", "--block",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
-                            env=machine, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    head = subprocess.Popen(
+        [
+            RAY,
+            "start",
+            "--head",
+            f"--port={_free_port()}",
+            "--num-cpus=2",
+            "--block",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--disable-usage-stats",
+        ],
+        env=machine,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_job_agent(address, {**machine, "RAY_AUTH_MODE": "token"}, head)
@@ -109,8 +122,9 @@ def test_ray_job_submit_runs_the_generate_job(cluster, machine, checkpoint_dir, 
     token_env = {**machine, "RAY_AUTH_MODE": "token"}
     result = _submit(cluster, token_env, job_id, *job_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    status = subprocess.run([RAY, "job", "status", "--address", cluster, job_id], capture_output=True, text=True,
-                            env=token_env)  # fmt: skip
+    status = subprocess.run(
+        [RAY, "job", "status", "--address", cluster, job_id], capture_output=True, text=True, env=token_env
+    )
     assert "succeeded" in (status.stdout + status.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
     rows = read_output(output)
     assert [row["id"] for row in rows] == [f"row-{i:03d}" for i in range(NUM_ROWS)]

@@ -58,19 +58,19 @@ def autoscaling_config(gcs_address: str) -> dict:
             "disable_node_updaters": True,
             "disable_launch_config_check": True,
             "gcs_address": gcs_address,
-        },  # fmt: skip
+        },
         "available_node_types": {
             "ray.head.default": {
                 "resources": shipped["available_node_types"]["head"]["resources"],
                 "node_config": {},
                 "max_workers": 0,
-            },  # fmt: skip
+            },
             "gpu_worker": {
                 "resources": resources,
                 "node_config": {},
                 "min_workers": gpu_worker["min_workers"],
                 "max_workers": 2,
-            },  # fmt: skip
+            },
         },
         "head_node_type": "ray.head.default",
         **{key: {} for key in EMPTY_KEYS},
@@ -98,10 +98,23 @@ def autoscaling_cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", mode)
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    head = subprocess.Popen([RAY, "start", "--head", f"--port={port}", "--num-cpus=0", "--block",
-                             f"--autoscaling-config={config}", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    head = subprocess.Popen(
+        [
+            RAY,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=0",
+            "--block",
+            f"--autoscaling-config={config}",
+            "--dashboard-host=127.0.0.1",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         yield gcs_address
     finally:
@@ -135,9 +148,16 @@ def test_autoscaling_cluster_launches_nodes_for_pending_workers_and_lets_them_go
             assert time.monotonic() < deadline, "the head did not come up"
             time.sleep(1.0)
     assert ray.cluster_resources().get("CPU", 0) == 0 and not _worker_nodes(alive=True)  # the head alone
-    config = job_config(checkpoint_dir("granite_moe"), dataset, tmp_path / "out", device="cpu",
-                        accelerator_type="L40S", worker_resources={"gpu_worker_node": 1},
-                        ray_address=autoscaling_cluster, worker_startup_timeout_s=240.0)  # fmt: skip
+    config = job_config(
+        checkpoint_dir("granite_moe"),
+        dataset,
+        tmp_path / "out",
+        device="cpu",
+        accelerator_type="L40S",
+        worker_resources={"gpu_worker_node": 1},
+        ray_address=autoscaling_cluster,
+        worker_startup_timeout_s=240.0,
+    )
     totals = run(build_generate_job(config))
     assert totals["rows"] == NUM_ROWS
     assert [row["id"] for row in read_output(tmp_path / "out")] == [f"row-{i:03d}" for i in range(NUM_ROWS)]

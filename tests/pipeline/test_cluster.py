@@ -56,8 +56,9 @@ def _keep_two_worker_nodes(cluster) -> None:
 def undisturbed(cluster, checkpoint_dir, dataset, tmp_path_factory) -> list[dict]:
     """One worker on two 2-CPU nodes: it must ask for 2 CPUs (what a node holds), not 4 (the cluster's total)."""
     output = tmp_path_factory.mktemp("undisturbed")
-    config = job_config(checkpoint_dir("granite_moe"), dataset, output, num_workers=1, ray_address="auto",
-                        worker_startup_timeout_s=60.0)  # fmt: skip
+    config = job_config(
+        checkpoint_dir("granite_moe"), dataset, output, num_workers=1, ray_address="auto", worker_startup_timeout_s=60.0
+    )
     run(build_generate_job(config))
     rows = read_output(output)
     assert [row["id"] for row in rows] == [f"row-{i:03d}" for i in range(NUM_ROWS)]

@@ -106,8 +106,9 @@ def test_shard_plan_is_contiguous_complete_and_deterministic():
 
 
 def test_saved_dataset_dict_reads_the_split_asked_for(tmp_path):
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
-                                   "test": datasets.Dataset.from_dict({"text": ["c"]})})  # fmt: skip
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": ["a", "b"]}), "test": datasets.Dataset.from_dict({"text": ["c"]})}
+    )
     splits.save_to_disk(str(tmp_path / "saved"))
     assert load_rows(str(tmp_path / "saved")).to_dict() == {"text": ["a", "b"]}
     assert load_rows(str(tmp_path / "saved"), split="test").to_dict() == {"text": ["c"]}
@@ -122,8 +123,11 @@ def test_input_id_column_becomes_the_output_id(tmp_path, checkpoint_dir):
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"id": "q-7", "text": "the cat"}\n{"id": "q-9", "text": "a dog"}\n')
-    config = GenerateJobConfig(InputConfig(input=str(data), prompt_column="text"),
-                               ModelConfig(model=str(checkpoint_dir("bamba"))), output=OutputConfig(str(tmp_path / "o")))  # fmt: skip
+    config = GenerateJobConfig(
+        InputConfig(input=str(data), prompt_column="text"),
+        ModelConfig(model=str(checkpoint_dir("bamba"))),
+        output=OutputConfig(str(tmp_path / "o")),
+    )
     job = build_generate_job(config)  # refused before: "input columns ['id'] collide with output columns"
     assert job.schema.names[:2] == ["id", "text"] and job.schema.field("id").type == "string"
     shard = job.plan[0]

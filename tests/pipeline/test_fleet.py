@@ -27,8 +27,9 @@ def _generate(model: Path, data: Path, output: Path, *flags: str, env: dict | No
     command = [sys.executable, "jobs/generate.py", "--model", str(model), "--input", str(data), "--prompt-column",
                "text", "--id-column", "key", "--max-model-len", "40", "--max-tokens", "4", "--temperature", "0",
                "--ignore-eos", "--rows-per-shard", "8", "--output", str(output), *flags]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,17 @@ def test_worker_start_failures_are_printed_and_bounded(checkpoint_dir, data, tmp
     model = Path(shutil.copytree(checkpoint_dir("bamba"), tmp_path / "model"))
     (model / "tokenizer.json").write_text("{ not a tokenizer")  # passes the driver's checks, fails on the worker
     start = time.monotonic()
-    result = _generate(model, data, tmp_path / "out", "--ray-address", "local", "--num-workers", "2",
-                       "--max-worker-start-failures", "3")  # fmt: skip
+    result = _generate(
+        model,
+        data,
+        tmp_path / "out",
+        "--ray-address",
+        "local",
+        "--num-workers",
+        "2",
+        "--max-worker-start-failures",
+        "3",
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "failed to start" in line]
     assert len(lines) == 3, result.stderr[-3000:]  # two printed as they happen, the third ends the job
@@ -55,8 +65,19 @@ def test_worker_start_failures_are_printed_and_bounded(checkpoint_dir, data, tmp
 
 
 def test_pending_workers_are_named_and_the_startup_timeout_says_why(checkpoint_dir, data, tmp_path):
-    result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out", "--ray-address", "local", "--device", "cuda",
-                       "--num-workers", "2", "--worker-startup-timeout-s", "6")  # fmt: skip
+    result = _generate(
+        checkpoint_dir("bamba"),
+        data,
+        tmp_path / "out",
+        "--ray-address",
+        "local",
+        "--device",
+        "cuda",
+        "--num-workers",
+        "2",
+        "--worker-startup-timeout-s",
+        "6",
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     why = "2 workers need {CPU: 1, GPU: 1}: no node has GPU ≥ 1 (cluster total 0), and no autoscaler is running"
     assert f"waiting for workers (0 ready): {why}" in result.stderr  # said while waiting, at intervals
@@ -66,8 +87,18 @@ def test_pending_workers_are_named_and_the_startup_timeout_says_why(checkpoint_d
 
 def test_work_starts_with_fewer_workers_than_requested(checkpoint_dir, data, tmp_path):
     # 3 workers of 1 CPU on a 2-CPU local Ray: two are placed, the third waits; the job must not wait for it.
-    result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out", "--ray-address", "local",
-                       "--num-workers", "3", "--cpus-per-worker", "1", timeout=180)  # fmt: skip
+    result = _generate(
+        checkpoint_dir("bamba"),
+        data,
+        tmp_path / "out",
+        "--ray-address",
+        "local",
+        "--num-workers",
+        "3",
+        "--cpus-per-worker",
+        "1",
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["id"] for row in read_output(tmp_path / "out")] == [f"row-{i:03d}" for i in range(NUM_ROWS)]
 
@@ -86,8 +117,7 @@ def test_stale_recorded_cluster_is_skipped_and_a_dead_address_fails_fast(checkpo
         (ray_tmp / "ray").mkdir()
         (ray_tmp / "ray" / "ray_current_cluster").write_text(dead)
         env = {"RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
-        result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out", "--num-workers", "1", env=env,
-                           timeout=180)  # fmt: skip
+        result = _generate(checkpoint_dir("bamba"), data, tmp_path / "out", "--num-workers", "1", env=env, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"no Ray cluster answers at {dead} (recorded in {ray_tmp}/ray/ray_current_cluster" in result.stderr
         assert len(read_output(tmp_path / "out")) == NUM_ROWS

@@ -137,8 +137,9 @@ def test_broken_worker_gets_no_retry_of_its_shard_and_is_replaced(
     assert "(3 of at most 3 retries)" not in err
 
 
-def test_hung_worker_is_killed_at_the_shard_deadline(model, dataset, tmp_path, undisturbed, ray_session, monkeypatch,
-                                                     capfd):  # fmt: skip
+def test_hung_worker_is_killed_at_the_shard_deadline(
+    model, dataset, tmp_path, undisturbed, ray_session, monkeypatch, capfd
+):
     # A worker hangs in shard 2 (alive, never answers). The driver kills it after --shard-timeout-s, requeues the
     # shard (a retry) and starts another worker; the job ends with every row once. Before, it waited forever. (A
     # worker's first shard takes ~4 s here: the timeout leaves room for it, 7× over, for a loaded or slower machine.
@@ -169,12 +170,23 @@ def test_a_templated_job_reuses_its_prefix_and_writes_what_no_cache_writes(model
     rng = random.Random(7)
     template = " ".join(rng.choice(WORDS) for _ in range(120))
     data = tmp_path / "templated.jsonl"
-    data.write_text("".join(json.dumps({"key": f"row-{i:02d}", "text": f"{template} {rng.choice(WORDS)} "
-                                        f"{rng.choice(WORDS)} {rng.choice(WORDS)}"}) + "\n" for i in range(24)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "key": f"row-{i:02d}",
+                    "text": f"{template} {rng.choice(WORDS)} {rng.choice(WORDS)} {rng.choice(WORDS)}",
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
     totals = {}
     for caching in (True, False):
-        config = job_config(model, data, tmp_path / f"out-{caching}", max_model_len=200, num_workers=1,
-                            enable_prefix_caching=caching)  # fmt: skip
+        config = job_config(
+            model, data, tmp_path / f"out-{caching}", max_model_len=200, num_workers=1, enable_prefix_caching=caching
+        )
         totals[caching] = run(build_generate_job(config))
     assert read_output(tmp_path / "out-True") == read_output(tmp_path / "out-False")
     assert totals[True]["prefix_cache_hit_tokens"] >= 20 * 64 and totals[False]["prefix_cache_hit_tokens"] == 0
@@ -188,14 +200,16 @@ def test_chat_messages_column(model, tmp_path, ray_session):
             {"messages": []}]  # fmt: skip
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    config = job_config(model, data, tmp_path / "out", prompt_column=None, messages_column="messages", id_column=None,
-                        max_model_len=64)  # fmt: skip
+    config = job_config(
+        model, data, tmp_path / "out", prompt_column=None, messages_column="messages", id_column=None, max_model_len=64
+    )
     run(build_generate_job(config))
     out = read_output(tmp_path / "out")
     assert [row["id"] for row in out] == [0, 1, 2]
     runner = ModelRunner.from_pretrained(str(model))
-    ids = runner.tokenizer.apply_chat_template(rows[1]["messages"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)  # fmt: skip
+    ids = runner.tokenizer.apply_chat_template(
+        rows[1]["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert out[1]["num_prompt_tokens"] == len(ids) and out[1]["error"] is None
     assert "non-empty list" in out[2]["error"]
 

@@ -43,8 +43,14 @@ class FakeHub:
         for path in sorted(p for p in self.repos[repo_id].rglob("*") if p.is_file()):
             data = path.read_bytes()
             lfs = SimpleNamespace(sha256=hashlib.sha256(data).hexdigest()) if path.suffix == ".safetensors" else None
-            siblings.append(SimpleNamespace(rfilename=str(path.relative_to(self.repos[repo_id])), size=len(data),
-                                            lfs=lfs, blob_id=hashlib.sha1(data).hexdigest()))  # fmt: skip
+            siblings.append(
+                SimpleNamespace(
+                    rfilename=str(path.relative_to(self.repos[repo_id])),
+                    size=len(data),
+                    lfs=lfs,
+                    blob_id=hashlib.sha1(data).hexdigest(),
+                )
+            )
         return SimpleNamespace(sha=self.commit(repo_id, revision), siblings=siblings, config={})
 
     def hf_hub_download(self, repo_id, filename, revision=None, **kwargs):

@@ -39,8 +39,11 @@ def test_gpu_workers_and_placement_flags_reach_options_and_bundle():
     gpu_node = {"CPU": 8.0, "GPU": 1.0, "spot_node": 1.0, "accelerator_type:L4": 1.0}
     placement = plan_placement("auto", scaling, [HEAD, gpu_node], 2)
     assert placement.device == "cuda" and placement.num_threads is None
-    assert placement.actor_options() == {"num_cpus": 1, "num_gpus": 1,
-                                         "resources": {"spot_node": 1, "accelerator_type:L4": 0.001}}  # fmt: skip
+    assert placement.actor_options() == {
+        "num_cpus": 1,
+        "num_gpus": 1,
+        "resources": {"spot_node": 1, "accelerator_type:L4": 0.001},
+    }
     assert placement.bundle == {"CPU": 1, "GPU": 1, "spot_node": 1, "accelerator_type:L4": 0.001}
     # CPU workers pinned to a node type: sized by the nodes that have the resource, not the others.
     cpu = plan_placement("cpu", ScalingConfig(worker_resources={"spot_node": 1}), [{"CPU": 32.0}, gpu_node], 1)
@@ -61,8 +64,21 @@ def test_pending_message_names_what_is_missing():
 
 
 def test_placement_flags_parse_and_are_validated():
-    sections = parse_sections("t", SECTIONS, [*BASE, "--worker-resources", '{"spot_node": 1}', "--accelerator-type",
-                                              "A100", "--cpus-per-worker", "4", "--max-worker-start-failures", "2"])  # fmt: skip
+    sections = parse_sections(
+        "t",
+        SECTIONS,
+        [
+            *BASE,
+            "--worker-resources",
+            '{"spot_node": 1}',
+            "--accelerator-type",
+            "A100",
+            "--cpus-per-worker",
+            "4",
+            "--max-worker-start-failures",
+            "2",
+        ],
+    )
     scaling = sections["scaling"]
     assert (scaling.worker_resources, scaling.accelerator_type) == ({"spot_node": 1}, "A100")
     assert (scaling.cpus_per_worker, scaling.max_worker_start_failures) == (4, 2)

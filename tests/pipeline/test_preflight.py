@@ -34,8 +34,17 @@ def no_driver(monkeypatch):
 def _generate(model: Path | str, tmp_path: Path, *extra: str) -> list[str]:
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "the cat"}\n')
-    return ["--model", str(model), "--input", str(data), "--prompt-column", "text", "--output",
-            str(tmp_path / "out"), *extra]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--input",
+        str(data),
+        "--prompt-column",
+        "text",
+        "--output",
+        str(tmp_path / "out"),
+        *extra,
+    ]
 
 
 def _refused(argv: list[str], capsys, tmp_path: Path, entry=main) -> str:
@@ -96,8 +105,21 @@ def test_sharded_checkpoint_with_a_missing_file_is_refused(model_copy, tmp_path,
     check_model(str(model_copy))  # the complete sharded checkpoint passes
     (model_copy / "model-00002-of-00002.safetensors").unlink()
     (tmp_path / "d.jsonl").write_text('{"text": "the cat"}\n')
-    err = _refused(["--model", str(model_copy), "--input", str(tmp_path / "d.jsonl"), "--text-column", "text",
-                    "--output", str(tmp_path / "out")], capsys, tmp_path, entry=score_main)  # fmt: skip
+    err = _refused(
+        [
+            "--model",
+            str(model_copy),
+            "--input",
+            str(tmp_path / "d.jsonl"),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capsys,
+        tmp_path,
+        entry=score_main,
+    )
     assert "1 of the 2 weight files named in model.safetensors.index.json are missing" in err
 
 

@@ -86,16 +86,25 @@ def test_an_empty_or_malformed_input_is_refused_in_one_line(name, write, message
     "lines,flag,named",
     [
         # A CSV id column read as written: "007" and "7" are two ids; "007" twice and an empty id are refused.
-        (["key,text", "007,a", "7,b", "007,c", ",d"], ["--id-column", "key"],
-         "--id-column 'key': 1 rows have no id (null or empty: rows 3); 1 ids occur more than once: '007' (rows 0, 2)"),
+        (
+            ["key,text", "007,a", "7,b", "007,c", ",d"],
+            ["--id-column", "key"],
+            "--id-column 'key': 1 rows have no id (null or empty: rows 3); 1 ids occur more than once: '007' (rows 0, 2)",
+        ),
         # JSONL ids of mixed types keep their text: 1 and "1" are the same id, written twice.
-        (['{"key": 1, "text": "a"}', '{"key": "1", "text": "b"}', '{"key": "x", "text": "c"}'],
-         ["--id-column", "key"], "1 ids occur more than once: '1' (rows 0, 1)"),
+        (
+            ['{"key": 1, "text": "a"}', '{"key": "1", "text": "b"}', '{"key": "x", "text": "c"}'],
+            ["--id-column", "key"],
+            "1 ids occur more than once: '1' (rows 0, 1)",
+        ),
         # The input's own `id` column is the output id: null ids are refused too.
-        (['{"id": "a", "text": "x"}', '{"id": null, "text": "y"}'], [],
-         "the input's `id` column (the output `id`): 1 rows have no id (null or empty: rows 1)"),
+        (
+            ['{"id": "a", "text": "x"}', '{"id": null, "text": "y"}'],
+            [],
+            "the input's `id` column (the output `id`): 1 rows have no id (null or empty: rows 1)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_duplicate_or_missing_ids_are_refused_naming_them(lines, flag, named, model, tmp_path, capsys, no_ray):
     data = tmp_path / ("ids.csv" if "," in lines[0] and "{" not in lines[0] else "ids.jsonl")
     data.write_text("\n".join(lines) + "\n")

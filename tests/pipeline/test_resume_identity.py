@@ -42,18 +42,27 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
     "change,named",
     [
         (lambda m, d, data: _flip_byte(m / "model.safetensors", 1000), "model_identity.files.model.safetensors"),
-        (lambda m, d, data: (m / "config.json").write_text(
-            json.dumps({**json.loads((m / "config.json").read_text()), "rms_norm_eps": 1e-3})),
-         "model_identity.files.config.json"),
-        (lambda m, d, data: (m / "tokenizer.json").write_text((m / "tokenizer.json").read_text().replace('"cat"', '"cow"')),
-         "model_identity.files.tokenizer.json"),
+        (
+            lambda m, d, data: (m / "config.json").write_text(
+                json.dumps({**json.loads((m / "config.json").read_text()), "rms_norm_eps": 1e-3})
+            ),
+            "model_identity.files.config.json",
+        ),
+        (
+            lambda m, d, data: (m / "tokenizer.json").write_text(
+                (m / "tokenizer.json").read_text().replace('"cat"', '"cow"')
+            ),
+            "model_identity.files.tokenizer.json",
+        ),
         (lambda m, d, data: _flip_byte(d / "model.safetensors", 5000), "draft_model_identity.files.model.safetensors"),
-        (lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
-         "input_identity.files.prompts.jsonl.sha256"),
+        (
+            lambda m, d, data: data.write_text(data.read_text().replace("row-003", "row-993")),
+            "input_identity.files.prompts.jsonl.sha256",
+        ),
         (lambda m, d, data: write_dataset(data, num_rows=49), "input_identity.num_rows"),
     ],
     ids=["weights", "config", "tokenizer", "draft", "input-contents", "input-rows"],
-)  # fmt: skip
+)
 def test_a_changed_model_draft_or_input_is_refused_naming_what_changed(setup, change, named):
     model, draft, data, out, prepare = setup
     change(model, draft, data)
@@ -88,7 +97,10 @@ def test_enforce_eager_reaches_the_workers_and_a_job_resumes_across_it(setup, mo
     assert parsed.enforce_eager and not ModelConfig(model=str(model)).enforce_eager
     assert worker_spec("score", parsed).enforce_eager
     arguments = {}
-    monkeypatch.setattr("workers.actor.ModelRunner.from_pretrained", lambda *a, **k: arguments.update(k))
+    monkeypatch.setattr(
+        "workers.actor.ModelRunner.from_pretrained",
+        lambda path, config: arguments.update(cuda_graphs=config.execution.cuda_graphs),
+    )
     ShardWorker(worker_spec("generate", parsed))
     assert arguments["cuda_graphs"] is False
     ShardWorker(worker_spec("generate", ModelConfig(model=str(model))))

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from pipeline.benchmark import shard_stats, synthetic_job, write_finished_shards
+from bench.driver_bookkeeping import shard_stats, synthetic_job, write_finished_shards
 from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import MANIFEST, OutputDir
 

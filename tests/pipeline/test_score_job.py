@@ -10,15 +10,33 @@ import pytest
 from jobs.score import main
 from tests.pipeline.conftest import BAD_ROWS, NUM_ROWS, read_output
 from workers import ModelRunner
-from workers.scoring import score_shard
+from workers.scoring import ScoreSpec, score_shard
 
 pytestmark = pytest.mark.slow
 
 
 def _argv(model, dataset, output, *extra):
-    return ["--model", str(model), "--input", str(dataset), "--text-column", "text", "--id-column", "key",
-            "--max-model-len", "12", "--num-workers", "2", "--rows-per-shard", "10", "--ray-address", "local",
-            "--output", str(output), *extra]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--input",
+        str(dataset),
+        "--text-column",
+        "text",
+        "--id-column",
+        "key",
+        "--max-model-len",
+        "12",
+        "--num-workers",
+        "2",
+        "--rows-per-shard",
+        "10",
+        "--ray-address",
+        "local",
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def test_score_job_end_to_end_with_resume(checkpoint_dir, dataset, tmp_path, ray_session, capsys):
@@ -29,7 +47,7 @@ def test_score_job_end_to_end_with_resume(checkpoint_dir, dataset, tmp_path, ray
     assert [row["id"] for row in rows] == [f"row-{i:03d}" for i in range(NUM_ROWS)]
     runner = ModelRunner.from_pretrained(str(model), max_model_len=12)
     texts = [json.loads(row["text"]) for row in rows]  # mixed-type column: stored as JSON text
-    direct = score_shard(runner, [{"text": t} for t in texts], {"text_column": "text"})
+    direct = score_shard(runner, [{"text": t} for t in texts], ScoreSpec(text_column="text"))
     for i, row in enumerate(rows):
         if i in BAD_ROWS or direct["error"][i]:
             assert row["error"] == direct["error"][i] and row["error"]

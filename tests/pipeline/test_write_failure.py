@@ -26,8 +26,11 @@ def test_full_disk_fails_the_job_and_a_rerun_resumes(checkpoint_dir, dataset, tm
         write(self, name, table, info)
 
     monkeypatch.setattr(OutputDir, "write_table", fill_up)
-    with pytest.raises(JobFailed, match=r"writing part-0000\d\.parquet to .* failed \(OSError: \[Errno 28\] No space "
-                                        r"left on device\); the 2 shard files written by this run are kept"):  # fmt: skip
+    with pytest.raises(
+        JobFailed,
+        match=r"writing part-0000\d\.parquet to .* failed \(OSError: \[Errno 28\] No space "
+        r"left on device\); the 2 shard files written by this run are kept",
+    ):
         run(build_generate_job(config))
     written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
     assert len(written) == 2 and not (tmp_path / "out" / SUCCESS).exists()

@@ -95,9 +95,16 @@ def test_reservations_bound_admission_and_new_blocks_are_zeroed():
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [("8GB", 8 * 10**9), ("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5g", 1_500_000_000),
-                           (1000, 1000), ("4096", 4096)],
-)  # fmt: skip
+    ("text", "expected"),
+    [
+        ("8GB", 8 * 10**9),
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5g", 1_500_000_000),
+        (1000, 1000),
+        ("4096", 4096),
+    ],
+)
 def test_memory_sizes_parse(text, expected):
     assert parse_memory_size(text) == expected
 

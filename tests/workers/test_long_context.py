@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_models import FAMILIES, QWEN_GDN_FAMILIES, draft_for
+from tests.tiny_models import FAMILIES, QWEN_GDN_FAMILIES, draft_for, engine_config
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model.layers import attention
 from workers.model.layers.hybrid import HybridModel
@@ -33,16 +33,24 @@ def _prompts(vocab_size: int, seed: int = 0, long: bool = True) -> list[list[int
 
 def _runner_like(runner: ModelRunner, **options) -> ModelRunner:
     """Another runner over the same loaded model (and draft), with other scheduling options."""
-    return ModelRunner(runner.model, runner.tokenizer, runner.eos_token_ids, runner.max_num_seqs,
-                       speculative=runner.speculative, draft_model=runner.draft_model, **options)  # fmt: skip
+    return ModelRunner(
+        runner.model,
+        runner.tokenizer,
+        runner.eos_token_ids,
+        max_num_seqs=runner.max_num_seqs,
+        speculative=runner.speculative,
+        draft_model=runner.draft_model,
+        **options,
+    )
 
 
 def _speculative(method: str, family: str, checkpoint_dir) -> SpeculativeConfig | None:
     if method == "none":
         return None
     if method == "draft":
-        return SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(draft_for(family, "draft_hybrid"))),
-                                 policy="fixed")  # fmt: skip
+        return SpeculativeConfig(
+            "draft", 3, draft_model=str(checkpoint_dir(draft_for(family, "draft_hybrid"))), policy="fixed"
+        )
     return SpeculativeConfig(method, 3, policy="fixed")
 
 
@@ -53,8 +61,9 @@ CASES += [("granite_dense", "draft"), ("qwen3_5", "draft")] + [(family, "mtp") f
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "method"), CASES)
 def test_greedy_generation_does_not_depend_on_the_token_budget(family, method, checkpoint_dir, monkeypatch):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4,
-                                         speculative=_speculative(method, family, checkpoint_dir))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)), max_num_seqs=4, speculative=_speculative(method, family, checkpoint_dir)
+    )
     prompts = _prompts(runner.config.vocab_size)
     expected = [r.token_ids for r in runner.generate(prompts, GREEDY)]  # budget 4096: every prompt in one forward
     budgets = (1, 7, 64) if method == "none" else (7,)  # 7: chunks and verification rows share the budget
@@ -80,15 +89,20 @@ def test_scoring_does_not_depend_on_the_token_budget(family, checkpoint_dir, mon
         got = _runner_like(runner, max_num_batched_tokens=budget).score(some)
         for row, (result, want) in enumerate(zip(got, expected)):
             assert len(result.token_logprobs) == len(want)
-            torch.testing.assert_close(torch.tensor(result.token_logprobs), torch.tensor(want), **LOGPROB_TOL,
-                                       msg=lambda m, b=budget, r=row: f"budget {b}, row {r}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(result.token_logprobs),
+                torch.tensor(want),
+                **LOGPROB_TOL,
+                msg=lambda m, b=budget, r=row: f"budget {b}, row {r}: {m}",
+            )
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
 def test_no_forward_sees_more_tokens_than_the_budget(method, checkpoint_dir, monkeypatch):
     family = "granite_dense"
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4,
-                                         speculative=_speculative(method, family, checkpoint_dir))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)), max_num_seqs=4, speculative=_speculative(method, family, checkpoint_dir)
+    )
     seen: list[int] = []
     forward, execute = HybridModel.forward, DecodePlan._execute
 
@@ -165,11 +179,17 @@ def test_kv_memory_follows_each_requests_own_length(checkpoint_dir):
     rng = random.Random(3)
     lengths = [400] + [10] * 15
     requests = [
-        Request(i, [rng.randrange(runner.config.vocab_size) for _ in range(n)], GREEDY, frozenset(),
-                make_generator(GREEDY, torch.device("cpu"), 0), runner.max_model_len)
+        Request(
+            i,
+            [rng.randrange(runner.config.vocab_size) for _ in range(n)],
+            GREEDY,
+            frozenset(),
+            make_generator(GREEDY, torch.device("cpu"), 0),
+            runner.max_model_len,
+        )
         for i, n in enumerate(lengths)
-    ]  # fmt: skip
-    scheduler = Scheduler(runner.model, requests, 16, max_num_batched_tokens=256)
+    ]
+    scheduler = Scheduler(runner.model, engine_config(16, max_num_batched_tokens=256), requests)
     while scheduler.prefilling or scheduler.waiting or not scheduler.running:
         scheduler.step()
     used = sum(len(owned) for owned in scheduler.blocks.owned) * scheduler.blocks.block_size

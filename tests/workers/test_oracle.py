@@ -45,9 +45,14 @@ def _hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> tuple[list[int], l
     """transformers' greedy tokens and the top-2 logit margin at each step."""
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-            pad_token_id=0, output_scores=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     return out.sequences[0, len(prompt) :].tolist(), margins
 

@@ -116,12 +116,16 @@ def test_scoring_computes_a_shared_prefix_once_with_the_same_logprobs(family, ch
 
 @pytest.mark.parametrize(
     "method,family,draft",
-    [("draft", "granite_moe", "self"), ("draft", "bamba", "draft_attention"), ("draft", "nemotron_dense", "draft_hybrid"),
-     ("mtp", "qwen3_5", None), ("mtp", "nemotron_moe", None)],
-)  # fmt: skip
+    [
+        ("draft", "granite_moe", "self"),
+        ("draft", "bamba", "draft_attention"),
+        ("draft", "nemotron_dense", "draft_hybrid"),
+        ("mtp", "qwen3_5", None),
+        ("mtp", "nemotron_moe", None),
+    ],
+)
 @pytest.mark.parametrize("prefix", ["one block", "blocks and a tail"])
-def test_cache_with_a_draft_model_or_mtp_gives_the_tokens_of_cache_off(method, family, draft, prefix,
-                                                                        checkpoint_dir):  # fmt: skip
+def test_cache_with_a_draft_model_or_mtp_gives_the_tokens_of_cache_off(method, family, draft, prefix, checkpoint_dir):
     """A draft model catches up on a restored request's whole context (its own states are not cached); an MTP head
     shares the prefix's KV but the last block, which the restored request copies and rewrites from the hidden state
     the checkpoint kept. Greedy tokens equal cache off either way; a model drafting for itself has every draft
@@ -143,16 +147,18 @@ def test_cache_with_a_draft_model_or_mtp_gives_the_tokens_of_cache_off(method, f
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_moe"])
 @pytest.mark.parametrize("prefix_len", [128, 149])  # rows diverge right at the checkpoint (128), or after it
-def test_an_mtp_head_restored_from_the_cache_drafts_what_it_drafts_without(family, prefix_len, checkpoint_dir,
-                                                                           monkeypatch):  # fmt: skip
+def test_an_mtp_head_restored_from_the_cache_drafts_what_it_drafts_without(
+    family, prefix_len, checkpoint_dir, monkeypatch
+):
     """The head's KV of the shared prefix (but its last position, rewritten with the request's own next token from
     the hidden state the checkpoint kept) gives every request the drafts it gets without the cache."""
     path = str(checkpoint_dir(family))
     prompts = _templated(prefix_len, 8, seed=9)
     drafts = {}
     for caching in (False, True):
-        runner = ModelRunner.from_pretrained(path, max_num_seqs=4, enable_prefix_caching=caching,
-                                             speculative=SpeculativeConfig("mtp", 3, policy="fixed"))  # fmt: skip
+        runner = ModelRunner.from_pretrained(
+            path, max_num_seqs=4, enable_prefix_caching=caching, speculative=SpeculativeConfig("mtp", 3, policy="fixed")
+        )
         proposer = runner._make_proposer()
         propose, seen = proposer.propose, {}
 

@@ -96,9 +96,17 @@ def test_max_model_len_ends_generation(checkpoint_dir):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", "x"),
-     ("stop", [""]), ("stop_token_ids", [-3])],
-)  # fmt: skip
+    [
+        ("max_tokens", 0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("seed", "x"),
+        ("stop", [""]),
+        ("stop_token_ids", [-3]),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**{field: value})
@@ -147,19 +155,23 @@ def test_a_prompt_of_max_model_len_tokens_gets_an_error_plain_and_speculative(ch
 
 def test_seeds_are_taken_modulo_2_to_the_64(runner):
     prompt = [5, 6, 7, 8]
-    sampled = [SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
-               for seed in (5, 2**64 + 5, 2**64 - 1, -1)]  # fmt: skip
+    sampled = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True)
+        for seed in (5, 2**64 + 5, 2**64 - 1, -1)
+    ]
     results = [r.token_ids for r in runner.generate([prompt] * 4, sampled)]
     assert results[0] == results[1] and results[2] == results[3]
 
 
 def test_shard_seeds_near_2_to_the_64_do_not_overflow(runner):
+    from dataclasses import replace
+
     from workers.rows import PromptSource, generate_shard
 
     rows = [{"text": "the cat"}, {"text": "a dog"}, {"text": "the cat"}]
-    sampling = dict(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 1)
+    sampling = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2**64 - 1)
     columns = generate_shard(runner, rows, PromptSource(prompt_column="text"), sampling, first_row=0)
     assert columns["error"] == [None] * 3
     # Row i samples with seed + i modulo 2^64: row 1 uses seed 0, row 2 seed 1.
-    again = generate_shard(runner, rows[1:], PromptSource(prompt_column="text"), {**sampling, "seed": 0}, 0)
+    again = generate_shard(runner, rows[1:], PromptSource(prompt_column="text"), replace(sampling, seed=0), 0)
     assert again["generated_token_ids"] == columns["generated_token_ids"][1:]

@@ -12,7 +12,9 @@ import pyarrow as pa
 import pytest
 
 from workers.actor import ShardTask, ShardWorker, WorkerSpec
+from workers.config import EngineConfig
 from workers.rows import PromptSource
+from workers.sampling import SamplingParams
 from workers.stream import ROWS_AHEAD_PER_SEQ
 
 WORDS = ["the", "cat", "a", "dog", "sat", "on", "mat", "ran"]
@@ -26,9 +28,13 @@ def _shard(index: int, num_rows: int) -> ShardTask:
 
 @pytest.fixture
 def worker(checkpoint_dir):
-    spec = WorkerSpec("generate", str(checkpoint_dir("granite_moe")), max_num_seqs=4,
-                      prompt=PromptSource(prompt_column="text"),
-                      task_options=dict(temperature=0, max_tokens=12, ignore_eos=True))  # fmt: skip
+    spec = WorkerSpec(
+        "generate",
+        str(checkpoint_dir("granite_moe")),
+        EngineConfig().replace(max_num_seqs=4, dtype="auto"),
+        prompt=PromptSource(prompt_column="text"),
+        sampling=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     worker = ShardWorker(spec)
     assert worker.start_error is None
     return worker
@@ -79,9 +85,8 @@ def test_streamed_shards_equal_one_call_per_shard(worker, checkpoint_dir):
 
 
 def _params(worker: ShardWorker, shard: ShardTask):
-    from workers.sampling import SamplingParams
 
-    return [SamplingParams(**worker.spec.task_options)] * shard.rows.num_rows
+    return [worker.spec.sampling] * shard.rows.num_rows
 
 
 def test_a_failing_step_fails_only_the_shards_it_ran_and_the_others_go_on(worker):

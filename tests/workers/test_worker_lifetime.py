@@ -49,12 +49,16 @@ def test_a_larger_run_frees_the_old_workspace_before_allocating(method, family, 
     an MTP head's KV): the old storage is freed first, so the most ever held is what the final runs hold."""
     tracker = StorageTracker(monkeypatch)
     path = str(checkpoint_dir(family))
-    speculative = None if method is None else SpeculativeConfig(method, 2, draft_model=path if method == "draft"
-                                                                 else None, policy="fixed")  # fmt: skip
+    speculative = (
+        None
+        if method is None
+        else SpeculativeConfig(method, 2, draft_model=path if method == "draft" else None, policy="fixed")
+    )
     runner = ModelRunner.from_pretrained(path, max_num_seqs=8, speculative=speculative)
     small = runner.generate([[5, 6, 7]], GREEDY)
-    large = runner.generate([list(range(4, 4 + 40 + i)) for i in range(6)], SamplingParams(temperature=0,
-                            max_tokens=30, ignore_eos=True))  # fmt: skip
+    large = runner.generate(
+        [list(range(4, 4 + 40 + i)) for i in range(6)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
     again = runner.generate([[5, 6, 7]], GREEDY)
     assert [r.finish_reason for r in large] == ["length"] * 6 and small[0].token_ids == again[0].token_ids
     assert tracker.live_bytes() > 0

@@ -14,8 +14,8 @@ Dimension letters used in shape comments:
 
 from workers.model.checkpoint.config import HybridConfig
 from workers.model.checkpoint.families import SUPPORTED_MODEL_TYPES
-from workers.model.checkpoint.loader import LoadedCheckpoint, load_checkpoint
 from workers.model.layers.hybrid import HybridModel
+from workers.model.loader import LoadedCheckpoint, load_checkpoint
 from workers.model.state import ForwardBatch, KVCache, MambaState, RecurrentState, StatePool
 
 __all__ = [

@@ -22,7 +22,7 @@ from workers.model import ForwardBatch, HybridModel, MambaState, StatePool
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.model.steps.draft_chain import DraftChain
 from workers.requests import Request
-from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
+from workers.spec_decode.proposal import Proposal, Proposer, choose_draft_token, empty_draft_probs
 
 
 @dataclass
@@ -37,8 +37,10 @@ class PendingShift:
     # the states are in the pool and the chain's snapshots)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Proposes k tokens per request with a smaller model that shares the target's vocabulary."""
+
+    needs_draft_model = True
 
     def __init__(
         self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = False, native_chain: bool = True
@@ -139,9 +141,15 @@ class DraftModelProposer:
         return torch.cat([first[None], rest]).t().tolist()
 
     def _step_by_step(
-        self, active: list[Request], rows: list[int], budgets: list[int], unseen: list[list[int]],
-        cache_lens: list[int], planned: bool, probs: torch.Tensor | None,
-    ) -> tuple[list[list[int]], list[list[MambaState]] | None]:  # fmt: skip
+        self,
+        active: list[Request],
+        rows: list[int],
+        budgets: list[int],
+        unseen: list[list[int]],
+        cache_lens: list[int],
+        planned: bool,
+        probs: torch.Tensor | None,
+    ) -> tuple[list[list[int]], list[list[MambaState]] | None]:
         """The draft steps one by one (any sampling): the tokens each row drew, and the module path's states after
         each step (None when planned: the pool holds the last step's, the chain's snapshots the others)."""
         num_steps = max(budgets)
@@ -182,16 +190,21 @@ class DraftModelProposer:
                 self.covered[request.slot] = start + len(piece)
 
     def _module_step(
-        self, inputs: list[list[int]], lengths: list[int], cache_lens: list[int], slots: torch.Tensor,
+        self,
+        inputs: list[list[int]],
+        lengths: list[int],
+        cache_lens: list[int],
+        slots: torch.Tensor,
         states: list[MambaState],
-    ) -> tuple[torch.Tensor, list[MambaState]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, list[MambaState]]:
         """One draft forward module by module from `states` → (logits [b, v] after each row's last input, new states)."""
         input_ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
         for row, tokens in enumerate(inputs):
             input_ids[row, : len(tokens)] = torch.tensor(tokens)
         num_tokens = torch.tensor(lengths, device=self.device)
-        batch = ForwardBatch(slots, torch.tensor(cache_lens, device=self.device), num_tokens,
-                             one_token_each=all(n == 1 for n in lengths))  # fmt: skip
+        batch = ForwardBatch(
+            slots, torch.tensor(cache_lens, device=self.device), num_tokens, one_token_each=all(n == 1 for n in lengths)
+        )
         out = self.model(input_ids.to(self.device), batch, states, self.pool.kv_caches())
         last = out.hidden[torch.arange(len(inputs), device=self.device), num_tokens - 1]
         return self.model.logits(last), out.mamba_states

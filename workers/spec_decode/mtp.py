@@ -25,7 +25,7 @@ from workers.model.state import free_storage, paged_kv_cache
 from workers.model.steps import mtp_plan
 from workers.model.steps.mtp_plan import MtpPlan
 from workers.requests import Request
-from workers.spec_decode.proposal import Proposal, choose_draft_token, empty_draft_probs
+from workers.spec_decode.proposal import Proposal, Proposer, choose_draft_token, empty_draft_probs
 
 # A row's pending hidden states beyond this many positions are consumed at once (the head catches up on those whose
 # next token is known), so a long plain stretch or a long prompt never accumulates them: memory stays bounded by
@@ -44,8 +44,10 @@ def pending_bytes(
     return (steps + max_num_batched_tokens) * hidden_size * element
 
 
-class MtpProposer:
+class MtpProposer(Proposer):
     """Proposes k tokens per request with `model.mtp` (see the module docstring for the state it keeps)."""
+
+    drafts_from_hidden = True
 
     def __init__(self, model: HybridModel, num_speculative_tokens: int = 1, decode_plan: bool = True):
         """`model` must have been loaded with its MTP head (`load_checkpoint(..., mtp=True)`). `decode_plan`: run the
@@ -163,9 +165,13 @@ class MtpProposer:
         return Proposal.from_lists(drafts, probs, caught_up)
 
     def _propose_planned(
-        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        self,
+        active: list[Request],
+        taken: list[_Pending],
+        budgets: list[int],
+        probs: torch.Tensor | None,
         rows: list[int],
-    ) -> list[list[int]]:  # fmt: skip
+    ) -> list[list[int]]:
         """`propose` through the MTP plan: all greedy, the catch-up and the whole chain in one native call; else one
         call per step, the drafts chosen here. Pending runs longer than the plan takes (new prompts) catch up
         module by module and chain through the plan from there."""
@@ -189,9 +195,13 @@ class MtpProposer:
         return chains
 
     def _propose_module(
-        self, active: list[Request], taken: list[_Pending], budgets: list[int], probs: torch.Tensor | None,
+        self,
+        active: list[Request],
+        taken: list[_Pending],
+        budgets: list[int],
+        probs: torch.Tensor | None,
         rows: list[int],
-    ) -> list[list[int]]:  # fmt: skip
+    ) -> list[list[int]]:
         """`propose` module by module: the catch-up's last output drafts d_1; each further draft feeds the head its
         own output and the previous draft."""
         last = self._catch_up(active, taken)
@@ -207,8 +217,9 @@ class MtpProposer:
             if step + 1 == max(budgets):
                 break
             previous = torch.tensor([[chain[-1]] for chain in chains], device=self.device)
-            batch = ForwardBatch(slots, torch.tensor(positions, device=self.device), torch.ones_like(slots),
-                                 one_token_each=True)  # fmt: skip
+            batch = ForwardBatch(
+                slots, torch.tensor(positions, device=self.device), torch.ones_like(slots), one_token_each=True
+            )
             last = self.head(previous, last[:, None], self.model.embed_tokens, batch, self.caches)[:, 0]
             positions = [p + 1 for p in positions]
         return chains

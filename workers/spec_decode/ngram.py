@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from workers.model import StatePool
 from workers.requests import Request
-from workers.spec_decode.proposal import Proposal
+from workers.spec_decode.proposal import Proposal, Proposer
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -63,7 +63,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup proposer (no draft distribution: the rejection sampler treats q as one-hot); its only state is
     each slot's `NgramIndex`."""
 

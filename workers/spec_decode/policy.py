@@ -94,8 +94,14 @@ class FixedPolicy:
         self.chosen[max(budgets, default=0)] += 1
         return list(budgets)
 
-    def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
-                seconds: float | None, width: int | None = None) -> None:  # fmt: skip
+    def observe(
+        self,
+        request_ids: list[int],
+        num_drafts: list[int],
+        num_accepted_drafts: list[int],
+        seconds: float | None,
+        width: int | None = None,
+    ) -> None:
         """Nothing to learn."""
 
     def observe_acceptance(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int]) -> None:
@@ -108,8 +114,15 @@ class FixedPolicy:
 class AdaptivePolicy:
     """Chooses k per step from measured step times and observed acceptance (see the module docstring)."""
 
-    def __init__(self, max_drafts: int, explore_every: int = 16, prior_weight: float = 4.0, decay: float = 0.95,
-                 free_drafts: bool = False, margin: float = 1.15):  # fmt: skip
+    def __init__(
+        self,
+        max_drafts: int,
+        explore_every: int = 16,
+        prior_weight: float = 4.0,
+        decay: float = 0.95,
+        free_drafts: bool = False,
+        margin: float = 1.15,
+    ):
         """`explore_every`: after this many steps at k = 0, verify one draft (then twice as many steps, and so on).
         `prior_weight`: observations a request needs before its own rate outweighs the batch's. `decay`: per step,
         the weight left to older acceptance counts (batch and request). `free_drafts`: the proposer costs nothing and
@@ -301,8 +314,14 @@ class AdaptivePolicy:
         return (self.seconds[(other, 0)] if plain is None else plain) * relative
 
     # ------------------------------------------------------------------------------------------------- learn
-    def observe(self, request_ids: list[int], num_drafts: list[int], num_accepted_drafts: list[int],
-                seconds: float | None, width: int | None = None) -> None:  # fmt: skip
+    def observe(
+        self,
+        request_ids: list[int],
+        num_drafts: list[int],
+        num_accepted_drafts: list[int],
+        seconds: float | None,
+        width: int | None = None,
+    ) -> None:
         """One step's outcome: drafts asked for and accepted per request (a draft the proposer could not make counts
         as rejected), the step's wall time (None when the step also did other work, a prefill chunk: its acceptance
         counts, its time does not) and the drafts per row it verified (default: the most asked for)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
@@ -46,8 +46,9 @@ def empty_draft_probs(
     return torch.zeros(num_reqs, max_k, vocab_size, device=device) if sampled else None
 
 
-def choose_draft_token(logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None,
-                       row: int, step: int) -> int:  # fmt: skip
+def choose_draft_token(
+    logits: torch.Tensor, request: Request, is_draft: bool, probs: torch.Tensor | None, row: int, step: int
+) -> int:
     """The next draft token of a model proposer: argmax for greedy requests, else a sample from q, recorded in
     probs[row, step] for verification. Steps past a request's own budget only keep the batch running; they draw
     nothing from its generator, so its random stream does not depend on the other requests."""
@@ -58,17 +59,27 @@ def choose_draft_token(logits: torch.Tensor, request: Request, is_draft: bool, p
     return sample_from(q, request.generator)
 
 
-class Proposer(Protocol):
+class Proposer:
     """Proposes drafts; a stateful proposer (a draft model) also shifts its own state after verification.
 
-    A proposer that drafts from the target's hidden states (MTP) also has `observe_target(requests, hidden,
-    cache_lens, num_tokens)`, which the scheduler calls after every target forward with the final-norm hidden
-    states and how many positions of each row were kept. A proposer whose drafts cost nothing (n-gram lookup) sets
-    `drafts_cost_nothing = True` and has `lookup(requests, num_drafts) -> list[list[int]]` (the drafts as lists):
-    the scheduler then asks it for drafts it will not verify, to observe acceptance on plain steps. A proposer with
-    storage of its own (state slots, KV caches) has `release()`, which frees it before the target's workspace is
-    replaced by a larger one (two of each would exceed the memory plan).
+    Every method has a default that does nothing, so a proposer implements only what it keeps. What a proposer
+    offers and needs is declared once, in class attributes the scheduler and runner read (never by probing):
+
+    - `drafts_from_hidden` (MTP): it drafts from the target's final-norm hidden states, which the scheduler hands
+      to `observe_target` after every target forward; the target is loaded with its MTP head, and the memory plan
+      keeps room for the hidden states it holds (`resume_from` / `consume_known` serve the prefix cache).
+    - `drafts_cost_nothing` (n-gram lookup): `lookup` returns drafts as lists, and the scheduler may ask for drafts
+      it will not verify, to observe acceptance on plain steps.
+    - `needs_draft_model` (a draft model): the runner loads `SpeculativeConfig.draft_model` beside the target (same
+      vocabulary and tokenizer) and hands it to the proposer's builder (`registry.py`); such a proposer keeps state slots of its own.
+
+    A proposer with storage of its own (state slots, KV caches) frees it in `release()`, called before the target's
+    workspace is replaced by a larger one (two of each would exceed the memory plan).
     """
+
+    drafts_from_hidden: ClassVar[bool] = False
+    drafts_cost_nothing: ClassVar[bool] = False
+    needs_draft_model: ClassVar[bool] = False
 
     def start(self, pool: StatePool, max_chunk_tokens: int) -> None:
         """A new batch of requests in the slots of the target's `pool`; a proposer with its own KV pages it over
@@ -83,6 +94,26 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
         """At most num_drafts[i] drafts for each live request."""
+        raise NotImplementedError
 
     def accepted(self, requests: list[Request], num_accepted: list[int]) -> None:
         """The last proposal's outcome: num_accepted_tokens per request (accepted drafts + 1)."""
+
+    def lookup(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        """`drafts_cost_nothing` proposers: up to num_drafts[i] drafts per request, as lists."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare drafts_cost_nothing")
+
+    def observe_target(
+        self, requests: list[Request], hidden: torch.Tensor, cache_lens: list[int], num_tokens: list[int]
+    ) -> None:
+        """`drafts_from_hidden` proposers: the target's final-norm hidden [b, l, d] of a forward whose row i started
+        at position cache_lens[i]; its first num_tokens[i] positions are now part of the request."""
+
+    def resume_from(self, request: Request, position: int, hidden: torch.Tensor) -> None:
+        """`drafts_from_hidden` proposers: a request restored from the prefix cache resumes at `position`."""
+
+    def consume_known(self, requests: list[Request]) -> None:
+        """`drafts_from_hidden` proposers: consume the held hidden states whose next token is known."""
+
+    def release(self) -> None:
+        """Free storage of the proposer's own now (the target's workspace is being replaced)."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.sampling import SamplingParams, sample_from, target_probs
+from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingParams, sample_from, target_probs
 
-PLACEHOLDER_TOKEN_ID = -1
+__all__ = ["PLACEHOLDER_TOKEN_ID", "num_accepted_tokens", "rejection_sample", "RejectionSampler"]
 
 
 def num_accepted_tokens(output_token_ids: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,24 @@ from tests.tiny_models import BOS, EOS, PAD, VOCAB_SIZE, make_tokenizer, randomi
 
 # Value heads = 2 × key heads (repeat_interleave matters), d_v ≠ d_k, attention in the middle (a post-norm layer
 # between pre-norm ones), GQA. rms_norm_eps 1e-3 keeps float32 rounding well below the 1e-4 comparison.
-_OLMO = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-3, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=24, max_position_embeddings=512,
-             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-             pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)  # fmt: skip
+_OLMO = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    max_position_embeddings=512,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
 
 OLMO_HYBRID_FAMILIES = {
     # The released layout: no RoPE (rope_theta null), linear_allow_neg_eigval true.

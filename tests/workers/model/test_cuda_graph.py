@@ -66,11 +66,21 @@ def _module_verify(model, pool: StatePool, token_ids, positions, accepted: list[
 
 def _assert_pools_close(graph: StatePool, module: StatePool, step: int) -> None:
     for name in ("conv", "ssm"):  # request slots only: the null slot holds the padded rows' scratch
-        torch.testing.assert_close(getattr(graph, name)[:, :ROWS], getattr(module, name)[:, :ROWS], atol=1e-5,
-                                   rtol=1e-5, msg=lambda m: f"{name} after step {step}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            getattr(graph, name)[:, :ROWS],
+            getattr(module, name)[:, :ROWS],
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m: f"{name} after step {step}: {m}",
+        )
     for name in ("key", "value"):  # blocks past the null block
-        torch.testing.assert_close(getattr(graph, name)[:, :, 16:], getattr(module, name)[:, :, 16:], atol=1e-5,
-                                   rtol=1e-5, msg=lambda m: f"{name} after step {step}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            getattr(graph, name)[:, :, 16:],
+            getattr(module, name)[:, :, 16:],
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m: f"{name} after step {step}: {m}",
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -160,9 +160,14 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
 
 @pytest.mark.parametrize(
     "family, method, draft_family",
-    [("granite_dense", "ngram", None), ("bamba", "draft", "draft_hybrid"), ("bamba", "draft", "bamba"),
-     ("granite_moe", "draft", "granite_moe"), ("qwen3_5_moe", "draft", "qwen3_5_moe")],
-)  # fmt: skip  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
+    [
+        ("granite_dense", "ngram", None),
+        ("bamba", "draft", "draft_hybrid"),
+        ("bamba", "draft", "bamba"),
+        ("granite_moe", "draft", "granite_moe"),
+        ("qwen3_5_moe", "draft", "qwen3_5_moe"),
+    ],
+)  # some drafts accepted / none (every row re-runs from its saved state) / all (the in-place state is kept)
 def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, family, method, draft_family):
     path = str(checkpoint_dir(family))
     draft = str(checkpoint_dir(draft_family)) if draft_family else None
@@ -190,14 +195,17 @@ def test_runners_reuse_slots_and_plans_only_when_they_fit(checkpoint_dir):
     assert [r.token_ids for r in runner.generate([[5, 6, 7]], params)] == [first[0].token_ids]
     assert runner._scheduler.workspace is workspace  # fewer slots, shorter: reused
     runner.generate([[5, 6, 7]] * 3, params)
-    assert runner._scheduler.workspace is not workspace and runner._scheduler.workspace.pool.num_slots == 3  # more slots: new
+    assert (
+        runner._scheduler.workspace is not workspace and runner._scheduler.workspace.pool.num_slots == 3
+    )  # more slots: new
 
 
 def test_draft_model_steps_through_plans_propose_what_the_module_path_proposes():
     models = Path(__file__).resolve().parents[3] / "examples" / "models"
     target, draft = str(models / "demo-target"), str(models / "demo-draft")
-    prompts = [[int(t) for t in torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (12, 5, 20)]  # fmt: skip
+    prompts = [
+        [int(t) for t in torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n))] for n in (12, 5, 20)
+    ]
     prompts[0] = prompts[0][:6] * 2  # copy-heavy: drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [r.token_ids for r in ModelRunner.from_pretrained(target, dtype="float32").generate(prompts, params)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import engine_config
 from tests.workers.model.test_decode_plan import _clone, _random_pool
 from tests.workers.spec_decode.test_mtp import ForcedMtp, run_checking_mtp_kv
 from tests.workers.spec_decode.test_state_shifting import (
@@ -152,7 +153,7 @@ def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(checkpoin
     prompts = _prompts()
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
     proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4, decode_plan=True)
+    scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)
     assert isinstance(scheduler.plan, DecodePlan)
     while scheduler.has_work():
         scheduler.step()
@@ -171,11 +172,15 @@ def test_mtp_drafts_from_the_plans_hidden_states(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     runner = ModelRunner.from_pretrained(path, max_num_seqs=4, speculative=SpeculativeConfig("mtp", 4))
     prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        path, max_num_seqs=4, decode_plan=False).generate(prompts, PARAMS))}  # fmt: skip
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(path, max_num_seqs=4, decode_plan=False).generate(prompts, PARAMS)
+        )
+    }
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4, decode_plan=True)
+    scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)
     assert isinstance(scheduler.plan, DecodePlan)
     assert run_checking_mtp_kv(scheduler, mtp) > 20
     assert all(accepted == expected for accepted, expected in proposer.seen)

@@ -23,13 +23,34 @@ from workers.model.steps.decode_plan import unsupported_reason
 
 LAYOUTS = sorted(JAMBA_FAMILIES)
 # Jamba-v0.1's config.json (AI21-Jamba-1.5-Mini and Jamba2-Mini share its layout), with its legacy fields.
-JAMBA_V01 = dict(model_type="jamba", vocab_size=65536, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, attn_layer_period=8,
-                 attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, num_experts=16,
-                 num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256,
-                 mamba_conv_bias=True, mamba_proj_bias=False, use_mamba_kernels=True, n_ctx=262144,
-                 calc_logits_for_entire_prompt=False, mamba_inner_layernorms=True, sliding_window=None,
-                 rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
+JAMBA_V01 = dict(
+    model_type="jamba",
+    vocab_size=65536,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    attn_layer_period=8,
+    attn_layer_offset=4,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    num_experts=16,
+    num_experts_per_tok=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_dt_rank=256,
+    mamba_conv_bias=True,
+    mamba_proj_bias=False,
+    use_mamba_kernels=True,
+    n_ctx=262144,
+    calc_logits_for_entire_prompt=False,
+    mamba_inner_layernorms=True,
+    sliding_window=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +80,26 @@ def test_published_layouts_are_read_as_transformers_builds_them():
     assert (v01.feed_forward.num_experts, v01.feed_forward.experts_per_token) == (16, 2)
     assert v01.max_position_embeddings == 262144 and v01.attention.rope_theta is None
     assert v01.recurrent_state_shapes() == ((8192, 3), (8192, 16))
-    large = HybridConfig.from_hf_dict({**JAMBA_V01, "hidden_size": 8192, "num_hidden_layers": 72,
-                                       "num_attention_heads": 64, "mamba_dt_rank": "auto"})  # fmt: skip
+    large = HybridConfig.from_hf_dict(
+        {**JAMBA_V01, "hidden_size": 8192, "num_hidden_layers": 72, "num_attention_heads": 64, "mamba_dt_rank": "auto"}
+    )
     assert large.mamba1.dt_rank == 512 and large.block_kinds.count(ATTENTION) == 9
     # Jamba Reasoning 3B: one expert (dense MLPs only), MQA, tied embeddings, attention at layers 7 and 21.
-    reasoning = HybridConfig.from_hf_dict({**JAMBA_V01, "hidden_size": 2560, "num_hidden_layers": 28,
-        "num_attention_heads": 20, "num_key_value_heads": 1, "attn_layer_period": 14, "attn_layer_offset": 7,
-        "num_experts": 1, "num_experts_per_tok": 1, "mamba_dt_rank": "auto", "tie_word_embeddings": True})  # fmt: skip
+    reasoning = HybridConfig.from_hf_dict(
+        {
+            **JAMBA_V01,
+            "hidden_size": 2560,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 20,
+            "num_key_value_heads": 1,
+            "attn_layer_period": 14,
+            "attn_layer_offset": 7,
+            "num_experts": 1,
+            "num_experts_per_tok": 1,
+            "mamba_dt_rank": "auto",
+            "tie_word_embeddings": True,
+        }
+    )
     assert [i for i, kind in enumerate(reasoning.block_kinds[0::2]) if kind == ATTENTION] == [7, 21]
     assert set(reasoning.block_kinds[1::2]) == {MLP} and reasoning.feed_forward.num_experts == 0
     assert reasoning.mamba1.dt_rank == math.ceil(2560 / 16) and reasoning.attention.num_kv_heads == 1

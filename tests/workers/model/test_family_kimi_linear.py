@@ -64,8 +64,15 @@ def test_greedy_generate_matches_transformers(kimi):
     results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         assert_same_greedy(result.token_ids, out.sequences[0, len(prompt) :].tolist(), margins)
 

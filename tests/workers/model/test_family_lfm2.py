@@ -80,11 +80,28 @@ def _hub_lfm2(hidden: int, layers: int, ff: int, attention: list[int], **extra) 
     """An LFM2 config.json as the hub's LFM2 checkpoints spell it (both `full_attn_idxs` and `layer_types`,
     `block_ff_dim`, `tie_embedding`, top-level `rope_theta`)."""
     layer_types = ["full_attention" if i in attention else "conv" for i in range(layers)]
-    return {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 65536, "hidden_size": hidden,
-            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "block_ff_dim": ff,
-            "intermediate_size": ff, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
-            "block_multiple_of": 256, "full_attn_idxs": attention, "layer_types": layer_types, "conv_L_cache": 3,
-            "conv_bias": False, "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_embedding": True, **extra}  # fmt: skip
+    return {
+        "model_type": "lfm2",
+        "architectures": ["Lfm2ForCausalLM"],
+        "vocab_size": 65536,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "block_ff_dim": ff,
+        "intermediate_size": ff,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
+        "full_attn_idxs": attention,
+        "layer_types": layer_types,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_embedding": True,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize(
@@ -118,7 +135,11 @@ def test_hub_lfm2_moe_config_reads_dense_first_layers():
     assert config.block_kinds[1::2] == (MLP, MLP, MOE, MOE, MOE, MOE, MOE, MOE)
     ff = config.feed_forward
     assert (ff.intermediate_size, ff.expert_intermediate_size, ff.num_experts, ff.experts_per_token) == (
-        7168, 1792, 32, 4)  # fmt: skip
+        7168,
+        1792,
+        32,
+        4,
+    )
     with pytest.raises(ValueError, match="unknown lfm2_moe layer types \\['mamba'\\]"):
         HybridConfig.from_hf_dict({**raw, "layer_types": ["mamba"] * 8})
 
@@ -127,11 +148,16 @@ def test_hub_lfm2_moe_config_reads_dense_first_layers():
     "family, key, change, message",
     [
         ("lfm2", "model.layers.2.conv.conv.weight", "drop", "missing weight \\['model.layers.2.conv.conv.weight'\\]"),
-        ("lfm2", "model.layers.0.conv.conv.weight", "reshape", "model.layers.0.conv.conv.weight' has shape \\(64, 1, 2\\)"),
+        (
+            "lfm2",
+            "model.layers.0.conv.conv.weight",
+            "reshape",
+            "model.layers.0.conv.conv.weight' has shape \\(64, 1, 2\\)",
+        ),
         ("lfm2_moe", "model.layers.3.feed_forward.experts.1.w2.weight", "drop", "experts.1.w2.weight"),
         ("lfm3", "model.layers.4.self_attn.gate_proj.weight", "drop", "self_attn.g_proj.weight"),
     ],
-)  # fmt: skip
+)
 def test_preflight_names_missing_and_misshaped_tensors(family, key, change, message, lfm_checkpoint, tmp_path):  # noqa: F811
     model = shutil.copytree(lfm_checkpoint(family), tmp_path / "model")
     tensors = load_file(model / "model.safetensors")

@@ -111,8 +111,15 @@ def test_greedy_generation_matches_transformers(layout, olmo_dirs):
     results = runner.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         assert_same_greedy(result.token_ids, out.sequences[0, len(prompt) :].tolist(), margins)
 
@@ -144,18 +151,28 @@ def test_hub_key_layout_loads_the_same_model(olmo_dirs, tmp_path):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: t.pop("model.layers.1.linear_attn.g_proj.weight"),
-         "missing weight ['model.layers.1.linear_attn.g_proj.weight']"),
-        (lambda t: t.pop("model.layers.2.post_feedforward_layernorm.weight"),
-         "missing weight ['model.layers.2.post_feedforward_layernorm.weight']"),
-        (lambda t: t.update({"model.layers.0.linear_attn.b_proj.weight": torch.zeros(2, 64)}),
-         "weight 'model.layers.0.linear_attn.b_proj.weight' has shape (2, 64) in the checkpoint, model expects (4, 64)"),
-        (lambda t: t.update({"model.layers.2.self_attn.q_norm.weight": torch.zeros(16)}),
-         "weight 'model.layers.2.self_attn.q_norm.weight' has shape (16,) in the checkpoint, model expects (64,)"),
-        (lambda t: t.update({"model.layers.3.linear_attn.v_conv1d.weight": torch.zeros(20, 1, 3)}),
-         "concatenated they must give (160, 1, 4)"),
+        (
+            lambda t: t.pop("model.layers.1.linear_attn.g_proj.weight"),
+            "missing weight ['model.layers.1.linear_attn.g_proj.weight']",
+        ),
+        (
+            lambda t: t.pop("model.layers.2.post_feedforward_layernorm.weight"),
+            "missing weight ['model.layers.2.post_feedforward_layernorm.weight']",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.linear_attn.b_proj.weight": torch.zeros(2, 64)}),
+            "weight 'model.layers.0.linear_attn.b_proj.weight' has shape (2, 64) in the checkpoint, model expects (4, 64)",
+        ),
+        (
+            lambda t: t.update({"model.layers.2.self_attn.q_norm.weight": torch.zeros(16)}),
+            "weight 'model.layers.2.self_attn.q_norm.weight' has shape (16,) in the checkpoint, model expects (64,)",
+        ),
+        (
+            lambda t: t.update({"model.layers.3.linear_attn.v_conv1d.weight": torch.zeros(20, 1, 3)}),
+            "concatenated they must give (160, 1, 4)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_preflight_names_missing_and_misshaped_tensors(edit, message, olmo_dirs, tmp_path):
     path = _copy(olmo_dirs["olmo_hybrid"], tmp_path)
     _rewrite(path, edit)

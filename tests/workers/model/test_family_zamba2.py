@@ -135,7 +135,11 @@ def test_reads_published_config_spellings():
     assert (config.mamba.head_dim, config.mamba.dt_min, config.mamba.norm_eps) == (64, 0.001, 1e-5)
     shared = config.shared_block
     assert (shared.num_blocks, shared.intermediate_size, shared.mlp_adapters, shared.attention_adapters) == (
-        2, 10240, True, False)  # fmt: skip
+        2,
+        10240,
+        True,
+        False,
+    )
     refusals = {
         "hybrid_layer_ids": [{**raw, "hybrid_layer_ids": [6]}, "disagree"],
         "layer type": [{**raw, "layers_block_type": ["mamba", "moe"]}, "unknown zamba2 layer types"],

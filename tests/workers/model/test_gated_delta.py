@@ -63,8 +63,14 @@ def test_padding_positions_leave_the_state_alone():
     valid = (torch.arange(37)[None, :] < num_tokens[:, None])[..., None]
     _, final = chunked_delta_rule(q, k, v, decay * valid, beta * valid, state, chunk_size=16)
     for row, n in enumerate(num_tokens.tolist()):
-        _, alone = delta_rule_scan(q[row : row + 1, :n], k[row : row + 1, :n], v[row : row + 1, :n],
-                                   decay[row : row + 1, :n], beta[row : row + 1, :n], state[row : row + 1])  # fmt: skip
+        _, alone = delta_rule_scan(
+            q[row : row + 1, :n],
+            k[row : row + 1, :n],
+            v[row : row + 1, :n],
+            decay[row : row + 1, :n],
+            beta[row : row + 1, :n],
+            state[row : row + 1],
+        )
         torch.testing.assert_close(final[row : row + 1], alone, **TOL)
     # delta_state_after: the same prefixes, from the unmasked inputs.
     torch.testing.assert_close(delta_state_after(k, v, decay, beta, state, num_tokens), final, **TOL)

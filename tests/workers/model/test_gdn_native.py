@@ -43,8 +43,9 @@ def test_native_gdn_decode_steps_equal_the_torch_path(checkpoint_dir, family):
     with torch.inference_mode():
         for _ in range(6):  # several steps: the updated windows and states feed the next one
             hidden = torch.randn(batch, 1, hidden_size, generator=generator)
-            outs = {k: m(hidden, states[k], torch.ones(batch, dtype=torch.long), in_place=True)
-                    for k, m in mixers.items()}  # fmt: skip
+            outs = {
+                k: m(hidden, states[k], torch.ones(batch, dtype=torch.long), in_place=True) for k, m in mixers.items()
+            }
             assert outs["native"][1] is states["native"] and outs["native"][2] is None
             torch.testing.assert_close(outs["native"][0], outs["torch"][0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(states["native"].conv, states["torch"].conv, atol=1e-6, rtol=1e-5)
@@ -57,8 +58,17 @@ def test_native_gdn_shapes_are_checked(checkpoint_dir):
     state = _random_state(mixer, 2, seed=0)
     proj = torch.zeros(2, mixer.in_proj.out_features + 1)
     with pytest.raises(ValueError, match="shape mismatch"):
-        native_recurrent.gdn_decode_step(proj, state.conv, mixer.conv1d.weight.squeeze(1), mixer.dt_bias, mixer.A_log,
-                               state.ssm, mixer.norm.weight, 1e-6, mixer.config.num_key_heads)  # fmt: skip
+        native_recurrent.gdn_decode_step(
+            proj,
+            state.conv,
+            mixer.conv1d.weight.squeeze(1),
+            mixer.dt_bias,
+            mixer.A_log,
+            state.ssm,
+            mixer.norm.weight,
+            1e-6,
+            mixer.config.num_key_heads,
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])

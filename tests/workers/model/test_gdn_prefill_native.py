@@ -75,9 +75,17 @@ def _native_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = mixer.config
     return native_recurrent.gdn_prefill(
-        proj.contiguous(), num_tokens, mixer.conv1d.weight.squeeze(1), mixer.dt_bias, mixer.A_log, mixer.norm.weight,
-        mixer.norm.eps, g.num_key_heads, g.num_value_heads, None if state is None else (state.conv, state.ssm),
-    )  # fmt: skip
+        proj.contiguous(),
+        num_tokens,
+        mixer.conv1d.weight.squeeze(1),
+        mixer.dt_bias,
+        mixer.A_log,
+        mixer.norm.weight,
+        mixer.norm.eps,
+        g.num_key_heads,
+        g.num_value_heads,
+        None if state is None else (state.conv, state.ssm),
+    )
 
 
 @pytest.mark.parametrize("from_state", [False, True], ids=["zero", "kept"])

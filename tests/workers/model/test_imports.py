@@ -1,7 +1,7 @@
-"""The `workers` package imports without circles.
+"""The whole tree imports without circles, and never from a lower layer up to a higher one.
 
 Reads every module's imports with `ast` (no module is executed), resolves relative names, and checks that the graph
-of `workers.*` modules is acyclic. Imports inside functions count: a deferred import that closes a circle hides
+of the tree's modules (`workers`, `pipeline`, `jobs`, `bench`) is acyclic and follows `LAYERS`. Imports inside functions count: a deferred import that closes a circle hides
 it from the interpreter, not from a reader. Imports under `if TYPE_CHECKING:` do not run, so they do not count.
 """
 
@@ -13,7 +13,26 @@ from pathlib import Path
 import workers
 
 PACKAGE_ROOT = Path(workers.__file__).resolve().parent
-PACKAGE = "workers"
+REPO_ROOT = PACKAGE_ROOT.parent
+PACKAGES = ("workers", "pipeline", "jobs", "bench")
+
+# The layers, low to high: a module imports from its own layer and the layers below it, never from one above. A
+# module belongs to the layer of the longest prefix that names it.
+LAYERS = (
+    ("workers.model.kernels",),  # native, Triton and reference kernels
+    ("workers.model.checkpoint",),  # HybridConfig, the families' config readers and weight maps
+    ("workers.model.state", "workers.model.kv_blocks"),  # state slots, KV caches, block tables
+    ("workers.model.layers",),  # the modules of a hybrid model
+    ("workers.model.steps",),  # decode plans, CUDA graph plans, draft chains over the layers
+    ("workers.model.loader", "workers.model"),  # loading a checkpoint into a model; the package's face
+    ("workers.sampling", "workers.spec_stats", "workers.requests", "workers.budget", "workers.tokenizer",
+     "workers.columns", "workers.heartbeat", "workers.prefix_cache"),  # a request and how it samples
+    ("workers.spec_decode",),  # proposers, policies, rejection sampling
+    ("workers",),  # the engine: config, scheduler, executors, runner, scorer, rows, stream
+    ("workers.actor",),  # the Ray actor's plain class
+    ("pipeline",),  # the driver side
+    ("bench", "jobs"),  # benchmark code and the entry points
+)  # fmt: skip
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -130,3 +149,44 @@ def test_workers_imports_are_acyclic():
     assert "workers.model" in graph and graph["workers.model"], "the graph should see workers.model's imports"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in workers: " + " -> ".join(cycle)
+
+
+def tree_graph() -> dict[str, set[str]]:
+    """Module name → the tree's modules it imports, over every package of the tree."""
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        modules.update(module_names(REPO_ROOT / package))
+    known = set(modules)
+    return {name: imported_modules(name, path, known) for name, path in modules.items()}
+
+
+def layer_of(name: str) -> int:
+    """The index in `LAYERS` of the longest prefix naming module `name`."""
+    matches = [
+        (len(prefix), i)
+        for i, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    assert matches, f"{name} is in no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def test_layer_of_takes_the_longest_prefix():
+    assert layer_of("workers.model.layers.attention") == 3
+    assert layer_of("workers.model") == layer_of("workers.model.loader") == 5
+    assert layer_of("workers.scheduler") == 8 and layer_of("workers.actor") == 9
+    assert layer_of("bench.generation") == layer_of("jobs.generate")
+
+
+def test_the_tree_imports_are_acyclic():
+    graph = tree_graph()
+    assert {"pipeline.driver", "jobs.generate", "bench.generation"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_imports_from_a_higher_layer():
+    graph = tree_graph()
+    upward = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if layer_of(b) > layer_of(a)]
+    assert not upward, "imports from a higher layer: " + "; ".join(upward)

@@ -65,8 +65,9 @@ def test_invalid_quantization_names_the_allowed_values(checkpoint_dir):
     with pytest.raises(ValueError, match="cannot be combined with dtype='bfloat16'"):
         load_checkpoint(path, dtype="bfloat16", quantization="int8")
     with pytest.raises(ValueError, match="onednn"):
-        prepare_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), "onednn", torch.device("cpu"), torch.float32,
-                        "int8")  # fmt: skip
+        prepare_linears(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)), "onednn", torch.device("cpu"), torch.float32, "int8"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,9 @@ def runners(checkpoint_dir):
     def get(family: str, quantization: str | None, **options) -> ModelRunner:
         key = (family, quantization, tuple(sorted(options.items())))
         if key not in cache:
-            cache[key] = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4,
-                                                     quantization=quantization, **options)  # fmt: skip
+            cache[key] = ModelRunner.from_pretrained(
+                str(checkpoint_dir(family)), max_num_seqs=4, quantization=quantization, **options
+            )
         return cache[key]
 
     return get
@@ -103,8 +105,10 @@ def test_int8_model_runs_the_int8_kernel_everywhere_and_stays_close_to_float32(f
         assert head.scale is None  # the LM head stays float32 (by measurement)
     assert int8.model.embed_tokens.weight.dtype == torch.float32  # embeddings, norms, conv, states stay float32
     rows = [p + [7, 3, 11, 2] for p in PROMPTS]
-    scores = {name: torch.cat([torch.tensor(s.token_logprobs) for s in r.score(rows)])
-              for name, r in (("int8", int8), ("float32", full), ("reference", reference))}  # fmt: skip
+    scores = {
+        name: torch.cat([torch.tensor(s.token_logprobs) for s in r.score(rows)])
+        for name, r in (("int8", int8), ("float32", full), ("reference", reference))
+    }
     # The native int8 kernels compute what PyTorch computes from the same int8 weights, float rounding apart; where
     # the LM head quantizes its activations too, a rounding difference upstream can move one activation across a
     # quantization level (one level of one input moves a logit by ≤ max|x| · max|w| / 127, ~1e-3 at these sizes;

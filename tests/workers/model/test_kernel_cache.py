@@ -57,7 +57,15 @@ def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("prebuilt")
     (directory / "stub.c").write_text(STUB_SOURCE)
     commands = {
-        "real": [compiler, *native.CFLAGS, *native.ISA_FLAGS[native.selected_isa()], *map(str, native.SOURCES), "-o", str(directory / "real.so"), "-lm"],
+        "real": [
+            compiler,
+            *native.CFLAGS,
+            *native.ISA_FLAGS[native.selected_isa()],
+            *map(str, native.SOURCES),
+            "-o",
+            str(directory / "real.so"),
+            "-lm",
+        ],
         "stub": [compiler, "-shared", "-fPIC", str(directory / "stub.c"), "-o", str(directory / "stub.so")],
     }
     for command in commands.values():

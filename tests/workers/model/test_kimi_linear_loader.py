@@ -101,9 +101,14 @@ def test_preflight_names_misshaped_tensors(checkpoint, tmp_path, key, shape, exp
 
 
 @pytest.mark.parametrize(
-    "key", ["model.layers.0.self_attn.v_conv1d.weight", "model.layers.0.self_attn.f_b_proj.weight",
-            "model.layers.2.self_attn.kv_a_layernorm.weight", "model.layers.3.block_sparse_moe.experts.5.w2.weight"],
-)  # fmt: skip
+    "key",
+    [
+        "model.layers.0.self_attn.v_conv1d.weight",
+        "model.layers.0.self_attn.f_b_proj.weight",
+        "model.layers.2.self_attn.kv_a_layernorm.weight",
+        "model.layers.3.block_sparse_moe.experts.5.w2.weight",
+    ],
+)
 def test_preflight_names_missing_tensors(checkpoint, tmp_path, key):
     path = _broken(checkpoint, tmp_path, lambda t: t.pop(key))
     with pytest.raises(ValueError, match=re.escape(f"missing weight ['{key}'")):

@@ -52,8 +52,9 @@ def test_bf16_kernel_equals_reference_for_every_tiling(path, bias):
             out = native_bf16.linear_bf16(x, panels, b, out_features, path)
             torch.testing.assert_close(out, _reference(x, weight, b, path), atol=2e-4, rtol=1e-5)
             if rows:  # a row's result is the same bits whatever batch it is in
-                alone = torch.cat([native_bf16.linear_bf16(x[i : i + 1], panels, b, out_features, path)
-                                   for i in range(rows)])  # fmt: skip
+                alone = torch.cat(
+                    [native_bf16.linear_bf16(x[i : i + 1], panels, b, out_features, path) for i in range(rows)]
+                )
                 assert torch.equal(out, alone), f"{rows} rows, {in_features} → {out_features}"
 
 
@@ -82,8 +83,9 @@ def runners(checkpoint_dir):
     def get(family: str, dtype: str, path: str | None = None, **options) -> ModelRunner:
         key = (family, dtype, path, tuple(sorted(options.items())))
         if key not in cache:
-            cache[key] = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, dtype=dtype,
-                                                     **options)  # fmt: skip
+            cache[key] = ModelRunner.from_pretrained(
+                str(checkpoint_dir(family)), max_num_seqs=4, dtype=dtype, **options
+            )
             if path is not None:  # a kernel path for this model's linears (before any plan records them)
                 for module in cache[key].model.modules():
                     if isinstance(module, NativeLinear) and module.bf16_path is not None:

@@ -50,19 +50,36 @@ def checkpoint(tmp_path_factory) -> Path:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     directory = tmp_path_factory.mktemp("load-memory")
-    config = GraniteMoeHybridConfig(vocab_size=8000, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-                                    num_key_value_heads=2, layer_types=["mamba", "mamba", "attention"] * 2,
-                                    num_local_experts=0, shared_intermediate_size=1024, mamba_n_heads=12,
-                                    mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
-                                    mamba_expand=2, tie_word_embeddings=True)  # fmt: skip
+    config = GraniteMoeHybridConfig(
+        vocab_size=8000,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        layer_types=["mamba", "mamba", "attention"] * 2,
+        num_local_experts=0,
+        shared_intermediate_size=1024,
+        mamba_n_heads=12,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     GraniteMoeHybridForCausalLM(config).save_pretrained(directory)
     return directory
 
 
 def _load_in_child(path: Path, *args: str) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), *args], capture_output=True, text=True, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -92,10 +109,23 @@ def moe_checkpoint(tmp_path_factory) -> Path:
 
     directory = tmp_path_factory.mktemp("load-memory-moe")
     config = GraniteMoeHybridConfig(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["mamba"] * 48, num_local_experts=16, num_experts_per_tok=2, intermediate_size=256,
-        shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
-        mamba_d_conv=4, mamba_expand=1, tie_word_embeddings=True,
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba"] * 48,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        intermediate_size=256,
+        shared_intermediate_size=128,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     GraniteMoeHybridForCausalLM(config).save_pretrained(directory)

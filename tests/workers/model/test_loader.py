@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from workers import ModelRunner
 from workers.model import load_checkpoint
 from workers.model.checkpoint.config import HybridConfig
-from workers.model.checkpoint.loader import resolve_dtype
 from workers.model.kernels import native, native_bf16
+from workers.model.loader import resolve_dtype
 
 
 def _copy(src, tmp_path, name="model"):
@@ -104,10 +104,18 @@ def test_hub_layer_type_names_are_accepted(tmp_path, checkpoint_dir):
 
 
 def test_nemotron_pattern_string_is_accepted():
-    config = HybridConfig.from_hf_dict({
-        "model_type": "nemotron_h", "vocab_size": 10, "hidden_size": 8, "num_attention_heads": 2,
-        "hybrid_override_pattern": "M-M*E", "mamba_num_heads": 2, "mamba_head_dim": 4, "n_routed_experts": 2,
-    })  # fmt: skip
+    config = HybridConfig.from_hf_dict(
+        {
+            "model_type": "nemotron_h",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "num_attention_heads": 2,
+            "hybrid_override_pattern": "M-M*E",
+            "mamba_num_heads": 2,
+            "mamba_head_dim": 4,
+            "n_routed_experts": 2,
+        }
+    )
     assert config.block_kinds == ("mamba", "mlp", "mamba", "attention", "moe")
 
 

@@ -24,8 +24,10 @@ SLOTS, CAPACITY, TOKENS_PER_ROW, STEPS = 20, 48, 5, 4
 def _caches(model, blocks: BlockTable, seed: int) -> list[KVCache]:
     """The head's caches with random entries everywhere (what earlier feeds would have left)."""
     g = torch.Generator().manual_seed(seed)
-    caches = [paged_kv_cache(blocks, model.config, torch.device("cpu"), torch.float32)
-              for _ in range(model.mtp.num_attention_blocks)]  # fmt: skip
+    caches = [
+        paged_kv_cache(blocks, model.config, torch.device("cpu"), torch.float32)
+        for _ in range(model.mtp.num_attention_blocks)
+    ]
     for cache in caches:
         cache.key.copy_(torch.randn(cache.key.shape, generator=g))
         cache.value.copy_(torch.randn(cache.value.shape, generator=g))
@@ -38,8 +40,9 @@ def _clone(caches: list[KVCache]) -> list[KVCache]:
 
 def _module_head(model, caches, slots, positions, token_ids, hidden) -> torch.Tensor:
     """One position per row on the module path (the decode form): out [b, d]."""
-    batch = ForwardBatch(torch.tensor(slots), torch.tensor(positions), torch.ones(len(slots), dtype=torch.long),
-                         one_token_each=True)  # fmt: skip
+    batch = ForwardBatch(
+        torch.tensor(slots), torch.tensor(positions), torch.ones(len(slots), dtype=torch.long), one_token_each=True
+    )
     with torch.inference_mode():
         return model.mtp(torch.tensor(token_ids)[:, None], hidden[:, None], model.embed_tokens, batch, caches)[:, 0]
 
@@ -51,8 +54,14 @@ def _module_reference(model, caches, rows: list[dict], num_steps: int, chain_ids
     last = [None] * len(rows)
     for j in range(max(len(r["ids"]) for r in rows)):
         live = [i for i, r in enumerate(rows) if j < len(r["ids"])]
-        out = _module_head(model, caches, [rows[i]["slot"] for i in live], [rows[i]["start"] + j for i in live],
-                           [rows[i]["ids"][j] for i in live], torch.stack([rows[i]["hidden"][j] for i in live]))  # fmt: skip
+        out = _module_head(
+            model,
+            caches,
+            [rows[i]["slot"] for i in live],
+            [rows[i]["start"] + j for i in live],
+            [rows[i]["ids"][j] for i in live],
+            torch.stack([rows[i]["hidden"][j] for i in live]),
+        )
         for row, i in enumerate(live):
             last[i] = out[row]
     out = fed = torch.stack(last)
@@ -137,8 +146,14 @@ def test_a_chain_from_a_module_catch_up_equals_the_module_chain(checkpoint_dir, 
 
 
 def test_argmax_op_takes_the_first_maximal_index_as_torch_does():
-    logits = torch.tensor([[1.0, 3.0, 3.0, -1.0], [2.0, 2.0, 2.0, 2.0], [0.0, float("nan"), 5.0, float("nan")],
-                           [-float("inf"), -1.0, -1.0, -2.0]])  # fmt: skip
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, -1.0],
+            [2.0, 2.0, 2.0, 2.0],
+            [0.0, float("nan"), 5.0, float("nan")],
+            [-float("inf"), -1.0, -1.0, -2.0],
+        ]
+    )
     ids = torch.full((4,), -5, dtype=torch.int64)
     rec = Recorder(4, 1)
     rec.emit(Op.ARGMAX, [logits, ids, 4, 4])

@@ -59,8 +59,10 @@ def test_native_decode_steps_equal_the_torch_path(checkpoint_dir, family, varian
     with torch.inference_mode():
         for _ in range(6):  # several steps: the updated windows and states feed the next one
             hidden = torch.randn(batch, 1, hidden_size, generator=g)
-            outs = {k: m(hidden, states[k], torch.ones(batch, dtype=torch.long), in_place=True)[0]
-                    for k, m in mixers.items()}  # fmt: skip
+            outs = {
+                k: m(hidden, states[k], torch.ones(batch, dtype=torch.long), in_place=True)[0]
+                for k, m in mixers.items()
+            }
             torch.testing.assert_close(outs["native"], outs["torch"], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(states["native"].conv, states["torch"].conv, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(states["native"].ssm, states["torch"].ssm, atol=1e-5, rtol=1e-4)
@@ -82,14 +84,37 @@ def test_kernel_inputs_are_checked(checkpoint_dir):
     m = mixer.config
     proj = torch.randn(2, mixer.in_proj.out_features, dtype=torch.float64)
     with pytest.raises(ValueError, match="contiguous float32 CPU tensors, got torch.float64"):
-        native_recurrent.mamba2_decode_step(proj, state.conv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
-                                  mixer.A_log, mixer.D, (m.dt_min, m.dt_max), state.ssm, mixer.norm.weight,
-                                  mixer.norm.num_groups, mixer.norm.eps, m.num_groups)  # fmt: skip
+        native_recurrent.mamba2_decode_step(
+            proj,
+            state.conv,
+            mixer.conv1d.weight.squeeze(1),
+            mixer.conv1d.bias,
+            mixer.dt_bias,
+            mixer.A_log,
+            mixer.D,
+            (m.dt_min, m.dt_max),
+            state.ssm,
+            mixer.norm.weight,
+            mixer.norm.num_groups,
+            mixer.norm.eps,
+            m.num_groups,
+        )
     with pytest.raises(ValueError, match="shape mismatch"):
-        native_recurrent.mamba2_decode_step(proj.float()[:, :-1].contiguous(), state.conv, mixer.conv1d.weight.squeeze(1),
-                                  mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D, (m.dt_min, m.dt_max),
-                                  state.ssm, mixer.norm.weight, mixer.norm.num_groups, mixer.norm.eps,
-                                  m.num_groups)  # fmt: skip
+        native_recurrent.mamba2_decode_step(
+            proj.float()[:, :-1].contiguous(),
+            state.conv,
+            mixer.conv1d.weight.squeeze(1),
+            mixer.conv1d.bias,
+            mixer.dt_bias,
+            mixer.A_log,
+            mixer.D,
+            (m.dt_min, m.dt_max),
+            state.ssm,
+            mixer.norm.weight,
+            mixer.norm.num_groups,
+            mixer.norm.eps,
+            m.num_groups,
+        )
 
 
 def test_kernel_choice_is_validated(checkpoint_dir):
@@ -221,8 +246,9 @@ def test_native_short_inputs_equal_the_chunked_scan(checkpoint_dir, family):
         length = max(num_tokens)
         hidden = full[:, :length]
         with torch.inference_mode():
-            results = {k: m(hidden, MambaState(state.conv.clone(), state.ssm.clone()), counts)
-                       for k, m in mixers.items()}  # fmt: skip
+            results = {
+                k: m(hidden, MambaState(state.conv.clone(), state.ssm.clone()), counts) for k, m in mixers.items()
+            }
         (out_t, state_t, scan_t), (out_n, state_n, scan_n) = results["torch"], results["native"]
         valid = torch.arange(length)[None, :] < counts[:, None]
         torch.testing.assert_close(out_n[valid], out_t[valid], atol=1e-5, rtol=1e-4)
@@ -262,12 +288,20 @@ def test_native_attention_decode_equals_the_torch_path(checkpoint_dir, family):
         for slot in range(5):
             blocks.ensure(slot, length)
     tokens = blocks.num_blocks * blocks.block_size
-    cache = KVCache(torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g),
-                    torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g), blocks)  # fmt: skip
+    cache = KVCache(
+        torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g),
+        torch.randn(a.num_kv_heads, tokens, a.head_dim, generator=g),
+        blocks,
+    )
     hidden = torch.randn(3, 1, layers["torch"].q_proj.in_features, generator=g)
     for slot_ids, prefix in (([0, 1, 2], True), ([4, 0, 2], False)):
-        batch = ForwardBatch(torch.tensor(slot_ids), torch.tensor([0, 7, 15]), torch.ones(3, dtype=torch.long),
-                             slots_are_prefix=prefix, one_token_each=True)  # fmt: skip
+        batch = ForwardBatch(
+            torch.tensor(slot_ids),
+            torch.tensor([0, 7, 15]),
+            torch.ones(3, dtype=torch.long),
+            slots_are_prefix=prefix,
+            one_token_each=True,
+        )
         caches = {k: KVCache(cache.key.clone(), cache.value.clone(), blocks) for k in layers}
         with torch.inference_mode():
             outs = {k: layer(hidden, batch, caches[k]) for k, layer in layers.items()}
@@ -309,7 +343,8 @@ def test_native_prefill_continues_a_state_like_the_chunked_scan(checkpoint_dir, 
     for row, n in enumerate(num_tokens.tolist()):
         torch.testing.assert_close(native_out[row, :n], torch_out[row, :n], atol=2e-5, rtol=1e-5)
         for field in ("conv_in", "x", "B", "dt"):
-            torch.testing.assert_close(getattr(native_scan, field)[row, :n], getattr(torch_scan, field)[row, :n],
-                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+            torch.testing.assert_close(
+                getattr(native_scan, field)[row, :n], getattr(torch_scan, field)[row, :n], atol=1e-5, rtol=1e-5
+            )
     torch.testing.assert_close(native_state.conv, torch_state.conv, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(native_state.ssm, torch_state.ssm, atol=2e-5, rtol=1e-5)

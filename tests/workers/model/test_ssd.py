@@ -72,8 +72,14 @@ def test_padding_leaks_into_no_state():
     x_noisy = torch.where(valid[..., None, None], x, torch.full_like(x, 1e3))
     _, final = ssd_chunked(x_noisy, dt * valid[..., None], A, Bm, Cm, state, chunk_size=8)
     for row, n in enumerate(num_tokens.tolist()):
-        _, expected = _reference(x[row : row + 1, :n], dt[row : row + 1, :n], A, Bm[row : row + 1, :n],
-                                 Cm[row : row + 1, :n], state[row : row + 1])  # fmt: skip
+        _, expected = _reference(
+            x[row : row + 1, :n],
+            dt[row : row + 1, :n],
+            A,
+            Bm[row : row + 1, :n],
+            Cm[row : row + 1, :n],
+            state[row : row + 1],
+        )
         torch.testing.assert_close(final[row : row + 1], expected, atol=1e-4, rtol=1e-4)
 
 

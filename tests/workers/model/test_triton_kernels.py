@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.model.checkpoint.loader import prepare_decode_kernel
 from workers.model.kernels import native
 from workers.model.kernels.triton_kernels import interpreter_on
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.loader import prepare_decode_kernel
 
 CASES = Path(__file__).with_name("triton_cases.py")
 ROOT = Path(__file__).parents[3]

@@ -33,8 +33,18 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 
 
 def _mamba(heads: int, groups: int, norm_groups: int, state_size: int = 8, seed: int = 0) -> Mamba2Mixer:
-    config = MambaConfig(num_heads=heads, head_dim=8, state_size=state_size, num_groups=groups, conv_kernel=4,
-                         chunk_size=8, conv_bias=True, proj_bias=False, dt_min=0.001, dt_max=0.5)  # fmt: skip
+    config = MambaConfig(
+        num_heads=heads,
+        head_dim=8,
+        state_size=state_size,
+        num_groups=groups,
+        conv_kernel=4,
+        chunk_size=8,
+        conv_bias=True,
+        proj_bias=False,
+        dt_min=0.001,
+        dt_max=0.5,
+    )
     mixer = Mamba2Mixer(SimpleNamespace(mamba=config, hidden_size=24, rms_norm_eps=1e-5))
     mixer.norm.num_groups = norm_groups
     _randomise(mixer, seed)
@@ -42,8 +52,9 @@ def _mamba(heads: int, groups: int, norm_groups: int, state_size: int = 8, seed:
 
 
 def _gdn(key_heads: int, value_heads: int, seed: int = 0) -> GatedDeltaNetMixer:
-    config = GdnConfig(num_key_heads=key_heads, num_value_heads=value_heads, key_head_dim=8, value_head_dim=12,
-                       conv_kernel=4)  # fmt: skip
+    config = GdnConfig(
+        num_key_heads=key_heads, num_value_heads=value_heads, key_head_dim=8, value_head_dim=12, conv_kernel=4
+    )
     mixer = GatedDeltaNetMixer(SimpleNamespace(gdn=config, hidden_size=24, rms_norm_eps=1e-3))
     _randomise(mixer, seed)
     return mixer

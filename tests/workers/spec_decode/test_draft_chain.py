@@ -137,8 +137,10 @@ def test_chain_drafts_and_kept_states_equal_the_step_by_step_paths(checkpoint_di
     model = load_checkpoint(str(checkpoint_dir(draft))).model
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(4, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(batch)]  # fmt: skip
+    prompts = [
+        torch.randint(4, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(batch)
+    ]
     runs = {
         "chain": Lockstep(model, prompts, decode_plan=True, native_chain=True),
         "plan steps": Lockstep(model, prompts, decode_plan=True, native_chain=False),
@@ -185,10 +187,10 @@ def test_runner_reuses_the_draft_slots_and_plans_only_when_they_fit(checkpoint_d
         results = runner.generate(prompts, GREEDY)
         assert _summary(results) == fresh(prompts)
         assert [r.token_ids for r in results] == [r.token_ids for r in plain.generate(prompts, GREEDY)]
-        proposers.append(runner._draft_proposer)
-        plans.append((runner._draft_proposer.pool, runner._draft_proposer.plan))
+        proposers.append(runner._proposer)
+        plans.append((runner._proposer.pool, runner._proposer.plan))
     assert len({id(p) for p in proposers}) == 1
     assert plans[1][0] is plans[0][0] and plans[1][1] is plans[0][1]  # fewer, shorter: the same slots and plan
     assert plans[2][0] is not plans[1][0]  # more requests than slots: the target's workspace and the draft's are new
-    assert runner._draft_proposer.pool.blocks is runner._scheduler.workspace.pool.blocks
+    assert runner._proposer.pool.blocks is runner._scheduler.workspace.pool.blocks
     assert runner.spec_stats()["num_accepted_draft_tokens"] > 0

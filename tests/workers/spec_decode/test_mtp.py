@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import NEMOTRON_MTP_FAMILIES
+from tests.tiny_models import NEMOTRON_MTP_FAMILIES, engine_config
 from tests.workers.spec_decode.test_greedy_exactness import PARAMS as GREEDY
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
 from tests.workers.spec_decode.test_runner_speculative import assert_second_tokens_follow_the_target
@@ -30,6 +30,8 @@ TOL = dict(atol=5e-5, rtol=1e-4)
 class ForcedMtp(ScriptedProposer):
     """Runs the real MTP proposer every step (its catch-up and chain write its KV), but hands the verifier the
     scripted drafts, so that acceptance follows the scripted patterns (0 drafts, all, none, partial)."""
+
+    drafts_from_hidden = True
 
     def __init__(self, mtp: MtpProposer, reference: dict[int, list[int]], vocab_size: int):
         super().__init__(reference, vocab_size)
@@ -99,14 +101,22 @@ def _slot_keys(caches: list[KVCache], slot: int, num_tokens: int) -> torch.Tenso
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_mtp_kv_holds_exactly_the_accepted_positions(family, checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, linear_backend="torch",
-                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=4))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)),
+        max_num_seqs=4,
+        linear_backend="torch",
+        speculative=SpeculativeConfig("mtp", num_speculative_tokens=4),
+    )
     prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS))}  # fmt: skip
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4).generate(prompts, PARAMS)
+        )
+    }
     mtp = MtpProposer(runner.model, 4)
     proposer = ForcedMtp(mtp, reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, 4)
+    scheduler = Scheduler(runner.model, engine_config(4, 4), _requests(prompts), proposer)
     assert run_checking_mtp_kv(scheduler, mtp) > 20
     for accepted, expected in proposer.seen:
         assert accepted == expected
@@ -168,8 +178,11 @@ def test_mtp_on_a_mamba2_family_is_refused(checkpoint_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_moe"])
 def test_sampled_mtp_tokens_follow_the_target_distribution(family, checkpoint_dir):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=64,
-                                         speculative=SpeculativeConfig("mtp", num_speculative_tokens=2, policy="fixed"))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)),
+        max_num_seqs=64,
+        speculative=SpeculativeConfig("mtp", num_speculative_tokens=2, policy="fixed"),
+    )
     prompt = torch.randperm(128, generator=torch.Generator().manual_seed(0)).tolist()[:40]
     n = 1500
     params = [SamplingParams(temperature=1.0, top_k=16, max_tokens=3, seed=i, ignore_eos=True) for i in range(n)]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import NEMOTRON_MTP_FAMILIES
+from tests.tiny_models import NEMOTRON_MTP_FAMILIES, engine_config
 from tests.workers.spec_decode.test_state_shifting import _prompts, _requests
 from workers import ModelRunner, SpeculativeConfig
 from workers.model import HybridConfig, load_checkpoint
@@ -82,8 +82,10 @@ def _mtp_outputs(w: dict, cfg: dict, token_ids: list[int], hidden: torch.Tensor)
     pattern = cfg.get("mtp_hybrid_override_pattern") or "".join(_KINDS[t] for t in cfg["mtp_layers_block_type"])
     eps, first, last = cfg["layer_norm_epsilon"], "mtp.layers.0", f"mtp.layers.{len(pattern) - 1}"
     embedded = w["backbone.embeddings.weight"][torch.tensor(token_ids)]
-    fused = torch.cat([_rms_norm(embedded, w[f"{first}.enorm.weight"], eps),
-                       _rms_norm(hidden, w[f"{first}.hnorm.weight"], eps)], dim=-1)  # fmt: skip
+    fused = torch.cat(
+        [_rms_norm(embedded, w[f"{first}.enorm.weight"], eps), _rms_norm(hidden, w[f"{first}.hnorm.weight"], eps)],
+        dim=-1,
+    )
     x = fused @ w[f"{first}.eh_proj.weight"].T
     for i, kind in enumerate(pattern):
         normed = _rms_norm(x, w[f"mtp.layers.{i}.norm.weight"], eps)
@@ -167,7 +169,7 @@ def test_mtp_drafts_match_the_reference(family, checkpoint_dir, hf_model):
     cfg = json.loads((path / "config.json").read_text())
     model = load_checkpoint(str(path), mtp=True).model
     proposer = RecordingMtp(model, 3)
-    scheduler = Scheduler(model, _requests(_prompts()), 4, None, proposer, 3, decode_plan=True)
+    scheduler = Scheduler(model, engine_config(4, 3, decode_plan=True), _requests(_prompts()), proposer)
     while scheduler.has_work():
         scheduler.step()
     assert len(proposer.records) > 100 and sum(len(drafts) for *_, drafts in proposer.records) > 300

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode.test_state_shifting import PARAMS, ScriptedProposer
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
 from workers.model import ForwardBatch
@@ -37,8 +38,12 @@ class DecodeFormMtp(MtpProposer):
             live = [i for i, c in enumerate(counts) if j < c]
             ids = torch.tensor([[requests[i].token_at(starts[i] + 1 + j)] for i in live])
             positions = torch.tensor([starts[i] + j for i in live])
-            batch = ForwardBatch(torch.tensor([requests[i].slot for i in live]), positions,
-                                 torch.ones_like(positions), one_token_each=True)  # fmt: skip
+            batch = ForwardBatch(
+                torch.tensor([requests[i].slot for i in live]),
+                positions,
+                torch.ones_like(positions),
+                one_token_each=True,
+            )
             hidden = torch.stack([hiddens[i][j] for i in live])[:, None]
             out = self.head(ids, hidden, self.model.embed_tokens, batch, self.caches)[:, 0]
             for row, i in enumerate(live):
@@ -49,6 +54,8 @@ class DecodeFormMtp(MtpProposer):
 class TwinMtp(ScriptedProposer):
     """Runs the planned and the decode-form proposer side by side on the same target hidden states and checks they
     agree; hands the verifier the scripted drafts (`forced`) or the planned proposer's own."""
+
+    drafts_from_hidden = True
 
     def __init__(self, model, reference: dict[int, list[int]] | None):
         super().__init__(reference or {}, model.config.vocab_size)
@@ -97,21 +104,30 @@ def _requests(prompts, params) -> list[Request]:
 
 def _prompts(n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(n)
-    return [torch.randint(4, 128, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]  # fmt: skip
+    return [
+        torch.randint(4, 128, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("batch", [1, 5, 16])
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_dense"])
 def test_planned_drafts_and_kv_equal_the_module_path_under_forced_acceptance(checkpoint_dir, family, batch):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=batch,
-                                         speculative=SpeculativeConfig("mtp", K))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir(family)), max_num_seqs=batch, speculative=SpeculativeConfig("mtp", K)
+    )
     prompts = _prompts(batch + 2)  # more requests than slots: slots free up and requests move
-    reference = {i: r.token_ids for i, r in enumerate(ModelRunner.from_pretrained(
-        str(checkpoint_dir(family)), max_num_seqs=batch, decode_plan=False).generate(prompts, PARAMS))}  # fmt: skip
+    reference = {
+        i: r.token_ids
+        for i, r in enumerate(
+            ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=batch, decode_plan=False).generate(
+                prompts, PARAMS
+            )
+        )
+    }
     twin = TwinMtp(runner.model, reference)
-    scheduler = Scheduler(runner.model, _requests(prompts, [PARAMS] * len(prompts)), batch, None, twin, K,
-                          decode_plan=True)  # fmt: skip
+    scheduler = Scheduler(
+        runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, [PARAMS] * len(prompts)), twin
+    )
     while scheduler.has_work():
         scheduler.step()
     assert all(accepted == expected for accepted, expected in twin.seen)
@@ -126,12 +142,13 @@ def test_planned_drafts_and_kv_equal_the_module_path_under_forced_acceptance(che
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_sampled_rows_chain_one_call_per_step_and_draw_what_the_module_path_draws(checkpoint_dir, batch):
-    runner = ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_5_text")), max_num_seqs=batch,
-                                         speculative=SpeculativeConfig("mtp", K))  # fmt: skip
+    runner = ModelRunner.from_pretrained(
+        str(checkpoint_dir("qwen3_5_text")), max_num_seqs=batch, speculative=SpeculativeConfig("mtp", K)
+    )
     prompts = _prompts(batch + 1)
     params = [SAMPLED if i % 2 == 0 else PARAMS for i in range(len(prompts))]  # sampled and greedy rows mixed
     twin = TwinMtp(runner.model, None)
-    scheduler = Scheduler(runner.model, _requests(prompts, params), batch, None, twin, K, decode_plan=True)
+    scheduler = Scheduler(runner.model, engine_config(batch, K, decode_plan=True), _requests(prompts, params), twin)
     while scheduler.has_work():
         scheduler.step()
     assert len(twin.feed_lengths) > 5 and all(len(r.output) == 24 for r in scheduler.finished)

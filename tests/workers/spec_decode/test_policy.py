@@ -14,8 +14,14 @@ from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, batch_bucket
 K = 4
 
 
-def _run(policy, steps: int, cost: Callable[[int], float], acceptance: Callable[[int], list[float]],
-         batch: int = 8, seed: int = 0) -> list[int]:  # fmt: skip
+def _run(
+    policy,
+    steps: int,
+    cost: Callable[[int], float],
+    acceptance: Callable[[int], list[float]],
+    batch: int = 8,
+    seed: int = 0,
+) -> list[int]:
     """Drive the policy for `steps` steps; acceptance(step)[j] is the chance draft j is accepted once reached."""
     rng, ids, chosen = random.Random(seed), list(range(batch)), []
     for step in range(steps):

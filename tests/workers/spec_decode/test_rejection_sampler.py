@@ -63,8 +63,9 @@ def test_greedy_rows_on_the_device_equal_the_row_by_row_rule(drafts, seed):
     on_device = rejection_sample(proposal.token_ids, logits, None, [GREEDY] * len(drafts), generators[:-1])
     mixed_drafts = torch.cat([proposal.token_ids, torch.full((1, proposal.token_ids.shape[1]), PLACEHOLDER_TOKEN_ID)])
     sampled = SamplingParams(temperature=1.0)
-    row_by_row = rejection_sample(mixed_drafts, torch.cat([logits, logits[:1]]), None,
-                                  [GREEDY] * len(drafts) + [sampled], generators)  # fmt: skip
+    row_by_row = rejection_sample(
+        mixed_drafts, torch.cat([logits, logits[:1]]), None, [GREEDY] * len(drafts) + [sampled], generators
+    )
     assert on_device.tolist() == row_by_row[:-1].tolist()
 
 

@@ -20,8 +20,9 @@ def _next_token_probs(runner: ModelRunner, sequences: list[list[int]], params: S
     lengths = [len(s) for s in sequences]
     ids = torch.tensor([s + [0] * (max(lengths) - len(s)) for s in sequences])
     pool = StatePool(runner.config, len(sequences), max(lengths), torch.device("cpu"), torch.float32)
-    batch = ForwardBatch(torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long),
-                         torch.tensor(lengths))  # fmt: skip
+    batch = ForwardBatch(
+        torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long), torch.tensor(lengths)
+    )
     with torch.no_grad():
         hidden = runner.model(ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
     last = hidden[torch.arange(len(sequences)), torch.tensor(lengths) - 1]
@@ -124,8 +125,9 @@ def _self_draft_counts(num_tokens: int, k: int, max_tokens: int) -> tuple[int, i
 
 
 @pytest.mark.parametrize("method,family", [("draft", "bamba"), ("mtp", "qwen3_5")])
-def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(method, family, checkpoint_dir,
-                                                                            monkeypatch):  # fmt: skip
+def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(
+    method, family, checkpoint_dir, monkeypatch
+):
     """Every tensor the rejection sampler receives is on the runner's device, and the draft side makes no host
     copies of its distributions (on CUDA those would meet the target's probabilities on another device)."""
     import workers.scheduler
@@ -155,8 +157,13 @@ def test_draft_probabilities_stay_on_the_device_and_reach_the_sampler_there(meth
 def test_rejection_sampler_refuses_inputs_on_another_device():
     logits = torch.zeros(1, 2, 8)
     with pytest.raises(AssertionError, match="target's device"):
-        rejection_sample(torch.zeros(1, 1, dtype=torch.long), logits, torch.zeros(1, 1, 8, device="meta"),
-                         [SamplingParams(temperature=1.0)], [torch.Generator()])  # fmt: skip
+        rejection_sample(
+            torch.zeros(1, 1, dtype=torch.long),
+            logits,
+            torch.zeros(1, 1, 8, device="meta"),
+            [SamplingParams(temperature=1.0)],
+            [torch.Generator()],
+        )
 
 
 def test_metrics_per_request_and_per_runner(checkpoint_dir):
@@ -181,7 +188,9 @@ def test_a_proposer_catching_up_on_a_prompt_is_not_timed_as_a_step(method, famil
     path = str(checkpoint_dir(family))
     draft = path if method == "draft" else None
     runner = ModelRunner.from_pretrained(
-        path, max_num_seqs=1, speculative=SpeculativeConfig(method, 3, draft_model=draft, policy="fixed"),
+        path,
+        max_num_seqs=1,
+        speculative=SpeculativeConfig(method, 3, draft_model=draft, policy="fixed"),
         enable_prefix_caching=False,
     )
     observed = []
@@ -200,10 +209,14 @@ def test_a_proposer_catching_up_on_a_prompt_is_not_timed_as_a_step(method, famil
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [(dict(method="eagle"), "method='eagle'"), (dict(num_speculative_tokens=0), "num_speculative_tokens=0"),
-     (dict(method="draft"), "draft_model is required"), (dict(prompt_lookup_min=0), "prompt_lookup_min=0"),
-     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max=2")],
-)  # fmt: skip
+    [
+        (dict(method="eagle"), "method='eagle'"),
+        (dict(num_speculative_tokens=0), "num_speculative_tokens=0"),
+        (dict(method="draft"), "draft_model is required"),
+        (dict(prompt_lookup_min=0), "prompt_lookup_min=0"),
+        (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max=2"),
+    ],
+)
 def test_invalid_speculative_config_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)
@@ -258,7 +271,9 @@ def test_speculation_in_bfloat16_on_cpu_warns_only_on_the_all_torch_path(checkpo
     bfloat16 weights on the native kernels (float32 activations, one kernel path per process) are token-exact."""
     path = str(checkpoint_dir("granite_dense"))
     with caplog.at_level("WARNING", logger="workers.runner"):
-        ModelRunner.from_pretrained(path, dtype="bfloat16", linear_backend="torch", speculative=SpeculativeConfig("ngram"))
+        ModelRunner.from_pretrained(
+            path, dtype="bfloat16", linear_backend="torch", speculative=SpeculativeConfig("ngram")
+        )
     assert "float32 (dtype 'auto' on CPU) is token-exact" in caplog.text
     for options in ({}, {"dtype": "bfloat16"}):
         caplog.clear()

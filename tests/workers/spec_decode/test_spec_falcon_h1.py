@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.falcon_h1_models import build_falcon_h1
-from tests.tiny_models import build_checkpoint
+from tests.tiny_models import build_checkpoint, engine_config
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as greedy_prompts
 from tests.workers.spec_decode.test_state_shifting import (
     PARAMS,
@@ -56,7 +56,7 @@ def test_forced_acceptance_patterns_keep_states_exact(paths):
     prompts = _prompts()[:5]
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
     proposer = CappedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, K)
+    scheduler = Scheduler(runner.model, engine_config(4, K), _requests(prompts), proposer)
     while scheduler.has_work():
         scheduler.step()
         for request in scheduler.running:  # the slot covers every token but the newest
@@ -76,7 +76,7 @@ def test_falcon_draft_state_is_shifted_to_what_it_has_seen(paths):
     requests = [
         Request(i, p, params, frozenset(), torch.Generator().manual_seed(i), 512) for i, p in enumerate(prompts)
     ]
-    scheduler = Scheduler(target.model, requests, 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), requests, proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()

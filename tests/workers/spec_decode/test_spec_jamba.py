@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_jamba import build_jamba_checkpoint
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode import test_greedy_exactness as exactness
 from tests.workers.spec_decode import test_state_shifting as shifting
 from tests.workers.spec_decode.test_state_shifting import assert_forced_acceptance_exact
@@ -48,7 +49,7 @@ def test_a_jamba_draft_state_is_shifted_to_what_it_has_seen(jamba_dir):
     prompts = shifting._prompts(seed=3)
     reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, shifting.PARAMS))}
     proposer = DraftModelProposer(draft_runner.model)
-    scheduler = Scheduler(target.model, shifting._requests(prompts), 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), shifting._requests(prompts), proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()
@@ -89,9 +90,18 @@ def _speculative(method: str, jamba_dir, checkpoint_dir) -> SpeculativeConfig:
 
 @pytest.mark.parametrize(
     "method, batch",
-    [("ngram", 1), ("ngram", 5), ("ngram", 16), ("mamba1", 1), ("mamba1", 5), ("mamba1", 16),
-     ("attention", 5), ("mamba2", 5), ("self", 5)],
-)  # fmt: skip
+    [
+        ("ngram", 1),
+        ("ngram", 5),
+        ("ngram", 16),
+        ("mamba1", 1),
+        ("mamba1", 5),
+        ("mamba1", 16),
+        ("attention", 5),
+        ("mamba2", 5),
+        ("self", 5),
+    ],
+)
 def test_greedy_speculative_equals_greedy_plain(method, batch, jamba_dir, checkpoint_dir, plain_outputs):
     speculative = _speculative(method, jamba_dir, checkpoint_dir)
     runner = ModelRunner.from_pretrained(str(jamba_dir(TARGET)), max_num_seqs=8, speculative=speculative)

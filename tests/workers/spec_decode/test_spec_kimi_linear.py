@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kimi_models import build_kimi_checkpoint
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as spec_prompts
 from tests.workers.spec_decode.test_state_shifting import (
     _assert_slot_matches,
@@ -45,7 +46,7 @@ def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir, checkpoint_di
     draft_runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear_dense")), linear_backend="torch")
     prompts = _prompts(seed=3)[:3]
     proposer = DraftModelProposer(draft_runner.model)
-    scheduler = Scheduler(target.model, _requests(prompts), 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), _requests(prompts), proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
+from tests.tiny_models import engine_config
 from tests.workers.spec_decode import test_state_shifting
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as _spec_prompts
 from tests.workers.spec_decode.test_state_shifting import (
@@ -46,7 +47,7 @@ def test_lfm2_draft_windows_are_shifted_to_what_it_has_seen(lfm_checkpoint):  # 
     prompts = _prompts(seed=3)
     reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, GREEDY))}
     proposer = DraftModelProposer(draft.model)
-    scheduler = Scheduler(target.model, _requests(prompts), 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), _requests(prompts), proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()

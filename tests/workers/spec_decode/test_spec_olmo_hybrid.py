@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import engine_config
 from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as _spec_prompts
 from tests.workers.spec_decode.test_state_shifting import PARAMS as FORCED_PARAMS
@@ -36,7 +37,7 @@ def test_forced_acceptance_patterns_keep_states_exact(olmo_dir):
     requests = [
         Request(i, p, FORCED_PARAMS, frozenset(), torch.Generator().manual_seed(i), 512) for i, p in enumerate(prompts)
     ]
-    scheduler = Scheduler(runner.model, requests, 4, None, proposer, K)
+    scheduler = Scheduler(runner.model, engine_config(4, K), requests, proposer)
     while scheduler.has_work():
         scheduler.step()
         for request in scheduler.running:  # the slot covers every token but the newest
@@ -56,9 +57,17 @@ def plain_outputs(olmo_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "batch"),
-    [("ngram", 1), ("ngram", 5), ("ngram", 16), ("draft_hybrid", 1), ("draft_hybrid", 5), ("draft_hybrid", 16),
-     ("draft_attention", 16), ("self", 5)],
-)  # fmt: skip
+    [
+        ("ngram", 1),
+        ("ngram", 5),
+        ("ngram", 16),
+        ("draft_hybrid", 1),
+        ("draft_hybrid", 5),
+        ("draft_hybrid", 16),
+        ("draft_attention", 16),
+        ("self", 5),
+    ],
+)
 def test_greedy_speculative_equals_greedy_plain(method, batch, olmo_dir, plain_outputs, checkpoint_dir):
     if method == "ngram":  # fixed k: the lookup keeps drafting wherever it matches
         speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, policy="fixed")

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from tests.conftest import ALL_FAMILIES
+from tests.tiny_models import engine_config
 from workers import ModelRunner, SamplingParams
 from workers.model import ForwardBatch, StatePool
 from workers.requests import Request
 from workers.scheduler import Scheduler
 from workers.spec_decode.draft_model import DraftModelProposer
-from workers.spec_decode.proposal import Proposal
+from workers.spec_decode.proposal import Proposal, Proposer
 
 TOL = dict(atol=5e-5, rtol=1e-4)  # float32 rounding of native vs chunked paths; a wrong shift is off by O(0.1)
 K = 4
@@ -26,7 +27,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PATTERNS = [(0, 0), (4, 4), (4, 0), (2, 1), (3, 3), (1, 0), (4, 2), (2, 2)]
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts the reference continuation: `correct` right tokens, then wrong ones; records what it expects."""
 
     def __init__(self, reference: dict[int, list[int]], vocab_size: int):
@@ -99,7 +100,7 @@ def assert_forced_acceptance_exact(runner: ModelRunner, tol: dict = TOL) -> None
     prompts = _prompts()
     reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
     proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, _requests(prompts), 4, None, proposer, K)
+    scheduler = Scheduler(runner.model, engine_config(4, K), _requests(prompts), proposer)
     while scheduler.has_work():
         scheduler.step()
         for request in scheduler.running:  # the slot covers every token but the newest
@@ -124,7 +125,7 @@ def test_hybrid_draft_state_is_shifted_to_what_it_has_seen(draft, checkpoint_dir
     prompts = _prompts(seed=3)
     reference = {i: r.token_ids for i, r in enumerate(target.generate(prompts, PARAMS))}
     proposer = DraftModelProposer(draft_runner.model)
-    scheduler = Scheduler(target.model, _requests(prompts), 3, None, proposer, 3)
+    scheduler = Scheduler(target.model, engine_config(3, 3), _requests(prompts), proposer)
     steps_checked = 0
     while scheduler.has_work():
         scheduler.step()

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from workers.model.checkpoint.config import HybridConfig
-    from workers.model.checkpoint.weights import Source
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,10 +19,12 @@ class Family:
     model_types: tuple[str, ...]
     # The parsed config.json → every `HybridConfig` field but model_type.
     read_config: Callable[[dict[str, Any]], dict[str, Any]]
-    # (config, the checkpoint's keys) → every parameter name but lm_head → its candidate sources.
-    weight_sources: Callable[[HybridConfig, set[str]], dict[str, list[Source]]]
-    # The checkpoint keys that frame the family's MTP head; None: its MTP heads are not served.
-    mtp_head_keys: Callable[[HybridConfig], list[str]] | None = None
+    # (the `HybridConfig`, the checkpoint's keys) → every parameter name but lm_head → its candidate `Source`s.
+    # The registry sits below config.py and weights.py, which look families up here, so it names their types in
+    # words, not imports (an import, even for type checking only, would close a circle).
+    weight_sources: Callable[[Any, set[str]], dict[str, list[Any]]]
+    # The `HybridConfig` → the checkpoint keys that frame the family's MTP head; None: its MTP heads are not served.
+    mtp_head_keys: Callable[[Any], list[str]] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}  # model_type → its family, in the order families registered

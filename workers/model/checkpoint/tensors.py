@@ -87,8 +87,10 @@ def _read_header(path: Path) -> dict[str, _Entry]:
             raise ValueError(f"{path.name}: safetensors header entry {key!r} is malformed ({error})") from None
         expected = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         if end - begin != expected or begin < start or end > size:
-            raise ValueError(f"{path.name}: tensor {key!r} of shape {shape} needs {expected} bytes at offsets "
-                             f"{begin - start}…{end - start} of {size - start} bytes of data")  # fmt: skip
+            raise ValueError(
+                f"{path.name}: tensor {key!r} of shape {shape} needs {expected} bytes at offsets "
+                f"{begin - start}…{end - start} of {size - start} bytes of data"
+            )
         entries[key] = _Entry(path, dtype, shape, begin, end)
     return entries
 
@@ -158,7 +160,9 @@ class CheckpointTensors:
         out_features, in_features = weight.shape
         expected = (-(-out_features // rows), -(-in_features // cols))
         if tuple(scale.shape) != expected:
-            raise ValueError(f"{key}{SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected {expected} for a "
-                             f"{tuple(weight.shape)} weight in {rows} × {cols} blocks")  # fmt: skip
+            raise ValueError(
+                f"{key}{SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected {expected} for a "
+                f"{tuple(weight.shape)} weight in {rows} × {cols} blocks"
+            )
         full = scale.float().repeat_interleave(rows, 0)[:out_features].repeat_interleave(cols, 1)[:, :in_features]
         return weight.float().mul_(full)

@@ -75,8 +75,9 @@ def open_library(sources: list[Path], headers: list[Path], compiler: str, flags:
         logger.warning(
             "kernel cache %s refused: %s; compiling the native kernels into a private temporary directory for this "
             "process instead (make it yours with mode 0700, or set HYBRIDGEN_KERNEL_CACHE to a directory that is)",
-            directory, refused,
-        )  # fmt: skip
+            directory,
+            refused,
+        )
         with tempfile.TemporaryDirectory(prefix="hybridgen-kernels-") as private:
             return _compile_and_open(Path(private), key, sources, compiler, flags)
     cached = _open_cached(directory, key)
@@ -167,8 +168,9 @@ def _open_cached(directory: Path, key: str) -> tuple[ctypes.CDLL, Path] | None:
         os.close(fd)
         logger.warning(
             "%s does not match the sha256 recorded when it was built; not loading it: compiling the native kernels "
-            "again", library,
-        )  # fmt: skip
+            "again",
+            library,
+        )
         return None
     return _load(fd, library), library
 

@@ -230,8 +230,16 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out
         raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for {out_features} outputs")
     out = torch.empty(rows, out_features)
     if rows:
-        lib.linear_panels(pointer(x), pointer(panels), pointer(bias), pointer(out), rows, out_features,
-                          in_features, torch.get_num_threads())  # fmt: skip
+        lib.linear_panels(
+            pointer(x),
+            pointer(panels),
+            pointer(bias),
+            pointer(out),
+            rows,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -268,8 +276,17 @@ def linear_int8(
         )
     out = torch.empty(rows, out_features)
     if rows:
-        lib.linear_panels_int8(pointer(x), panels.data_ptr(), pointer(scale), pointer(bias), pointer(out), rows,
-                               out_features, in_features, torch.get_num_threads())  # fmt: skip
+        lib.linear_panels_int8(
+            pointer(x),
+            panels.data_ptr(),
+            pointer(scale),
+            pointer(bias),
+            pointer(out),
+            rows,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -292,8 +309,17 @@ def add_rms_norm(
     """hidden += alpha · delta in place; returns rmsnorm(hidden) · weight (a residual add and the next norm)."""
     out = torch.empty_like(hidden)
     d = hidden.shape[-1]
-    load().add_rms_norm(pointer(hidden), pointer(delta), alpha, pointer(weight), eps, pointer(out),
-                        hidden.numel() // d, d, torch.get_num_threads())  # fmt: skip
+    load().add_rms_norm(
+        pointer(hidden),
+        pointer(delta),
+        alpha,
+        pointer(weight),
+        eps,
+        pointer(out),
+        hidden.numel() // d,
+        d,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -353,9 +379,23 @@ def attention_decode(
         raise ValueError(f"position {last} is past the KV capacity of a slot")
     out = torch.empty_like(q)
     load().attention_decode(
-        pointer(q), pointer(k), pointer(v), pointer(cache.key), pointer(cache.value),
-        blocks.tables.data_ptr(), blocks.max_blocks_per_slot, blocks.block_size, cache.key.shape[1],
-        slot_ids.data_ptr(), positions.data_ptr(), scale, pointer(out), b, num_heads, cache.key.shape[0], head_dim,
+        pointer(q),
+        pointer(k),
+        pointer(v),
+        pointer(cache.key),
+        pointer(cache.value),
+        blocks.tables.data_ptr(),
+        blocks.max_blocks_per_slot,
+        blocks.block_size,
+        cache.key.shape[1],
+        slot_ids.data_ptr(),
+        positions.data_ptr(),
+        scale,
+        pointer(out),
+        b,
+        num_heads,
+        cache.key.shape[0],
+        head_dim,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out

@@ -82,10 +82,20 @@ def linear_bf16(
     align = int(lib.linear_bf16_k_align())
     padded_k = -(-in_features // align) * align
     if panels.dtype != torch.bfloat16 or 2 * half_k != padded_k or num_panels * width < out_features:
-        raise ValueError(f"x {tuple(x.shape)} does not fit bfloat16 panels {tuple(panels.shape)} for {out_features} "
-                         "outputs")  # fmt: skip
+        raise ValueError(
+            f"x {tuple(x.shape)} does not fit bfloat16 panels {tuple(panels.shape)} for {out_features} outputs"
+        )
     out = torch.empty(rows, out_features)
     if rows:
-        lib.linear_panels_bf16(pointer(x), panels.data_ptr(), pointer(bias), pointer(out), rows, out_features,
-                               in_features, BF16_PATHS[path], torch.get_num_threads())  # fmt: skip
+        lib.linear_panels_bf16(
+            pointer(x),
+            panels.data_ptr(),
+            pointer(bias),
+            pointer(out),
+            rows,
+            out_features,
+            in_features,
+            BF16_PATHS[path],
+            torch.get_num_threads(),
+        )
     return out

@@ -83,9 +83,7 @@ def pack_experts(up: torch.Tensor, down: torch.Tensor, gated: bool, weight_forma
     return PackedExperts(weight_format, up_panels, down_panels, up_scale, down_scale, width, inter, gated, path)
 
 
-def route(
-    logits: torch.Tensor, ff: FeedForwardConfig, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, ff: FeedForwardConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [t, E] float32 → (weights [t, k] float32, expert ids [t, k] int64), as `moe.route` chooses."""
     t, k = logits.shape[0], ff.experts_per_token
     weights, ids = torch.empty(t, k), torch.empty(t, k, dtype=torch.int64)

@@ -35,15 +35,36 @@ def mamba2_decode_step(
     b, H, P, N = ssm_state.shape
     width = conv_weight.shape[1]
     if conv_state.shape != (b, conv_weight.shape[0], width - 1) or proj.shape != (b, H * P + conv_weight.shape[0] + H):
-        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
-                         f"ssm_state {tuple(ssm_state.shape)}")  # fmt: skip
+        raise ValueError(
+            f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"ssm_state {tuple(ssm_state.shape)}"
+        )
     xbc = torch.empty(b, conv_weight.shape[0]) if conv_out is None else conv_out
     out = torch.empty(b, H * P)
     lib.mamba2_decode_step(
-        native.pointer(proj), native.pointer(conv_state), native.pointer(conv_weight), native.pointer(conv_bias), native.pointer(dt_bias),
-        native.pointer(A_log), native.pointer(D), dt_limits[0], dt_limits[1], native.pointer(ssm_state), native.pointer(norm_weight),
-        norm_groups, eps, native.pointer(xbc), native.pointer(out), b, H, P, num_groups, N, width, torch.get_num_threads(),
-    )  # fmt: skip
+        native.pointer(proj),
+        native.pointer(conv_state),
+        native.pointer(conv_weight),
+        native.pointer(conv_bias),
+        native.pointer(dt_bias),
+        native.pointer(A_log),
+        native.pointer(D),
+        dt_limits[0],
+        dt_limits[1],
+        native.pointer(ssm_state),
+        native.pointer(norm_weight),
+        norm_groups,
+        eps,
+        native.pointer(xbc),
+        native.pointer(out),
+        b,
+        H,
+        P,
+        num_groups,
+        N,
+        width,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -74,14 +95,30 @@ def gdn_decode_step(
         or tuple(proj.shape) != expected
         or tuple(conv_state.shape) != (b, conv_dim, width - 1)
     ):
-        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
-                         f"delta_state {tuple(delta_state.shape)}")  # fmt: skip
+        raise ValueError(
+            f"shape mismatch: proj {tuple(proj.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"delta_state {tuple(delta_state.shape)}"
+        )
     qkv, out = torch.empty(b, conv_dim), torch.empty(b, value_dim)
     lib.gdn_decode_step(
-        native.pointer(proj), native.pointer(conv_state), native.pointer(conv_weight), native.pointer(dt_bias), native.pointer(A_log),
-        native.pointer(delta_state), native.pointer(norm_weight), eps, native.pointer(qkv), native.pointer(out), b, num_key_heads,
-        num_value_heads, key_head_dim, value_head_dim, width, torch.get_num_threads(),
-    )  # fmt: skip
+        native.pointer(proj),
+        native.pointer(conv_state),
+        native.pointer(conv_weight),
+        native.pointer(dt_bias),
+        native.pointer(A_log),
+        native.pointer(delta_state),
+        native.pointer(norm_weight),
+        eps,
+        native.pointer(qkv),
+        native.pointer(out),
+        b,
+        num_key_heads,
+        num_value_heads,
+        key_head_dim,
+        value_head_dim,
+        width,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -121,12 +158,33 @@ def mamba2_prefill(
     ssm_state = torch.empty(b, num_heads, head_dim, state_size)
     initial_conv, initial_ssm = (None, None) if initial is None else (t.contiguous() for t in initial)
     native.load().mamba2_prefill(
-        native.pointer(proj), num_tokens.data_ptr(), native.pointer(conv_weight), native.pointer(conv_bias), native.pointer(dt_bias),
-        native.pointer(A_log), native.pointer(D), dt_limits[0], dt_limits[1], native.pointer(norm_weight), norm_groups, eps,
-        native.pointer(xbc), native.pointer(initial_conv), native.pointer(initial_ssm), native.pointer(conv_state), native.pointer(ssm_state),
-        native.pointer(out), b, length, num_heads, head_dim,
-        num_groups, state_size, width, torch.get_num_threads(),
-    )  # fmt: skip
+        native.pointer(proj),
+        num_tokens.data_ptr(),
+        native.pointer(conv_weight),
+        native.pointer(conv_bias),
+        native.pointer(dt_bias),
+        native.pointer(A_log),
+        native.pointer(D),
+        dt_limits[0],
+        dt_limits[1],
+        native.pointer(norm_weight),
+        norm_groups,
+        eps,
+        native.pointer(xbc),
+        native.pointer(initial_conv),
+        native.pointer(initial_ssm),
+        native.pointer(conv_state),
+        native.pointer(ssm_state),
+        native.pointer(out),
+        b,
+        length,
+        num_heads,
+        head_dim,
+        num_groups,
+        state_size,
+        width,
+        torch.get_num_threads(),
+    )
     return out, conv_state, ssm_state, xbc
 
 
@@ -169,10 +227,26 @@ def gdn_prefill(
     initial_conv, initial_delta = (None, None) if initial is None else (t.contiguous() for t in initial)
     conv_by_tap = conv_weight.t().contiguous()  # [W, conv_dim]: each tap's weights side by side
     native.load().gdn_prefill(
-        native.pointer(proj), num_tokens.data_ptr(), native.pointer(conv_by_tap), native.pointer(dt_bias),
-        native.pointer(A_log), native.pointer(norm_weight), eps, native.pointer(initial_conv),
-        native.pointer(initial_delta), native.pointer(qkv), native.pointer(conv_state), native.pointer(delta_state),
-        native.pointer(out), b, length, num_key_heads, num_value_heads, key_head_dim, value_head_dim, width,
+        native.pointer(proj),
+        num_tokens.data_ptr(),
+        native.pointer(conv_by_tap),
+        native.pointer(dt_bias),
+        native.pointer(A_log),
+        native.pointer(norm_weight),
+        eps,
+        native.pointer(initial_conv),
+        native.pointer(initial_delta),
+        native.pointer(qkv),
+        native.pointer(conv_state),
+        native.pointer(delta_state),
+        native.pointer(out),
+        b,
+        length,
+        num_key_heads,
+        num_value_heads,
+        key_head_dim,
+        value_head_dim,
+        width,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return out, conv_state, delta_state, qkv

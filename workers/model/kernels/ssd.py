@@ -96,6 +96,21 @@ def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~lower, -torch.inf)
 
 
+def _carry_states(
+    chunk_states: torch.Tensor, chunk_decay: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """`ssd_chunked` step 4: each chunk's start state (None: a zero start) and the final state, carrying
+    S_c = exp(Σa over chunk c) S_{c-1} + chunk_c from `initial_state`. chunk_states [b, c, h, p, n]; chunk_decay
+    [b, h, c]."""
+    state = None if initial_state is None else initial_state.float()
+    starts = []
+    for c in range(chunk_states.shape[1]):
+        starts.append(state)
+        own = chunk_states[:, c]
+        state = own if state is None else state * chunk_decay[:, :, c, None, None] + own
+    return starts, state
+
+
 def ssd_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -145,14 +160,7 @@ def ssd_chunked(
     chunk_states = chunk_states.view(b, num_chunks, num_heads, head_dim, size)
 
     # 4. Carry states across chunks, starting from the initial state: S_c = exp(Σa over chunk c) S_{c-1} + chunk_c.
-    chunk_decay = torch.exp(a_cum[..., -1])  # [b, h, c]
-    state = None if initial_state is None else initial_state.float()
-    starts = []
-    for c in range(num_chunks):
-        starts.append(state)
-        own = chunk_states[:, c]
-        state = own if state is None else state * chunk_decay[:, :, c, None, None] + own
-    final_state = state
+    starts, final_state = _carry_states(chunk_states, torch.exp(a_cum[..., -1]), initial_state)
 
     # 5. Contribution of each chunk's start state to its outputs (none for a zero start).
     if any(start is not None for start in starts):

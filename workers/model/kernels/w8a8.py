@@ -112,10 +112,19 @@ def linear(x: torch.Tensor, packed: W8A8Panels, bias: torch.Tensor | None, path:
     out = torch.empty(rows, packed.out_features)
     if rows:
         lib.linear_panels_w8a8(
-            pointer(x), packed.panels.data_ptr(), pointer(packed.scale), packed.correction.data_ptr(), pointer(bias),
-            pointer(out), rows, packed.out_features, in_features, packed.group_size, PATHS[path],
+            pointer(x),
+            packed.panels.data_ptr(),
+            pointer(packed.scale),
+            packed.correction.data_ptr(),
+            pointer(bias),
+            pointer(out),
+            rows,
+            packed.out_features,
+            in_features,
+            packed.group_size,
+            PATHS[path],
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
     return out
 
 
@@ -126,5 +135,14 @@ def rescore_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if weight.shape != (logits.shape[1], in_features) or logits.shape[0] != rows:
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, logits {tuple(logits.shape)} disagree")
     if rows:
-        load().rescore_top_logits(pointer(x), pointer(weight), pointer(bias), pointer(logits), rows, weight.shape[0],
-                                  in_features, top_k, torch.get_num_threads())  # fmt: skip
+        load().rescore_top_logits(
+            pointer(x),
+            pointer(weight),
+            pointer(bias),
+            pointer(logits),
+            rows,
+            weight.shape[0],
+            in_features,
+            top_k,
+            torch.get_num_threads(),
+        )

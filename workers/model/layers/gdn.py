@@ -128,9 +128,16 @@ class GatedDeltaNetMixer(nn.Module):
         """One token per row through `csrc/gdn_decode.c`, updating `state` in place; hidden [b, 1, d]."""
         g = self.config
         out = native_recurrent.gdn_decode_step(
-            self.in_proj(hidden[:, 0]).contiguous(), state.conv, self.conv1d.weight.squeeze(1), self.dt_bias,
-            self.A_log, state.ssm, self.norm.weight, self.norm.eps, g.num_key_heads,
-        )  # fmt: skip
+            self.in_proj(hidden[:, 0]).contiguous(),
+            state.conv,
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            state.ssm,
+            self.norm.weight,
+            self.norm.eps,
+            g.num_key_heads,
+        )
         return self.out_proj(out)[:, None]
 
     def _native_prefill(
@@ -143,9 +150,17 @@ class GatedDeltaNetMixer(nn.Module):
         b, length, _ = hidden.shape
         proj = self.in_proj(hidden).contiguous()  # [b, l, conv_dim + value_dim + 2 h_v]
         out, conv, delta_state, qkv = native_recurrent.gdn_prefill(
-            proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.dt_bias, self.A_log, self.norm.weight,
-            self.norm.eps, g.num_key_heads, g.num_value_heads, None if state is None else (state.conv, state.ssm),
-        )  # fmt: skip
+            proj,
+            num_tokens.contiguous(),
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            self.norm.weight,
+            self.norm.eps,
+            g.num_key_heads,
+            g.num_value_heads,
+            None if state is None else (state.conv, state.ssm),
+        )
         out = self.out_proj(out)
         if state is None:
             return out, RecurrentState(conv, delta_state), None
@@ -162,9 +177,16 @@ class GatedDeltaNetMixer(nn.Module):
 
         g = self.config
         y = gdn_decode_step(
-            self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.A_log,
-            self.dt_bias, self.norm.weight, self.norm.eps, g.num_key_heads,
-        )  # fmt: skip
+            self.in_proj(hidden[:, 0]),
+            state.conv,
+            state.ssm,
+            self.conv1d.weight.squeeze(1),
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            self.norm.eps,
+            g.num_key_heads,
+        )
         return self.out_proj(y)[:, None]
 
     def state_after(

@@ -170,8 +170,12 @@ def check_quantization(quantization: str | None, device: torch.device | str, dty
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r} is invalid: must be one of {', '.join(QUANTIZATIONS)} "
-                         "(or None for the checkpoint's weights in dtype)")  # fmt: skip
+        raise ValueError(
+            f"quantization={quantization!r} is invalid: must be one of {', '.join(QUANTIZATIONS)} "
+            "(or None for the checkpoint's weights in dtype)"
+        )
     if torch.device(device).type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"quantization={quantization!r} runs on CPU with float32 activations (dtype 'auto' or "
-                         f"'float32'), not {device} / {dtype}")  # fmt: skip
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU with float32 activations (dtype 'auto' or "
+            f"'float32'), not {device} / {dtype}"
+        )

@@ -122,10 +122,21 @@ class Mamba2Mixer(nn.Module):
         place; returns the out_proj input [b, I] (and the conv output into `conv_out` when given)."""
         m = self.config
         return native_recurrent.mamba2_decode_step(
-            proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
-            (m.dt_min, m.dt_max), state.ssm, self.norm.weight, self.norm.num_groups, self.norm.eps, m.num_groups,
+            proj,
+            state.conv,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            (m.dt_min, m.dt_max),
+            state.ssm,
+            self.norm.weight,
+            self.norm.num_groups,
+            self.norm.eps,
+            m.num_groups,
             conv_out=conv_out,
-        )  # fmt: skip
+        )
 
     def _native_decode(self, hidden: torch.Tensor, state: MambaState) -> torch.Tensor:
         """The one-token step through the C kernel (CPU, float32): conv, SSM and gated norm in one pass."""
@@ -137,10 +148,20 @@ class Mamba2Mixer(nn.Module):
 
         m = self.config
         y = mamba2_decode_step(
-            self.in_proj(hidden[:, 0]), state.conv, state.ssm, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
-            self.norm.eps, m.num_groups,
-        )  # fmt: skip
+            self.in_proj(hidden[:, 0]),
+            state.conv,
+            state.ssm,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            (m.dt_min, m.dt_max),
+            self.norm.weight,
+            self.norm.num_groups,
+            self.norm.eps,
+            m.num_groups,
+        )
         return self.out_proj(y)[:, None]
 
     def _native_prefill(
@@ -151,10 +172,21 @@ class Mamba2Mixer(nn.Module):
         m = self.config
         proj = self.in_proj(hidden).contiguous()
         out, conv, ssm, xbc = native_recurrent.mamba2_prefill(
-            proj, num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            self.dt_bias, self.A_log, self.D, (m.dt_min, m.dt_max), self.norm.weight, self.norm.num_groups,
-            self.norm.eps, m.num_heads, m.num_groups, None if state is None else (state.conv, state.ssm),
-        )  # fmt: skip
+            proj,
+            num_tokens.contiguous(),
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            (m.dt_min, m.dt_max),
+            self.norm.weight,
+            self.norm.num_groups,
+            self.norm.eps,
+            m.num_heads,
+            m.num_groups,
+            None if state is None else (state.conv, state.ssm),
+        )
         if state is None:
             return self.out_proj(out), MambaState(conv, ssm), None
         b, length, _ = hidden.shape

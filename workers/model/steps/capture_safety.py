@@ -61,6 +61,7 @@ def find_capture_hazards(step: Callable[[], Any]) -> list[str]:
         try:
             step()
         except (DataDependentOutputException, DynamicOutputShapeException) as error:
-            recorder.hazards.append(f"a data-dependent operation FakeTensorMode refused ({type(error).__name__}: "
-                                    f"{error})")  # fmt: skip
+            recorder.hazards.append(
+                f"a data-dependent operation FakeTensorMode refused ({type(error).__name__}: {error})"
+            )
     return recorder.hazards

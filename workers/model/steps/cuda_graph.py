@@ -138,16 +138,23 @@ class GraphPlan:
         slots = self.slot_ids[:bucket]
         batch = ForwardBatch(slots, self.cache_lens[:bucket], self.one_token[:bucket], one_token_each=True)
         states = self.pool.read(slots)  # gathered copies, updated in place, scattered back
-        out = self.model(self.token_ids[:bucket, :1], batch, states, self.pool.kv_caches(), in_place=True,
-                         static_shapes=True)  # fmt: skip
+        out = self.model(
+            self.token_ids[:bucket, :1], batch, states, self.pool.kv_caches(), in_place=True, static_shapes=True
+        )
         self.pool.write(slots, out.mamba_states)
         self._store(DECODE, [self.model.logits(out.hidden[:, 0])])
 
     def _verify_step(self, bucket: int) -> None:
         slots = self.slot_ids[:bucket]
         batch = ForwardBatch(slots, self.cache_lens[:bucket], self.all_tokens[:bucket])
-        out = self.model(self.token_ids[:bucket], batch, self.pool.read(slots), self.pool.kv_caches(),
-                         keep_scan_inputs=True, static_shapes=True)  # fmt: skip
+        out = self.model(
+            self.token_ids[:bucket],
+            batch,
+            self.pool.read(slots),
+            self.pool.kv_caches(),
+            keep_scan_inputs=True,
+            static_shapes=True,
+        )
         if not self._scan_layout:
             self._scan_layout = [(type(s), [f.name for f in dataclasses.fields(s)]) for s in out.scan_inputs]
         scans = [getattr(s, name) for s, (_, names) in zip(out.scan_inputs, self._scan_layout) for name in names]

@@ -242,8 +242,11 @@ class DecodePlan:
         n, d = b * length, config.hidden_size
         rec = Recorder(b, length)
         hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
-        rec.emit(Op.EMBED, [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
-                 (config.embedding_multiplier,))  # fmt: skip
+        rec.emit(
+            Op.EMBED,
+            [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
+            (config.embedding_multiplier,),
+        )
         first_norm = model.blocks[0].norm if model.blocks else model.final_norm
         rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
@@ -264,8 +267,11 @@ class DecodePlan:
             else:
                 record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             recurrent_layer += block.kind in RECURRENT_KINDS
-            rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d],
-                     (config.residual_multiplier, next_norm.eps))  # fmt: skip
+            rec.emit(
+                Op.ADD_RMS_NORM,
+                [hidden, mixed, next_norm.weight, normed, n, d],
+                (config.residual_multiplier, next_norm.eps),
+            )
         rec.linear(model.lm_head, normed, self.logits[:n])
         return rec.tensor()
 
@@ -283,11 +289,31 @@ class DecodePlan:
         y = scratch_rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
         # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
-        rec.emit(Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
-                 [proj, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log,
-                  mixer.D, self.pool.ssm[layer], mixer.norm.weight, mixer.norm.num_groups, self.xbc[:n], y, b,
-                  m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
-                 (m.dt_min, m.dt_max, mixer.norm.eps))  # fmt: skip
+        rec.emit(
+            Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
+            [
+                proj,
+                self.pool.conv[layer],
+                mixer.conv1d.weight,
+                mixer.conv1d.bias,
+                mixer.dt_bias,
+                mixer.A_log,
+                mixer.D,
+                self.pool.ssm[layer],
+                mixer.norm.weight,
+                mixer.norm.num_groups,
+                self.xbc[:n],
+                y,
+                b,
+                m.num_heads,
+                m.head_dim,
+                m.num_groups,
+                m.state_size,
+                m.conv_kernel,
+                length,
+            ],
+            (m.dt_min, m.dt_max, mixer.norm.eps),
+        )
         rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
 
     def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
@@ -304,9 +330,11 @@ class DecodePlan:
         rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
         sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
         # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
-        rec.emit(Op.GDN if length == 1 else Op.GDN_VERIFY,
-                 [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
-                 (mixer.norm.eps,))  # fmt: skip
+        rec.emit(
+            Op.GDN if length == 1 else Op.GDN_VERIFY,
+            [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
+            (mixer.norm.eps,),
+        )
         rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
 
     def _record_shift(self, b: int, length: int) -> torch.Tensor:
@@ -322,10 +350,28 @@ class DecodePlan:
                 rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
                 continue
             m = mixer.config
-            rec.emit(Op.MAMBA2_SHIFT, [kept, self.pool.conv[layer], mixer.conv1d.weight, mixer.conv1d.bias,
-                                    mixer.dt_bias, mixer.A_log, mixer.D, self.pool.ssm[layer], scratch, b, m.num_heads,
-                                    m.head_dim, m.num_groups, m.state_size, m.conv_kernel, length],
-                     (m.dt_min, m.dt_max))  # fmt: skip
+            rec.emit(
+                Op.MAMBA2_SHIFT,
+                [
+                    kept,
+                    self.pool.conv[layer],
+                    mixer.conv1d.weight,
+                    mixer.conv1d.bias,
+                    mixer.dt_bias,
+                    mixer.A_log,
+                    mixer.D,
+                    self.pool.ssm[layer],
+                    scratch,
+                    b,
+                    m.num_heads,
+                    m.head_dim,
+                    m.num_groups,
+                    m.state_size,
+                    m.conv_kernel,
+                    length,
+                ],
+                (m.dt_min, m.dt_max),
+            )
         return rec.tensor()
 
     def _record_parallel(
@@ -337,8 +383,11 @@ class DecodePlan:
         n, d = rec.rows * rec.length, self.model.config.hidden_size
         self._record_mamba(rec, block.mixer.mamba, recurrent_layer)
         self._record_attention(rec, block.mixer.self_attn, attention_layer, self.branch[:n])
-        rec.emit(Op.ADD_RMS_NORM, [self.mixed[:n], self.branch[:n], block.norm.weight, self.branch_normed[:n], n, d],
-                 (1.0, block.norm.eps))  # fmt: skip
+        rec.emit(
+            Op.ADD_RMS_NORM,
+            [self.mixed[:n], self.branch[:n], block.norm.weight, self.branch_normed[:n], n, d],
+            (1.0, block.norm.eps),
+        )
 
     def _record_attention(
         self, rec: Recorder, attention: Attention, layer: int, into: torch.Tensor | None = None
@@ -358,11 +407,30 @@ class DecodePlan:
                 rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
         # All l tokens at once (each attends causally up to its own position), the cache read once for them.
         blocks = self.pool.blocks
-        rec.emit(Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
-                 [q, keys, values, self.pool.key[layer], self.pool.value[layer], self.slot_ids, self.positions[0, :b],
-                  blocks.tables, out, b, a.num_heads, a.num_kv_heads, a.head_dim, self.pool.capacity,
-                  blocks.max_blocks_per_slot, blocks.block_size, self.pool.key.shape[2], length],
-                 (a.scale,))  # fmt: skip
+        rec.emit(
+            Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
+            [
+                q,
+                keys,
+                values,
+                self.pool.key[layer],
+                self.pool.value[layer],
+                self.slot_ids,
+                self.positions[0, :b],
+                blocks.tables,
+                out,
+                b,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.pool.capacity,
+                blocks.max_blocks_per_slot,
+                blocks.block_size,
+                self.pool.key.shape[2],
+                length,
+            ],
+            (a.scale,),
+        )
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)

@@ -77,8 +77,11 @@ class DraftChain:
         for step in range(first, num_steps):
             pieces.append(plan.records(b, 1))
             rec = Recorder(b, 1)
-            rec.emit(Op.ARGMAX_FEED, [plan.logits, b, config.vocab_size, plan.token_ids, self.drafts[step],
-                                      plan.positions[0]], (config.logits_divisor,))  # fmt: skip
+            rec.emit(
+                Op.ARGMAX_FEED,
+                [plan.logits, b, config.vocab_size, plan.token_ids, self.drafts[step], plan.positions[0]],
+                (config.logits_divisor,),
+            )
             if step < num_steps - 1:
                 for layer in range(pool.conv.shape[0]):
                     for snapshot, state in ((self.conv, pool.conv), (self.ssm, pool.ssm)):

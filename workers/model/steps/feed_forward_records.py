@@ -59,9 +59,23 @@ def record_moe(
     logits, weights = scratch_rows(scratch.logits, n, num_experts), scratch_rows(scratch.weights, n, k)
     ids = scratch.ids[: n * k].view(n, k)
     rec.emit(Op.LINEAR, [x, moe.router.panels, None, logits, n, num_experts, d])
-    rec.emit(Op.MOE_ROUTE, [logits, weights, ids, n, num_experts, k, native_moe.ROUTERS[ff.router],
-                            int(ff.norm_topk_prob), ff.num_expert_groups, ff.topk_groups, moe.router.bias],
-             (ff.routed_scaling_factor, ff.topk_norm_eps))  # fmt: skip
+    rec.emit(
+        Op.MOE_ROUTE,
+        [
+            logits,
+            weights,
+            ids,
+            n,
+            num_experts,
+            k,
+            native_moe.ROUTERS[ff.router],
+            int(ff.norm_topk_prob),
+            ff.num_expert_groups,
+            ff.topk_groups,
+            moe.router.bias,
+        ],
+        (ff.routed_scaling_factor, ff.topk_norm_eps),
+    )
     inputs = x
     if moe.latent_in is not None:
         inputs = scratch_rows(scratch.latent, n, moe.latent_in.out_features)

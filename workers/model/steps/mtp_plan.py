@@ -251,10 +251,13 @@ class MtpPlan:
         no multiplier)."""
         head, config = self.head, self.model.config
         n, d = hidden.shape
-        rec.emit(Op.EMBED, [token_ids, self.model.embed_tokens.weight, self.embedded[:n], n, d, config.vocab_size],
-                 (1.0,))  # fmt: skip
-        for norm, x, normed, offset in ((head.pre_fc_norm_embedding, self.embedded, self.normed, 0),
-                                        (head.pre_fc_norm_hidden, hidden, self.hidden_normed, d)):  # fmt: skip
+        rec.emit(
+            Op.EMBED, [token_ids, self.model.embed_tokens.weight, self.embedded[:n], n, d, config.vocab_size], (1.0,)
+        )
+        for norm, x, normed, offset in (
+            (head.pre_fc_norm_embedding, self.embedded, self.normed, 0),
+            (head.pre_fc_norm_hidden, hidden, self.hidden_normed, d),
+        ):
             rec.emit(Op.RMS_NORM, [x[:n], norm.weight, normed[:n], n, d], (norm.eps,))
             rec.emit(Op.COPY_ROWS, [self.joined.view(-1)[offset:], normed[:n], n, d, 2 * d, d])
         _linear(rec, head.fc, self.joined[:n], self.x[:n])
@@ -293,9 +296,29 @@ class MtpPlan:
             if self.inv_freq is not None:
                 for x, heads in ((q[t], a.num_heads), (keys[t], a.num_kv_heads)):
                     rec.emit(Op.ROPE, [x, positions[t], self.inv_freq, b, heads, a.head_dim, a.rotary_dim])
-            rec.emit(op, [q[t], keys[t], values[t], cache.key, cache.value, self.slot_ids, positions[t], blocks.tables,
-                          out[t], b, a.num_heads, a.num_kv_heads, a.head_dim, capacity, blocks.max_blocks_per_slot,
-                          blocks.block_size, cache.key.shape[1]], (a.scale,))  # fmt: skip
+            rec.emit(
+                op,
+                [
+                    q[t],
+                    keys[t],
+                    values[t],
+                    cache.key,
+                    cache.value,
+                    self.slot_ids,
+                    positions[t],
+                    blocks.tables,
+                    out[t],
+                    b,
+                    a.num_heads,
+                    a.num_kv_heads,
+                    a.head_dim,
+                    capacity,
+                    blocks.max_blocks_per_slot,
+                    blocks.block_size,
+                    cache.key.shape[1],
+                ],
+                (a.scale,),
+            )
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         _linear(rec, attention.o_proj, out.view(n, width), self.mixed[:n])

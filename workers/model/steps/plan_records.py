@@ -55,7 +55,9 @@ RECORD_WORDS = 1 + NUM_INTS + NUM_FLOATS
 def _pointer(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if not native.fits(t) and not (t.dtype in (torch.int64, torch.int32, torch.int8, torch.bfloat16) and t.is_contiguous()):
+    if not native.fits(t) and not (
+        t.dtype in (torch.int64, torch.int32, torch.int8, torch.bfloat16) and t.is_contiguous()
+    ):
         raise ValueError(f"a decode plan needs contiguous CPU tensors, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
@@ -97,15 +99,42 @@ def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: i
     (a W8A8Linear's `packed`) or bfloat16 (`layer.bf16_path` set) panels."""
     packed = getattr(layer, "packed", None)  # a W8A8Linear's
     if packed is not None:
-        return Op.LINEAR_W8A8, [x, packed.panels, packed.scale, packed.correction, layer.bias, y, rows,
-                                layer.out_features, layer.in_features, packed.group_size, layer.float_weight,
-                                layer.top_k]  # fmt: skip
+        return Op.LINEAR_W8A8, [
+            x,
+            packed.panels,
+            packed.scale,
+            packed.correction,
+            layer.bias,
+            y,
+            rows,
+            layer.out_features,
+            layer.in_features,
+            packed.group_size,
+            layer.float_weight,
+            layer.top_k,
+        ]
     if getattr(layer, "bf16_path", None) is not None:
-        return Op.LINEAR_BF16, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features,
-                                native_bf16.BF16_PATHS[layer.bf16_path]]  # fmt: skip
+        return Op.LINEAR_BF16, [
+            x,
+            layer.panels,
+            layer.bias,
+            y,
+            rows,
+            layer.out_features,
+            layer.in_features,
+            native_bf16.BF16_PATHS[layer.bf16_path],
+        ]
     if layer.scale is not None:
-        return Op.LINEAR_INT8, [x, layer.panels, layer.scale, layer.bias, y, rows, layer.out_features,
-                                layer.in_features]  # fmt: skip
+        return Op.LINEAR_INT8, [
+            x,
+            layer.panels,
+            layer.scale,
+            layer.bias,
+            y,
+            rows,
+            layer.out_features,
+            layer.in_features,
+        ]
     return Op.LINEAR, [x, layer.panels, layer.bias, y, rows, layer.out_features, layer.in_features]
 
 
@@ -126,8 +155,10 @@ def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: 
     if a.output_gate:  # q_proj rows per head are [q_h | gate_h]: split them as `Attention._project` does
         q = scratch.query[:n].view(length, b, width)
         for part, offset in ((q, 0), (scratch.gate[:n], a.head_dim)):
-            rec.emit(Op.COPY_ROWS, [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim,
-                                    2 * a.head_dim])  # fmt: skip
+            rec.emit(
+                Op.COPY_ROWS,
+                [part, projected.view(-1)[offset:], n * a.num_heads, a.head_dim, a.head_dim, 2 * a.head_dim],
+            )
     else:
         q = projected.view(length, b, width)
     if attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE

@@ -181,8 +181,11 @@ def falcon_h1_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[s
                 f"{hub}.mamba.out_proj.{name}", shape, mult["ssm_out_multiplier"]
             )
         attn_in, key = mult["attention_in_multiplier"], mult["key_multiplier"]
-        for proj, width, weight_scale, bias_scale in (("q", q_rows, attn_in, 1.0), ("k", kv_rows, attn_in * key, key),
-                                                      ("v", kv_rows, attn_in, 1.0)):  # fmt: skip
+        for proj, width, weight_scale, bias_scale in (
+            ("q", q_rows, attn_in, 1.0),
+            ("k", kv_rows, attn_in * key, key),
+            ("v", kv_rows, attn_in, 1.0),
+        ):
             sources[f"{attn}.{proj}_proj.weight"] = _scaled(
                 f"{hub}.self_attn.{proj}_proj.weight", (width, d), weight_scale
             )

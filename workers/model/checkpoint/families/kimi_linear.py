@@ -91,6 +91,20 @@ def _ff_kinds(raw: dict[str, Any], num_layers: int, num_experts: int) -> list[st
     return [MOE if num_experts and i >= first_dense and i % frequency == 0 else MLP for i in range(num_layers)]
 
 
+def _mla_config(raw: dict[str, Any]) -> MlaConfig:
+    """The multi-head latent attention of a Kimi-Linear `config.json`."""
+    q_lora = raw.get("q_lora_rank")
+    return MlaConfig(
+        num_heads=int(raw["num_attention_heads"]),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+        v_head_dim=int(raw["v_head_dim"]),
+        bias=bool(raw.get("attention_bias", False)),
+    )
+
+
 def read_kimi_linear(raw: dict[str, Any]) -> dict[str, Any]:
     """HybridConfig fields (all but model_type) of a Kimi-Linear `config.json`."""
     linear = raw.get("linear_attn_config") or {}
@@ -106,16 +120,7 @@ def read_kimi_linear(raw: dict[str, Any]) -> dict[str, Any]:
     groups = int(first_present(raw, "num_expert_group", "n_group", default=1))
     if num_experts % groups:
         raise ValueError(f"kimi_linear num_experts={num_experts} must be a multiple of num_expert_group={groups}")
-    q_lora = raw.get("q_lora_rank")
-    mla = MlaConfig(
-        num_heads=int(raw["num_attention_heads"]),
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(raw["kv_lora_rank"]),
-        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-        v_head_dim=int(raw["v_head_dim"]),
-        bias=bool(raw.get("attention_bias", False)),
-    )
+    mla = _mla_config(raw)
     moe_size = int(raw.get("moe_intermediate_size") or 0)
     fields = common_fields(raw)
     fields["max_position_embeddings"] = int(first_present(raw, "model_max_length", "max_position_embeddings") or 4096)

@@ -126,8 +126,12 @@ def _nemotron_sources(config: HybridConfig, prefix: str) -> dict[str, list[Sourc
     for block, kind in enumerate(config.mtp_block_kinds):
         sources.update(_nemotron_block_sources(kind, f"mtp.layers.{block}", f"mtp.blocks.{block}", num_experts))
     last = len(config.mtp_block_kinds) - 1
-    for ours, hub in (("fc", "0.eh_proj"), ("pre_fc_norm_embedding", "0.enorm"), ("pre_fc_norm_hidden", "0.hnorm"),
-                      ("norm", f"{last}.final_layernorm")):  # fmt: skip
+    for ours, hub in (
+        ("fc", "0.eh_proj"),
+        ("pre_fc_norm_embedding", "0.enorm"),
+        ("pre_fc_norm_hidden", "0.hnorm"),
+        ("norm", f"{last}.final_layernorm"),
+    ):
         sources[f"mtp.{ours}.weight"] = single(f"mtp.layers.{hub}.weight")
     return sources
 

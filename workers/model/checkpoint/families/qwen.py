@@ -248,8 +248,14 @@ def qwen_sources(config: HybridConfig, checkpoint_keys: set[str]) -> dict[str, l
 def qwen_mtp_head_keys(config: HybridConfig) -> list[str]:
     """The checkpoint keys that frame the Qwen MTP head: its projection, its norms, its decoder layer's norms."""
     layer = "mtp.layers.0"
-    return ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-            f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight", "mtp.norm.weight"]  # fmt: skip
+    return [
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        f"{layer}.input_layernorm.weight",
+        f"{layer}.post_attention_layernorm.weight",
+        "mtp.norm.weight",
+    ]
 
 
 register(

@@ -14,9 +14,21 @@ CONV_BLOCK = 256  # channels per program
 
 @triton.jit
 def _conv_step_kernel(
-    x_ptr, x_stride, window_ptr, w_sb, w_sc, w_sw, weight_ptr, bias_ptr, out_ptr, out_stride, channels,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_stride,
+    window_ptr,
+    w_sb,
+    w_sc,
+    w_sw,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    out_stride,
+    channels,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """out = silu(Σ_j weight[c, j] · [window, x][c, j] + bias[c]); the window drops its oldest column, gains x."""
     row, block = tl.program_id(0), tl.program_id(1)
     c = block * BLOCK + tl.arange(0, BLOCK)
@@ -47,17 +59,36 @@ def conv_step_(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias
     out = torch.empty(b, channels, dtype=x.dtype, device=x.device)
     grid = (b, triton.cdiv(channels, CONV_BLOCK))
     _conv_step_kernel[grid](
-        x, x.stride(0), window, *window.stride(), weight, bias if bias is not None else weight, out, out.stride(0),
-        channels, W=weight.shape[1], HAS_BIAS=bias is not None, BLOCK=CONV_BLOCK,
-    )  # fmt: skip
+        x,
+        x.stride(0),
+        window,
+        *window.stride(),
+        weight,
+        bias if bias is not None else weight,
+        out,
+        out.stride(0),
+        channels,
+        W=weight.shape[1],
+        HAS_BIAS=bias is not None,
+        BLOCK=CONV_BLOCK,
+    )
     return out
 
 
 @triton.jit
 def _conv_shift_kernel(
-    inputs_ptr, i_sb, i_sl, window_ptr, w_sb, w_sc, w_sw, accepted_ptr, channels,
-    W: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    inputs_ptr,
+    i_sb,
+    i_sl,
+    window_ptr,
+    w_sb,
+    w_sc,
+    w_sw,
+    accepted_ptr,
+    channels,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """window ← the last W-1 columns of [window, inputs_0 … inputs_{n-1}], n = accepted[row] ≥ 1; column j reads
     index n + j ≥ j + 1 of that concatenation, which nothing before it has overwritten."""
     row, block = tl.program_id(0), tl.program_id(1)
@@ -83,16 +114,33 @@ def conv_shift_(window: torch.Tensor, conv_inputs: torch.Tensor, num_accepted_to
     accepted = num_accepted_tokens.to(device=window.device, dtype=torch.int32)
     grid = (b, triton.cdiv(channels, CONV_BLOCK))
     _conv_shift_kernel[grid](
-        conv_inputs, conv_inputs.stride(0), conv_inputs.stride(1), window, *window.stride(), accepted, channels,
-        W=window.shape[2] + 1, BLOCK=CONV_BLOCK,
-    )  # fmt: skip
+        conv_inputs,
+        conv_inputs.stride(0),
+        conv_inputs.stride(1),
+        window,
+        *window.stride(),
+        accepted,
+        channels,
+        W=window.shape[2] + 1,
+        BLOCK=CONV_BLOCK,
+    )
 
 
 @triton.jit
 def _gated_norm_kernel(
-    y_ptr, y_stride, z_ptr, z_stride, weight_ptr, weight_group_stride, out_ptr, out_stride, group_size, eps,
-    NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    y_stride,
+    z_ptr,
+    z_stride,
+    weight_ptr,
+    weight_group_stride,
+    out_ptr,
+    out_stride,
+    group_size,
+    eps,
+    NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One group of one row: weight · rmsnorm(y) · silu(z) (NORM_BEFORE_GATE) or weight · rmsnorm(y), y gated."""
     row, group = tl.program_id(0), tl.program_id(1)
     offsets = tl.arange(0, BLOCK)
@@ -122,8 +170,17 @@ def gated_norm(
     assert weight.numel() in (channels, group_size) and (z is None or z.stride(1) == 1)
     out = torch.empty(b, channels, dtype=dtype, device=y.device)
     _gated_norm_kernel[(b, num_groups)](
-        y, y.stride(0), z if z is not None else y, z.stride(0) if z is not None else 0, weight, weight_group_stride,
-        out, out.stride(0),
-        group_size, eps, NORM_BEFORE_GATE=z is not None, BLOCK=triton.next_power_of_2(group_size),
-    )  # fmt: skip
+        y,
+        y.stride(0),
+        z if z is not None else y,
+        z.stride(0) if z is not None else 0,
+        weight,
+        weight_group_stride,
+        out,
+        out.stride(0),
+        group_size,
+        eps,
+        NORM_BEFORE_GATE=z is not None,
+        BLOCK=triton.next_power_of_2(group_size),
+    )
     return out

@@ -32,10 +32,28 @@ def _delta_step(S, k, v, g, beta):
 
 @triton.jit
 def _delta_step_kernel(
-    qkv_ptr, qkv_stride, proj_ptr, proj_stride, state_ptr, s_sb, s_sh, s_sk, A_log_ptr, dt_bias_ptr, o_ptr, o_stride,
-    key_dim, gates_offset, num_value_heads, repeats, scale,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    qkv_stride,
+    proj_ptr,
+    proj_stride,
+    state_ptr,
+    s_sb,
+    s_sh,
+    s_sk,
+    A_log_ptr,
+    dt_bias_ptr,
+    o_ptr,
+    o_stride,
+    key_dim,
+    gates_offset,
+    num_value_heads,
+    repeats,
+    scale,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kk = tl.arange(0, BLOCK_K)
     vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -78,20 +96,53 @@ def gdn_decode_step(
     o = torch.empty(b, value_dim, dtype=torch.float32, device=proj.device)
     block_v = min(VALUE_BLOCK, triton.next_power_of_2(value_head_dim))
     _delta_step_kernel[(b, num_value_heads, triton.cdiv(value_head_dim, block_v))](
-        qkv, qkv.stride(0), proj, proj.stride(0), state, *state.stride()[:3], A_log, dt_bias, o, o.stride(0),
-        key_dim, conv_dim + value_dim, num_value_heads, num_value_heads // num_key_heads, key_head_dim**-0.5,
-        DK=key_head_dim, DV=value_head_dim, BLOCK_K=triton.next_power_of_2(key_head_dim), BLOCK_V=block_v,
-    )  # fmt: skip
+        qkv,
+        qkv.stride(0),
+        proj,
+        proj.stride(0),
+        state,
+        *state.stride()[:3],
+        A_log,
+        dt_bias,
+        o,
+        o.stride(0),
+        key_dim,
+        conv_dim + value_dim,
+        num_value_heads,
+        num_value_heads // num_key_heads,
+        key_head_dim**-0.5,
+        DK=key_head_dim,
+        DV=value_head_dim,
+        BLOCK_K=triton.next_power_of_2(key_head_dim),
+        BLOCK_V=block_v,
+    )
     z = proj[:, conv_dim : conv_dim + value_dim]
     return gated_norm(o, z, norm_weight, num_value_heads, eps, proj.dtype)
 
 
 @triton.jit
 def _delta_shift_kernel(
-    k_ptr, k_sb, k_sl, v_ptr, v_sb, v_sl, g_ptr, beta_ptr, gb_sb, gb_sl, state_ptr, s_sb, s_sh, s_sk,
-    accepted_ptr, length,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    k_sb,
+    k_sl,
+    v_ptr,
+    v_sb,
+    v_sl,
+    g_ptr,
+    beta_ptr,
+    gb_sb,
+    gb_sl,
+    state_ptr,
+    s_sb,
+    s_sh,
+    s_sk,
+    accepted_ptr,
+    length,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kk = tl.arange(0, BLOCK_K)
     vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -134,7 +185,22 @@ def gdn_shift_(
     accepted = num_accepted_tokens.to(device=state.device, dtype=torch.int32)
     block_v = min(VALUE_BLOCK, triton.next_power_of_2(value_head_dim))
     _delta_shift_kernel[(b, num_value_heads, triton.cdiv(value_head_dim, block_v))](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, beta, g.stride(0), g.stride(1),
-        state, *state.stride()[:3], accepted, length,
-        DK=key_head_dim, DV=value_head_dim, BLOCK_K=triton.next_power_of_2(key_head_dim), BLOCK_V=block_v,
-    )  # fmt: skip
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        g,
+        beta,
+        g.stride(0),
+        g.stride(1),
+        state,
+        *state.stride()[:3],
+        accepted,
+        length,
+        DK=key_head_dim,
+        DV=value_head_dim,
+        BLOCK_K=triton.next_power_of_2(key_head_dim),
+        BLOCK_V=block_v,
+    )

@@ -23,10 +23,30 @@ def _softplus(x):
 
 @triton.jit
 def _ssm_step_kernel(
-    xbc_ptr, xbc_stride, proj_ptr, proj_stride, state_ptr, s_sb, s_sh, s_sp, dt_bias_ptr, A_log_ptr, D_ptr,
-    y_ptr, y_stride, dt_min, dt_max, intermediate, dt_offset, heads_per_group, num_groups,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    xbc_ptr,
+    xbc_stride,
+    proj_ptr,
+    proj_stride,
+    state_ptr,
+    s_sb,
+    s_sh,
+    s_sp,
+    dt_bias_ptr,
+    A_log_ptr,
+    D_ptr,
+    y_ptr,
+    y_stride,
+    dt_min,
+    dt_max,
+    intermediate,
+    dt_offset,
+    heads_per_group,
+    num_groups,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p = block * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
@@ -77,19 +97,55 @@ def mamba2_decode_step(
     gated = torch.empty(b, intermediate, dtype=torch.float32, device=proj.device)
     block_p = min(HEAD_BLOCK, triton.next_power_of_2(head_dim))
     _ssm_step_kernel[(b, num_heads, triton.cdiv(head_dim, block_p))](
-        xbc, xbc.stride(0), proj, proj.stride(0), ssm_state, *ssm_state.stride()[:3], dt_bias, A_log, D,
-        gated, gated.stride(0), float(dt_limits[0]), float(dt_limits[1]), intermediate, intermediate + conv_dim,
-        num_heads // num_groups, num_groups, P=head_dim, N=size, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(size),
-    )  # fmt: skip
+        xbc,
+        xbc.stride(0),
+        proj,
+        proj.stride(0),
+        ssm_state,
+        *ssm_state.stride()[:3],
+        dt_bias,
+        A_log,
+        D,
+        gated,
+        gated.stride(0),
+        float(dt_limits[0]),
+        float(dt_limits[1]),
+        intermediate,
+        intermediate + conv_dim,
+        num_heads // num_groups,
+        num_groups,
+        P=head_dim,
+        N=size,
+        BLOCK_P=block_p,
+        BLOCK_N=triton.next_power_of_2(size),
+    )
     return gated_norm(gated, None, norm_weight, norm_groups, eps, proj.dtype)
 
 
 @triton.jit
 def _ssm_shift_kernel(
-    x_ptr, x_sb, x_sl, B_ptr, B_sb, B_sl, dt_ptr, dt_sb, dt_sl, A_log_ptr, state_ptr, s_sb, s_sh, s_sp,
-    accepted_ptr, length, heads_per_group,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_sb,
+    x_sl,
+    B_ptr,
+    B_sb,
+    B_sl,
+    dt_ptr,
+    dt_sb,
+    dt_sl,
+    A_log_ptr,
+    state_ptr,
+    s_sb,
+    s_sh,
+    s_sp,
+    accepted_ptr,
+    length,
+    heads_per_group,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p = block * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
@@ -132,7 +188,23 @@ def mamba2_shift_(
     accepted = num_accepted_tokens.to(device=ssm_state.device, dtype=torch.int32)
     block_p = min(HEAD_BLOCK, triton.next_power_of_2(head_dim))
     _ssm_shift_kernel[(b, num_heads, triton.cdiv(head_dim, block_p))](
-        x, x.stride(0), x.stride(1), B, B.stride(0), B.stride(1), dt, dt.stride(0), dt.stride(1), A_log,
-        ssm_state, *ssm_state.stride()[:3], accepted, length, num_heads // B.shape[2],
-        P=head_dim, N=size, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(size),
-    )  # fmt: skip
+        x,
+        x.stride(0),
+        x.stride(1),
+        B,
+        B.stride(0),
+        B.stride(1),
+        dt,
+        dt.stride(0),
+        dt.stride(1),
+        A_log,
+        ssm_state,
+        *ssm_state.stride()[:3],
+        accepted,
+        length,
+        num_heads // B.shape[2],
+        P=head_dim,
+        N=size,
+        BLOCK_P=block_p,
+        BLOCK_N=triton.next_power_of_2(size),
+    )

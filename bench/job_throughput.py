@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from workers.benchmark import random_prompts
+from bench.generation import random_prompts
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.stream import SHARDS_PER_WORKER, ShardStream
@@ -30,8 +30,10 @@ def _one_call(runner: ModelRunner, prompts: list[list[int]], params: list[Sampli
 def _call_per_shard(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], shard_rows: int):
     out = []
     for start in range(0, len(prompts), shard_rows):
-        out += [r.token_ids for r in runner.generate(prompts[start : start + shard_rows],
-                                                     params[start : start + shard_rows])]  # fmt: skip
+        out += [
+            r.token_ids
+            for r in runner.generate(prompts[start : start + shard_rows], params[start : start + shard_rows])
+        ]
     return out
 
 
@@ -53,8 +55,14 @@ def _streamed(stream: ShardStream, prompts: list[list[int]], params: list[Sampli
     return [ids for start in starts for ids in results[start]]
 
 
-def bench_shards(load: Callable[[], ModelRunner], num_rows: int, prompt_len: int, shard_rows: int,
-                 mean_new_tokens: float, repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+def bench_shards(
+    load: Callable[[], ModelRunner],
+    num_rows: int,
+    prompt_len: int,
+    shard_rows: int,
+    mean_new_tokens: float,
+    repeats: int = 1,
+) -> list[dict[str, Any]]:
     """Each mode over the same rows (greedy, log-normal output lengths): steps, steps per generated token, mean slot
     occupancy and wall time, with ratios to one call. Raises if a mode's tokens differ from one call's. As in a
     worker, the runner is loaded (`load`) and run on a stream's engine thread, the one-call modes too."""
@@ -89,10 +97,18 @@ def bench_shards(load: Callable[[], ModelRunner], num_rows: int, prompt_len: int
     for name in modes:
         steps, slot_steps, generated = counts[name]
         wall = sorted(walls[name])[len(walls[name]) // 2]
-        rows.append({"mode": name, "rows": num_rows, "shard_rows": shard_rows if name != "one call" else num_rows,
-                     "steps": steps, "steps_per_token": steps / generated,
-                     "occupancy": slot_steps / (steps * runner.max_num_seqs), "wall_s": wall,
-                     "tokens_per_s": generated / wall})  # fmt: skip
+        rows.append(
+            {
+                "mode": name,
+                "rows": num_rows,
+                "shard_rows": shard_rows if name != "one call" else num_rows,
+                "steps": steps,
+                "steps_per_token": steps / generated,
+                "occupancy": slot_steps / (steps * runner.max_num_seqs),
+                "wall_s": wall,
+                "tokens_per_s": generated / wall,
+            }
+        )
     for row in rows:
         row["steps_vs_one_call"] = row["steps"] / rows[0]["steps"]
         row["wall_vs_one_call"] = row["wall_s"] / rows[0]["wall_s"]
@@ -101,13 +117,19 @@ def bench_shards(load: Callable[[], ModelRunner], num_rows: int, prompt_len: int
 
 def _twin(runner: ModelRunner, caching: bool) -> ModelRunner:
     """Another runner over the same loaded model, with the prefix cache on or off."""
-    return ModelRunner(runner.model, runner.tokenizer, sorted(runner.eos_token_ids), runner.max_num_seqs,
-                       decode_plan=runner.decode_plan, max_num_batched_tokens=runner.max_num_batched_tokens,
-                       enable_prefix_caching=caching)  # fmt: skip
+    return ModelRunner(
+        runner.model,
+        runner.tokenizer,
+        sorted(runner.eos_token_ids),
+        runner.engine_config,
+        enable_prefix_caching=caching,
+        speculative=None,
+    )
 
 
-def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]],
-                    params: SamplingParams) -> tuple[float, list[list[int]], int]:  # fmt: skip
+def _timed_generate(
+    runner: ModelRunner, caching: bool, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, list[list[int]], int]:
     """(seconds, tokens, prefix-cache hit tokens) of one run on a fresh twin runner (the cache starts empty; a
     5-token warm-up builds its plans first)."""
     twin = _twin(runner, caching)
@@ -118,16 +140,26 @@ def _timed_generate(runner: ModelRunner, caching: bool, prompts: list[list[int]]
     return seconds, [r.token_ids for r in results], twin.scheduler_stats()["prefix_cache_hit_tokens"]
 
 
-def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len: int, new_tokens: int,
-                 num_distinct: int, distinct_len: int, repeats: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+def bench_prefix(
+    runner: ModelRunner,
+    num_rows: int,
+    prefix_len: int,
+    suffix_len: int,
+    new_tokens: int,
+    num_distinct: int,
+    distinct_len: int,
+    repeats: int = 1,
+) -> list[dict[str, Any]]:
     """A shared-prefix job (num_rows rows: one prefix_len-token prefix, own suffixes of about suffix_len tokens) with
     the prefix cache on and off, against the suffixes alone and the prefix once; and num_distinct rows of distinct
     prompts with the cache on and off (its cost where nothing is shared). Each cache-on run starts from an empty
     cache. Raises if cache on and off give different tokens."""
     vocab, rng = runner.config.vocab_size, random.Random(3)
     prefix = random_prompts(1, prefix_len, vocab, seed=5)[0]
-    suffixes = [random_prompts(1, rng.randrange(suffix_len // 2, 3 * suffix_len // 2 + 1), vocab, seed=10 + i)[0]
-                for i in range(num_rows)]  # fmt: skip
+    suffixes = [
+        random_prompts(1, rng.randrange(suffix_len // 2, 3 * suffix_len // 2 + 1), vocab, seed=10 + i)[0]
+        for i in range(num_rows)
+    ]
     distinct = random_prompts(num_distinct, distinct_len, vocab, seed=7)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     workloads = {"shared prefix": [prefix + s for s in suffixes], "suffixes alone": suffixes, "prefix once": [prefix],
@@ -141,9 +173,16 @@ def bench_prefix(runner: ModelRunner, num_rows: int, prefix_len: int, suffix_len
                 seconds, outputs[caching], hits[caching] = _timed_generate(runner, caching, prompts, params)
                 walls[caching].append(seconds)
         for caching in variants:
-            rows.append({"workload": name, "cache": "on" if caching else "off", "rows": len(prompts),
-                         "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits[caching],
-                         "wall_s": sorted(walls[caching])[len(walls[caching]) // 2]})  # fmt: skip
+            rows.append(
+                {
+                    "workload": name,
+                    "cache": "on" if caching else "off",
+                    "rows": len(prompts),
+                    "prompt_tokens": sum(map(len, prompts)),
+                    "hit_tokens": hits[caching],
+                    "wall_s": sorted(walls[caching])[len(walls[caching]) // 2],
+                }
+            )
         if len(outputs) == 2 and outputs[True] != outputs[False]:
             raise AssertionError(f"{name}: tokens differ with the prefix cache on and off")
     by = {(r["workload"], r["cache"]): r["wall_s"] for r in rows}

@@ -1,4 +1,4 @@
-"""Acceptance counters, per request and per runner."""
+"""Speculative decoding's acceptance counters, per request and per runner."""
 
 from __future__ import annotations
 

@@ -85,8 +85,10 @@ def resolve_weight_format(
     linear_backend "torch" / "onednn", bfloat16 stays the all-PyTorch bfloat16 model. int8 with bfloat16: ValueError.
     """
     if quantization is not None and dtype == torch.bfloat16:
-        raise ValueError(f"quantization={quantization!r} cannot be combined with dtype='bfloat16': int8 quantizes "
-                         "from float32 weights; pick one (dtype 'auto' or 'float32' for int8)")  # fmt: skip
+        raise ValueError(
+            f"quantization={quantization!r} cannot be combined with dtype='bfloat16': int8 quantizes "
+            "from float32 weights; pick one (dtype 'auto' or 'float32' for int8)"
+        )
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return dtype, quantization
     if linear_backend == "native":
@@ -166,8 +168,10 @@ def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dic
             found = [tuple(shapes[key]) for key in source.keys]
             joined = (sum(shape[0] for shape in found), *found[0][1:]) if found else ()
             if any(shape[1:] != found[0][1:] for shape in found) or joined != tuple(source.cat_shape):
-                problems.append(f"weights {list(source.keys)} have shapes {found} in the checkpoint; concatenated "
-                                f"they must give {tuple(source.cat_shape)}")  # fmt: skip
+                problems.append(
+                    f"weights {list(source.keys)} have shapes {found} in the checkpoint; concatenated "
+                    f"they must give {tuple(source.cat_shape)}"
+                )
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
@@ -305,8 +309,9 @@ def load_checkpoint(
         raise FileNotFoundError(f"no config.json in {directory}")
     raw_config = json.loads(config_path.read_text())
     config = HybridConfig.from_hf_dict(raw_config)
-    torch_dtype, weight_format = resolve_weight_format(resolve_dtype(dtype, config, device), quantization, device,
-                                                       linear_backend)  # fmt: skip
+    torch_dtype, weight_format = resolve_weight_format(
+        resolve_dtype(dtype, config, device), quantization, device, linear_backend
+    )
     check_quantization(quantization, device, torch_dtype)
     handles = _open_shards(directory, fp8_block_size(raw_config))
     if mtp:

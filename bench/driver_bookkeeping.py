@@ -21,21 +21,36 @@ from pipeline.manifest import finalize_output, prepare_output
 from pipeline.output import OutputDir
 from pipeline.sharding import Shard, plan_shards
 from workers.actor import WorkerSpec
+from workers.sampling import SamplingParams
 
 
 def synthetic_job(num_shards: int, output: str) -> Job:
     """A generate job of `num_shards` one-row shards over an in-memory dataset; nothing in it loads a model."""
     rows = datasets.Dataset.from_dict({"text": [""] * num_shards})
-    return Job(name="generate", rows=rows, worker=WorkerSpec("generate", "synthetic", task_options={"seed": 0}),
-               task_fields=[], id_column=None, plan=plan_shards(num_shards, 1),
-               scaling=ScalingConfig(rows_per_shard=1), output=OutputConfig(output), config={},
-               fingerprint={"synthetic": num_shards})  # fmt: skip
+    return Job(
+        name="generate",
+        rows=rows,
+        worker=WorkerSpec("generate", "synthetic", sampling=SamplingParams(seed=0)),
+        task_fields=[],
+        id_column=None,
+        plan=plan_shards(num_shards, 1),
+        scaling=ScalingConfig(rows_per_shard=1),
+        output=OutputConfig(output),
+        config={},
+        fingerprint={"synthetic": num_shards},
+    )
 
 
 def shard_stats(shard: Shard) -> dict[str, Any]:
     """The stats a driver writes into a finished shard's file (as `ShardLoop` does), with made-up token counts."""
-    return {"index": shard.index, "start": shard.start, "stop": shard.stop, "rows": shard.num_rows,
-            "seconds": 1.0, "generated_tokens": 64}  # fmt: skip
+    return {
+        "index": shard.index,
+        "start": shard.start,
+        "stop": shard.stop,
+        "rows": shard.num_rows,
+        "seconds": 1.0,
+        "generated_tokens": 64,
+    }
 
 
 def write_finished_shards(out: OutputDir, plan: list[Shard]) -> None:
@@ -69,8 +84,10 @@ def bench_resume(num_shards: int, directory: Path) -> dict[str, Any]:
     row["finalize_own_ms"], _ = _milliseconds(lambda: finalize_output(out, job, 1.0, written))
     row["resume_ms"], resumed = _milliseconds(lambda: prepare_output(out, job, overwrite=False))
     if first.done or len(resumed.done) != num_shards:
-        raise RuntimeError(f"prepare_output found {len(first.done)} then {len(resumed.done)} finished shards, "
-                           f"expected 0 then {num_shards}")  # fmt: skip
+        raise RuntimeError(
+            f"prepare_output found {len(first.done)} then {len(resumed.done)} finished shards, "
+            f"expected 0 then {num_shards}"
+        )
     row["finalize_resumed_ms"], totals = _milliseconds(lambda: finalize_output(out, job, 1.0, {}))
     if totals["rows"] != num_shards:
         raise RuntimeError(f"finalize_output counted {totals['rows']} rows, expected {num_shards}")

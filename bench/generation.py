@@ -102,8 +102,14 @@ def build_preset(name: str, directory: Path) -> Path:
     shape = dict(PRESETS[name])
     attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
     layer_types = ["attention" if i in attention else "mamba" for i in range(shape["num_hidden_layers"])]
-    config = GraniteMoeHybridConfig(**{"num_local_experts": 0, **shape}, layer_types=layer_types, mamba_n_groups=1,
-                                    mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True)  # fmt: skip
+    config = GraniteMoeHybridConfig(
+        **{"num_local_experts": 0, **shape},
+        layer_types=layer_types,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(directory)
@@ -232,8 +238,11 @@ def decode_step_bytes(model: Any, context_len: int) -> dict[str, int]:
         weights += row
     else:  # the table itself is only looked up
         weights -= embed.numel() * embed.element_size() - row
-    return {"weights": weights, "states": state_bytes_per_slot(config, embed.dtype),
-            "kv_cache": kv_bytes_per_token(config, embed.dtype) * context_len}  # fmt: skip
+    return {
+        "weights": weights,
+        "states": state_bytes_per_slot(config, embed.dtype),
+        "kv_cache": kv_bytes_per_token(config, embed.dtype) * context_len,
+    }
 
 
 H200_BANDWIDTH_GBS = 4800.0  # HBM3e peak of an H200 (NVIDIA's datasheet): the default for `roofline_share` on CUDA
@@ -271,8 +280,14 @@ def hf_generate_fn(model: Any, prompts: list[list[int]], new_tokens: int) -> Cal
 
     def run() -> Any:
         with torch.inference_mode():
-            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+            return model.generate(
+                ids,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
 
     return run
 

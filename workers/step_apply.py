@@ -1,0 +1,78 @@
+"""The apply part of a step: sample or accept, shift state, append tokens (retiring is the scheduler's).
+
+Sampling and acceptance read the step's per-row sampling state as one value (`SamplingBatch`); the states are
+shifted by the executor that ran the step (`keep`); a proposer that drafts from the target's hidden states is handed
+them after every target forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.executors import ModuleExecutor, Verification
+from workers.requests import Request, sampling_batch
+from workers.sampling import PLACEHOLDER_TOKEN_ID, sample
+from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, observe_shadow_drafts
+from workers.spec_decode.proposal import Proposal, Proposer
+from workers.spec_decode.rejection_sampler import RejectionSampler, num_accepted_tokens
+
+
+class StepApplier:
+    """Turns a step's logits into tokens on its requests (and its drafts into accepted tokens)."""
+
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        proposer: Proposer | None,
+        policy: AdaptivePolicy | FixedPolicy,
+        rejection_sampler: RejectionSampler,
+    ):
+        self.tokenizer, self.proposer, self.policy = tokenizer, proposer, policy
+        self.rejection_sampler = rejection_sampler
+        self.drafts_from_hidden = proposer is not None and proposer.drafts_from_hidden
+
+    def observe(
+        self, requests: list[Request], hidden: torch.Tensor | None, cache_lens: list[int], kept: list[int]
+    ) -> None:
+        """Hand the target's final hidden states to a proposer that drafts from them (MTP)."""
+        if self.drafts_from_hidden:
+            self.proposer.observe_target(requests, hidden, cache_lens, kept)
+
+    def sampled(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """One sampled token appended to every request (logits [b, v])."""
+        tokens = sample(logits, sampling_batch(requests))
+        for request, token in zip(requests, tokens):
+            request.append(token, self.tokenizer)
+
+    def decoded(self, requests: list[Request], logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """A plain decode step's output: the hidden states to the proposer, then a sampled token each."""
+        self.observe(requests, hidden, [r.num_tokens - 1 for r in requests], [1] * len(requests))
+        self.sampled(requests, logits)
+
+    def verified(
+        self, requests: list[Request], proposal: Proposal, verification: Verification, executor: ModuleExecutor
+    ) -> list[int]:
+        """Accept → shift → append for a verification step; returns num_accepted_tokens per request."""
+        # 1. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
+        drafts = proposal.token_ids.to(executor.device)  # [num_reqs, max_k]
+        batch = sampling_batch(requests)
+        output_token_ids = self.rejection_sampler(
+            drafts, verification.logits, proposal.probs, batch.params, batch.generators
+        )  # [num_reqs, max_k + 1], on the device
+        rows = output_token_ids.tolist()
+        accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens
+        # 2. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
+        counts = num_accepted_tokens(output_token_ids) if verification.old_states is not None else None
+        hidden = executor.keep(requests, verification, accepted, counts)
+        self.observe(requests, hidden, verification.cache_lens, accepted)
+        # 3. Append: the proposer shifts its own state; each request takes its valid tokens.
+        self.proposer.accepted(requests, accepted)
+        for request, row, k in zip(requests, rows, proposal.num_draft_tokens):
+            request.append_verified(row, k, self.tokenizer)
+        return accepted
+
+    def shadow_drafts(self, requests: list[Request], shadow: dict[int, tuple[int, int]]) -> None:
+        """Tell the policy whether the step's tokens confirm the looked-up drafts it did not verify."""
+        observe_shadow_drafts(self.policy, requests, shadow)

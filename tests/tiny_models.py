@@ -140,6 +140,17 @@ GDN_VARIANT_FAMILIES = {
         Qwen3_5TextConfig(**{**_QWEN, "linear_key_head_dim": 40, "linear_value_head_dim": 72}, intermediate_size=96)
     ),
 }
+# Nemotron 3's latent MoE: the experts run on latent_in(x) (24 wide) and their sum is projected back; outside
+# FAMILIES (the MoE tests run it).
+MOE_VARIANT_FAMILIES = {
+    "nemotron_latent_moe": lambda: NemotronHForCausalLM(
+        NemotronHConfig(
+            **_COMMON, **_NEMOTRON, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+            routed_scaling_factor=1.5, moe_latent_size=24,
+        )
+    ),
+}  # fmt: skip
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
 # Nemotron-H with an MTP head: "*E" as Nemotron 3 Super declares it, and two attention blocks with relu² MLPs.
@@ -293,7 +304,7 @@ def build_checkpoint(family: str, directory: Path, seed: int = 0, dtype: torch.d
     """
     torch.manual_seed(seed)
     name, _, flavour = family.partition("+")
-    model = {**FAMILIES, **GDN_VARIANT_FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[name]()
+    model = {**FAMILIES, **GDN_VARIANT_FAMILIES, **MOE_VARIANT_FAMILIES, **DRAFT_FAMILIES, **DENSE_FAMILIES}[name]()
     gdn_family = name in QWEN_GDN_FAMILIES or name in GDN_VARIANT_FAMILIES
     randomise(model, seed, zero_centred_norms=gdn_family)
     model.to(dtype).save_pretrained(directory)

@@ -212,3 +212,29 @@ def test_a_rows_logits_through_the_plan_do_not_depend_on_the_batch(checkpoint_di
         plan = DecodePlan(model, _clone(pool))
         logits[b] = plan.run(tokens[:b], [7] + [3] * (b - 1))[0].clone()
     assert all(torch.equal(logits[b], logits[1]) for b in (5, 16, 33))
+
+
+def test_latent_moe_matches_transformers_and_its_plan_equals_its_module_path(checkpoint_dir, hf_model):
+    """Nemotron 3's latent MoE (experts on a 24-wide projection of x): scores as transformers computes them, and
+    the decode plan's latent records give the module path's logits bit for bit."""
+    from tests.workers.model.test_decode_plan import _clone, _module_step, _random_pool
+    from tests.workers.test_oracle import _hf_logprobs, _prompts
+    from workers import ModelRunner
+    from workers.model import load_checkpoint
+    from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
+
+    path = checkpoint_dir("nemotron_latent_moe")
+    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=2)
+    for sequence, score in zip(sequences := _prompts(3, [9, 21]), runner.score(sequences)):
+        reference = _hf_logprobs(hf_model(path), sequence)
+        assert (torch.tensor(score.token_logprobs) - reference).abs().max() < 1e-4
+    model = load_checkpoint(str(path)).model
+    assert unsupported_reason(model) is None
+    assert next(block for block in model.blocks if block.kind == "moe").mixer.latent_in is not None
+    reference_pool = _random_pool(model, slots=3, capacity=12, seed=0)
+    plan = DecodePlan(model, planned := _clone(reference_pool))
+    for step, b in enumerate([3, 1, 2]):
+        token_ids, positions = [5 + step, 17, 99][:b], [4 + step, 2, 7][:b]
+        expected = _module_step(model, reference_pool, token_ids, positions)
+        assert torch.equal(plan.run(token_ids, positions), expected), step
+    assert torch.equal(planned.ssm, reference_pool.ssm)

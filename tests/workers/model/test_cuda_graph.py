@@ -32,14 +32,15 @@ def test_batch_buckets_pad_to_powers_of_two_then_steps_of_8_and_16():
     assert batch_buckets(256)[-3:] == [224, 240, 256]
 
 
-def _pools(model) -> tuple[StatePool, StatePool]:
-    """Two identical pools with random states and KV: slots 0 … ROWS-1 own blocks, slot ROWS is the null slot."""
+def _pools(model, dtype: torch.dtype = torch.float32) -> tuple[StatePool, StatePool]:
+    """Two identical pools with random states and KV (in `dtype`): slots 0 … ROWS-1 own blocks, slot ROWS is the
+    null slot."""
     pools = []
     for _ in range(2):
         blocks = BlockTable(ROWS + 1, CAPACITY, 1 + ROWS * 3, 16, torch.device("cpu"))
         for slot in range(ROWS):
             blocks.ensure(slot, CAPACITY)
-        pools.append(StatePool(model.config, ROWS + 1, CAPACITY, torch.device("cpu"), torch.float32, blocks))
+        pools.append(StatePool(model.config, ROWS + 1, CAPACITY, torch.device("cpu"), dtype, blocks))
     g = torch.Generator().manual_seed(0)
     for name in ("conv", "ssm", "key", "value"):
         values = torch.randn(getattr(pools[0], name).shape, generator=g)

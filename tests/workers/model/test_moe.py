@@ -238,3 +238,47 @@ def test_latent_moe_matches_transformers_and_its_plan_equals_its_module_path(che
         expected = _module_step(model, reference_pool, token_ids, positions)
         assert torch.equal(plan.run(token_ids, positions), expected), step
     assert torch.equal(planned.ssm, reference_pool.ssm)
+
+
+OTHER_MOE_FAMILIES = ["jamba_moe", "lfm2_moe", "kimi_linear"]  # Mamba1, short conv, KDA + latent attention
+
+
+@pytest.fixture(scope="module")
+def other_moe(tmp_path_factory):
+    """family → its tiny checkpoint directory, from the family's own builder (built on first use)."""
+    from tests.kimi_models import build_kimi_checkpoint
+    from tests.lfm_models import build_lfm_checkpoint
+    from tests.tiny_jamba import build_jamba_checkpoint
+
+    builders = {
+        "jamba_moe": build_jamba_checkpoint,
+        "lfm2_moe": build_lfm_checkpoint,
+        "kimi_linear": build_kimi_checkpoint,
+    }
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = builders[family](family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", OTHER_MOE_FAMILIES)
+def test_graph_steps_of_the_other_moe_families_equal_the_module_path_and_are_capture_safe(other_moe, family):
+    """Jamba, LFM2-MoE and Kimi-Linear MoE models: graph steps (eager, float32) give the module path's logits and
+    states; the captured steps of their bfloat16 models (grouped GEMMs take bfloat16) pass the capture check."""
+    from tests.workers.model import test_cuda_graph as graphs
+    from workers.model import load_checkpoint
+    from workers.model.steps.capture_safety import find_capture_hazards
+    from workers.model.steps.cuda_graph import GraphPlan
+
+    graphs.test_graph_steps_equal_the_module_path(other_moe, family)
+    model = load_checkpoint(str(other_moe(family)), dtype="bfloat16", decode_kernel="torch", linear_backend="torch")
+    with torch.inference_mode():
+        plan = GraphPlan(model.model, graphs._pools(model.model, torch.bfloat16)[0], graphs.TOKENS, capture=False)
+        plan.verify([[5] * graphs.TOKENS] * 3, [1, 2, 3])  # the warm-up a capture makes
+        plan.keep([1, 2, 4])
+        for kind in ("decode", "verify", "keep"):
+            assert find_capture_hazards(plan.captured_step(kind, plan.buckets[-1])) == [], kind

@@ -282,3 +282,20 @@ def test_graph_steps_of_the_other_moe_families_equal_the_module_path_and_are_cap
         plan.keep([1, 2, 4])
         for kind in ("decode", "verify", "keep"):
             assert find_capture_hazards(plan.captured_step(kind, plan.buckets[-1])) == [], kind
+
+
+@pytest.mark.parametrize("family", ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"])
+def test_greedy_ngram_speculation_on_moe_targets_through_plans_equals_plain_greedy(checkpoint_dir, family):
+    from workers import ModelRunner, SamplingParams, SpeculativeConfig
+
+    path = str(checkpoint_dir(family))
+    prompts = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False)
+    expected = [r.token_ids for r in plain.generate(prompts, params)]
+    spec = ModelRunner.from_pretrained(
+        path, max_num_seqs=3, speculative=SpeculativeConfig("ngram", 3, prompt_lookup_min=1, policy="fixed")
+    )
+    assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+    stats = spec.spec_stats()
+    assert stats["num_draft_tokens"] > 0, stats

@@ -15,7 +15,7 @@ from workers.engine import RequestEngine
 from workers.execution_summary import execution_summary
 from workers.memory import plan_memory, runner_budget
 from workers.model import HybridModel, load_checkpoint
-from workers.model.kernels import native
+from workers.model.kernels import heap, native
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.prefix_sharing import scan_chunk
 from workers.requests import GenerationResult, ScoreResult
@@ -210,11 +210,11 @@ class ModelRunner(RequestEngine):
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are
         ~100× slower on x86 and change nothing that matters) and the runner's torch threads, both of which are
         per thread (an engine thread starts without them); and, once per process, freed buffers kept mapped for
-        reuse (`native.keep_freed_memory_mapped`)."""
+        reuse (`heap.keep_freed_memory_mapped`)."""
         if self.device.type == "cpu":
             torch.set_num_threads(self._num_threads)
             native.flush_denormals()
-            native.keep_freed_memory_mapped()
+            heap.keep_freed_memory_mapped()
 
     def _check_prompt(self, prompt: Any, generating: bool = False) -> str | None:
         """Why this prompt cannot run, or None. `generating`: it must leave room for one generated token, since

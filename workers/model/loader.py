@@ -15,7 +15,7 @@ from workers.model.checkpoint.config import HybridConfig
 from workers.model.checkpoint.families import MTP_MODEL_TYPES
 from workers.model.checkpoint.tensors import CheckpointTensors, fp8_block_size, without_scales
 from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
-from workers.model.kernels import native, triton_kernels
+from workers.model.kernels import heap, native, triton_kernels
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -280,6 +280,24 @@ def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> No
         )
 
 
+def empty_model(config: HybridConfig, mtp: bool, dtype: torch.dtype, device: str | torch.device) -> HybridModel:
+    """The model's modules on `device` with uninitialised weights in `dtype` (the weights that stay float32 in
+    float32), the LM head tied to the embeddings where the config says so."""
+    with torch.device("meta"):
+        model = HybridModel(config, mtp=mtp)
+    model = model.to(dtype).to_empty(device=device)
+    for name, param in model.named_parameters():
+        if name.endswith(FLOAT32_SUFFIXES):
+            param.data = param.data.float()
+    if config.zero_centred_norms:  # 1 + w is rounded once, in float32, as the reference computes it
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
 def load_checkpoint(
     path_or_repo: str,
     device: str | torch.device = "cpu",
@@ -316,25 +334,14 @@ def load_checkpoint(
     handles = _open_shards(directory, fp8_block_size(raw_config))
     if mtp:
         check_mtp_head(config, handles, directory)
-    with torch.device("meta"):
-        model = HybridModel(config, mtp=mtp)
-    model = model.to(torch_dtype).to_empty(device=device)
-    for name, param in model.named_parameters():
-        if name.endswith(FLOAT32_SUFFIXES):
-            param.data = param.data.float()
-    if config.zero_centred_norms:  # 1 + w is rounded once, in float32, as the reference computes it
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.data = module.weight.data.float()
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = empty_model(config, mtp, torch_dtype, device)
     device = torch.device(device)
 
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
     def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
         backend = prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced)
-        native.return_freed_memory()
+        heap.return_freed_memory()
         return backend
 
     load_weights(model, handles, prepare)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from workers import ModelRunner, SamplingParams
 from workers.model import load_checkpoint
-from workers.model.kernels import native, native_recurrent
+from workers.model.kernels import heap, native, native_recurrent
 from workers.model.kv_blocks import BlockTable
 from workers.model.layers.attention import Attention, inverse_frequencies, rotary
 from workers.model.layers.linear import NativeLinear
@@ -154,8 +154,8 @@ def test_denormals_are_flushed_on_every_thread():
 
 _REUSE_PROBE = """
 import resource, sys, torch
-from workers.model.kernels import native
-applied = native.keep_freed_memory_mapped()
+from workers.model.kernels import heap
+applied = heap.keep_freed_memory_mapped()
 def faults_filling_a_fresh_buffer():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.empty(16 << 20).fill_(1.0)  # 64 MiB, freed at once
@@ -172,7 +172,7 @@ def test_freed_buffers_are_reused_without_page_faults(setting):
     """A runner's process keeps freed buffers mapped: once the heap holds one, a new 64 MiB buffer (a Gated DeltaNet
     layer's states for 64 rows of Qwen3.5-0.8B) costs no page faults. glibc alone maps anything above 32 MiB
     afresh: 16384 faults of 4 KiB each time (HYBRIDGEN_MALLOC_TUNING=0 leaves it so)."""
-    env = dict(os.environ, **({native.MALLOC_TUNING_ENV: "0"} if setting == "off" else {}))
+    env = dict(os.environ, **({heap.MALLOC_TUNING_ENV: "0"} if setting == "off" else {}))
     out = subprocess.run([sys.executable, "-c", _REUSE_PROBE], env=env, capture_output=True, text=True, check=True)
     applied, faults = out.stdout.split()
     if setting == "off":

@@ -1,0 +1,228 @@
+"""How a `DecodePlan` records one step: the kernel calls of every block, in the order the module path makes them.
+
+`DecodeRecords` is the recording half of `DecodePlan` (`decode_plan.py`, which allocates the buffers these records
+point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the kept in_proj outputs — and replays
+them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
+(`feed_forward_records.py`) each have their records here; the state shift after a verification too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.layers.attention import Attention, inverse_frequencies
+from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.steps.feed_forward_records import record_mlp, record_moe
+from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
+
+
+def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """(recurrent mixer, attention) of a block: a parallel block (Falcon-H1) has both, others one or neither."""
+    if block.kind == PARALLEL:
+        return block.mixer.mamba, block.mixer.self_attn
+    return (block.mixer if block.kind in RECURRENT_KINDS else None), (block.mixer if block.kind == ATTENTION else None)
+
+
+class DecodeRecords:
+    """The records of a decode plan's steps, over the buffers the plan allocated (see the module docstring)."""
+
+    def _record(self, b: int, length: int) -> torch.Tensor:
+        """The records of one step of `length` tokens for b rows."""
+        model, config = self.model, self.model.config
+        n, d = b * length, config.hidden_size
+        rec = Recorder(b, length)
+        hidden, normed, mixed = self.hidden[:n], self.normed[:n], self.mixed[:n]
+        rec.emit(
+            Op.EMBED,
+            [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
+            (config.embedding_multiplier,),
+        )
+        first_norm = model.blocks[0].norm if model.blocks else model.final_norm
+        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
+        recurrent_layer = attention_layer = 0
+        for block, next_norm in zip(model.blocks, next_norms):
+            if block.kind == MAMBA:
+                self._record_mamba(rec, block.mixer, recurrent_layer)
+            elif block.kind == GDN:
+                self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == ATTENTION:
+                self._record_attention(rec, block.mixer, attention_layer)
+                attention_layer += 1
+            elif block.kind == PARALLEL:
+                self._record_parallel(rec, block, recurrent_layer, attention_layer)
+                attention_layer += 1
+            elif block.kind == MOE:
+                record_moe(rec, block.mixer, normed, mixed, self.moe_scratch, self.wide, self.narrow)
+            else:
+                record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
+            recurrent_layer += block.kind in RECURRENT_KINDS
+            rec.emit(
+                Op.ADD_RMS_NORM,
+                [hidden, mixed, next_norm.weight, normed, n, d],
+                (config.residual_multiplier, next_norm.eps),
+            )
+        rec.linear(model.lm_head, normed, self.logits[:n])
+        return rec.tensor()
+
+    def _projections(self, width: int, layer: int, n: int, length: int) -> torch.Tensor:
+        """Where a recurrent layer's in_proj writes [l, b, width]: kept per layer through a verification (the shift
+        re-runs tokens from it), else scratch."""
+        if length > 1:
+            return self.kept_proj[layer, : n * width].view(length, n // length, width)
+        return scratch_rows(self.wide, n, width).view(1, n, width)
+
+    def _record_mamba(self, rec: Recorder, mixer: Mamba2Mixer, layer: int) -> None:
+        m, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, m.intermediate_size).view(length, b, m.intermediate_size)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(
+            Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
+            [
+                proj,
+                self.pool.conv[layer],
+                mixer.conv1d.weight,
+                mixer.conv1d.bias,
+                mixer.dt_bias,
+                mixer.A_log,
+                mixer.D,
+                self.pool.ssm[layer],
+                mixer.norm.weight,
+                mixer.norm.num_groups,
+                self.xbc[:n],
+                y,
+                b,
+                m.num_heads,
+                m.head_dim,
+                m.num_groups,
+                m.state_size,
+                m.conv_kernel,
+                length,
+            ],
+            (m.dt_min, m.dt_max, mixer.norm.eps),
+        )
+        rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
+
+    def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
+        """OP_GDN's arguments from the conv window to the delta-rule states: what
+        `GatedDeltaNetMixer._native_decode` hands `gdn_decode_step` (the conv weight [conv_dim, 1, W] is the
+        [conv_dim, W] it squeezes)."""
+        return [self.pool.conv[layer], mixer.conv1d.weight, mixer.dt_bias, mixer.A_log, self.pool.ssm[layer]]
+
+    def _record_gdn(self, rec: Recorder, mixer: GatedDeltaNetMixer, layer: int) -> None:
+        g, b, length, n = mixer.config, rec.rows, rec.length, rec.rows * rec.length
+        width = mixer.in_proj.out_features  # rows [q | k | v | z | b | a]: the loader joined the projections
+        proj = self._projections(width, layer, n, length)
+        y = scratch_rows(self.narrow, n, g.value_dim).view(length, b, g.value_dim)
+        rec.linear(mixer.in_proj, self.normed[:n], proj.view(n, width))
+        sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+        # A decode step updates the states in place; a verification reads them and leaves them for `keep`.
+        rec.emit(
+            Op.GDN if length == 1 else Op.GDN_VERIFY,
+            [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
+            (mixer.norm.eps,),
+        )
+        rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
+
+    def _record_shift(self, b: int, length: int) -> torch.Tensor:
+        """One shift record per recurrent layer: advance the states the verification left by each row's accepted
+        tokens, from the layer's kept in_proj outputs (the keep kernels of csrc/mamba_decode.c, gdn_decode.c)."""
+        rec = Recorder(b, length)
+        mixers = [branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
+        for layer, mixer in enumerate(mixers):
+            kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
+            if isinstance(mixer, GatedDeltaNetMixer):
+                g = mixer.config
+                sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
+                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
+                continue
+            m = mixer.config
+            rec.emit(
+                Op.MAMBA2_SHIFT,
+                [
+                    kept,
+                    self.pool.conv[layer],
+                    mixer.conv1d.weight,
+                    mixer.conv1d.bias,
+                    mixer.dt_bias,
+                    mixer.A_log,
+                    mixer.D,
+                    self.pool.ssm[layer],
+                    scratch,
+                    b,
+                    m.num_heads,
+                    m.head_dim,
+                    m.num_groups,
+                    m.state_size,
+                    m.conv_kernel,
+                    length,
+                ],
+                (m.dt_min, m.dt_max),
+            )
+        return rec.tensor()
+
+    def _record_parallel(
+        self, rec: Recorder, block: torch.nn.Module, recurrent_layer: int, attention_layer: int
+    ) -> None:
+        """Falcon-H1's block: the Mamba2 branch into `mixed`, the attention branch (reading the same `normed`) into
+        `branch`, then mixed += branch — ADD_RMS_NORM with α = 1 adds exactly as the module path's `out + attention`
+        does; the norm it also computes goes to scratch."""
+        n, d = rec.rows * rec.length, self.model.config.hidden_size
+        self._record_mamba(rec, block.mixer.mamba, recurrent_layer)
+        self._record_attention(rec, block.mixer.self_attn, attention_layer, self.branch[:n])
+        rec.emit(
+            Op.ADD_RMS_NORM,
+            [self.mixed[:n], self.branch[:n], block.norm.weight, self.branch_normed[:n], n, d],
+            (1.0, block.norm.eps),
+        )
+
+    def _record_attention(
+        self, rec: Recorder, attention: Attention, layer: int, into: torch.Tensor | None = None
+    ) -> None:
+        """An attention block's records; its o_proj writes `into` (default: `mixed`)."""
+        a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
+        width = a.num_heads * a.head_dim
+        q, keys, values, out = record_attention_inputs(rec, attention, self)
+        inv_freq = None
+        if a.rope_theta is not None:
+            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
+            self._referenced.append(inv_freq)
+        if inv_freq is not None:
+            for t in range(length):
+                positions = self.positions[t, :b]
+                rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+                rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
+        # All l tokens at once (each attends causally up to its own position), the cache read once for them.
+        blocks = self.pool.blocks
+        rec.emit(
+            Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
+            [
+                q,
+                keys,
+                values,
+                self.pool.key[layer],
+                self.pool.value[layer],
+                self.slot_ids,
+                self.positions[0, :b],
+                blocks.tables,
+                out,
+                b,
+                a.num_heads,
+                a.num_kv_heads,
+                a.head_dim,
+                self.pool.capacity,
+                blocks.max_blocks_per_slot,
+                blocks.block_size,
+                self.pool.key.shape[2],
+                length,
+            ],
+            (a.scale,),
+        )
+        if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
+            rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
+        rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)

@@ -89,14 +89,12 @@ def build_preset(name: str, directory: Path) -> Path:
     text-only Qwen3.5 for the GDN presets, or LFM2 for the LFM presets."""
     if (directory / "config.json").exists():
         return directory
-    if name in GDN_PRESETS:
+    if name in GDN_PRESETS or name == "qwen3-next-bench":
         return _build_gdn_preset(name, directory)
     if name in LFM_PRESETS:
         return _build_lfm_preset(name, directory)
     if name in FALCON_H1_PRESETS:
         return _build_falcon_h1_preset(name, directory)
-    if name == "qwen3-next-bench":
-        return _build_qwen3_next_preset(name, directory)
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     shape = dict(PRESETS[name])
@@ -117,31 +115,24 @@ def build_preset(name: str, directory: Path) -> Path:
 
 
 def _build_gdn_preset(name: str, directory: Path) -> Path:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    """Text-only Qwen3.5 for the GDN presets, Qwen3-Next for "qwen3-next-bench": full attention at
+    `attention_layers`, Gated DeltaNet elsewhere."""
+    import transformers
 
-    shape = dict(GDN_PRESETS[name])
+    qwen3_next = name == "qwen3-next-bench"
+    config_class, model_class = (
+        (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)
+        if qwen3_next
+        else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM)
+    )
+    shape = dict(PRESETS[name])
     attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
     layer_types = [
         "full_attention" if i in attention else "linear_attention" for i in range(shape["num_hidden_layers"])
     ]
-    config = Qwen3_5TextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
+    config = config_class(**shape, layer_types=layer_types, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
-
-
-def _build_qwen3_next_preset(name: str, directory: Path) -> Path:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    shape = dict(MOE_PRESETS[name])
-    attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
-    layer_types = [
-        "full_attention" if i in attention else "linear_attention" for i in range(shape["num_hidden_layers"])
-    ]
-    config = Qwen3NextConfig(**shape, layer_types=layer_types, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(directory)
     return directory
 

@@ -143,3 +143,27 @@ def test_decode_step_reads_strided_state_views():
     torch.testing.assert_close(pool_ssm[1, :2], reference.ssm, **TOL)
     torch.testing.assert_close(pool_conv[1, :2], reference.conv, **TOL)
     assert torch.equal(pool_ssm[0], untouched[0]) and torch.equal(pool_ssm[1, 2], untouched[1])
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("tokens, k, experts", [(1, 2, 4), (7, 2, 5), (19, 3, 6)])
+def test_triton_grouped_experts_match_the_eager_experts(tokens, k, experts, gated):
+    """The Triton grouped GEMM over block-padded expert rows (the graph form where torch._grouped_mm cannot run):
+    experts with no rows, more rows than a block, widths that are not block multiples."""
+    from workers.model.kernels.triton_kernels import moe as triton_moe
+    from workers.model.layers import moe
+    from workers.model.layers.feed_forward import activate
+
+    g = torch.Generator().manual_seed(tokens)
+    width, inter = 40, 24
+    up = torch.randn(experts, inter * (2 if gated else 1), width, generator=g) * 0.3
+    down = torch.randn(experts, width, inter, generator=g) * 0.3
+    x = torch.randn(tokens, width, generator=g)
+    ids = torch.stack([torch.randperm(experts - 1, generator=g)[:k] for _ in range(tokens)])  # the last expert: none
+    if tokens > 16:
+        ids[:, 0] = 0  # expert 0 takes more rows than a block
+    got = triton_moe.expert_rows(x, ids, up, down, gated, activate)
+    torch.testing.assert_close(got, moe._rows_eager(x, ids, up, down, gated), **TOL)
+    from workers.model.steps.capture_safety import find_capture_hazards
+
+    assert find_capture_hazards(lambda: triton_moe.expert_rows(x, ids, up, down, gated, activate)) == []

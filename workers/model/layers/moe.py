@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import FeedForwardConfig, HybridConfig
-from workers.model.kernels import native, native_moe
+from workers.model.kernels import native, native_moe, triton_kernels
 from workers.model.layers.feed_forward import MLP, activate
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -32,6 +32,20 @@ def grouped_gemm_fits(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda":
         return dtype != torch.float64
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def static_form_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a MoE step cannot run in static shapes here, or None: grouped GEMMs where `torch._grouped_mm` runs, else
+    the Triton grouped GEMM (`kernels/triton_kernels/moe.py`) where Triton runs."""
+    if grouped_gemm_fits(device, dtype):
+        return None
+    reason = triton_kernels.unavailable_reason(device)
+    if reason is None:
+        return None
+    return (
+        f"MoE experts in a graph run as grouped GEMMs: torch._grouped_mm takes bfloat16 on GPUs of compute "
+        f"capability 8.0 or newer (not {dtype} here), and the Triton fallback cannot run ({reason})"
+    )
 
 
 def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +160,9 @@ class MoE(nn.Module):
         if self.packed is not None:
             routed = native_moe.experts(x.contiguous(), weights, expert_ids, self.packed)
         else:
-            # On CUDA the grouped form runs eager steps too: no host sync per expert.
-            grouped = static_shapes or (x.is_cuda and grouped_gemm_fits(x.device, x.dtype))
-            rows = _rows_grouped if grouped else _rows_eager
+            # On CUDA the static form runs eager steps too: no host sync per expert.
+            static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
+            rows = _rows_static if static else _rows_eager
             out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
             k = expert_ids.shape[1]
             routed = (out.view(-1, k, out.shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
@@ -173,6 +187,15 @@ def _rows_eager(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torc
         pairs = (flat == expert).nonzero().squeeze(1)
         out[pairs] = F.linear(activate(F.linear(x[pairs // k], up[expert]), gated), down[expert])
     return out
+
+
+def _rows_static(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gated: bool) -> torch.Tensor:
+    """`_rows_eager` in static shapes: `torch._grouped_mm` where it runs, else the Triton grouped GEMM."""
+    if grouped_gemm_fits(x.device, x.dtype):
+        return _rows_grouped(x, ids, up, down, gated)
+    from workers.model.kernels.triton_kernels import moe as triton_moe  # imports triton: only where it runs
+
+    return triton_moe.expert_rows(x, ids, up, down, gated, activate)
 
 
 def _rows_grouped(

@@ -27,7 +27,7 @@ import torch
 
 from workers.model.checkpoint.config import MOE
 from workers.model.layers.hybrid import HybridModel
-from workers.model.layers.moe import grouped_gemm_fits
+from workers.model.layers.moe import static_form_reason
 from workers.model.state import DeltaScanInputs, ForwardBatch, ScanInputs, StatePool
 from workers.model.steps.decode_plan import check_step
 
@@ -45,11 +45,10 @@ def unsupported_reason(model: HybridModel, drafts_from_hidden: bool = False) -> 
     """Why decode steps of `model` cannot run as CUDA graphs, or None when they can. `drafts_from_hidden`: a
     proposer drafts from the target's hidden states (MTP)."""
     weight = model.embed_tokens.weight
-    if any(block.kind == MOE for block in model.blocks) and not grouped_gemm_fits(weight.device, weight.dtype):
-        return (
-            f"MoE experts in a graph run as grouped GEMMs (torch._grouped_mm), which take bfloat16 on GPUs of "
-            f"compute capability 8.0 or newer, not {weight.dtype} on this device: use --dtype bfloat16"
-        )
+    if any(block.kind == MOE for block in model.blocks):
+        reason = static_form_reason(weight.device, weight.dtype)
+        if reason is not None:
+            return f"{reason}: use --dtype bfloat16"
     if drafts_from_hidden:
         return "MTP drafts read the target's hidden states, which the graph step does not hand out"
     return None

@@ -10,6 +10,7 @@ blocks are paged in as requests use them, so the budget bounds memory rather tha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -80,7 +81,28 @@ def in_use(model: torch.nn.Module, device: torch.device) -> int:
     """Bytes the runner holds already: the device's allocations on CUDA, the weights on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return weight_bytes(model)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor `model`'s modules hold, each storage once: parameters and buffers, and the packed
+    weights kept as plain attributes (native panels and scales, a MoE block's packed experts)."""
+    storages: dict[int, int] = {}
+
+    def add(value: object) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    for module in model.modules():
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            add(tensor)
+        for value in vars(module).values():
+            add(value)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                for field in dataclasses.fields(value):
+                    add(getattr(value, field.name))
+    return sum(storages.values())
 
 
 def activation_bytes(config: HybridConfig, max_num_batched_tokens: int, max_logit_rows: int) -> int:

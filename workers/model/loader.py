@@ -340,13 +340,14 @@ def load_checkpoint(
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
     def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
-        backend = prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced)
+        backend = prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced, weight_format)
         heap.return_freed_memory()
         return backend
 
     load_weights(model, handles, prepare)
     head_format = weight_format if weight_format == "bfloat16" or weight_format in QUANTIZED_HEADS else None
-    prepare(model, head_format)  # the LM head (and an MTP head's linears): bfloat16, int8 and w8a8 too
+    prepare(model, head_format)  # the LM head (and an MTP head's linears): bfloat16, int8 and w8a8 too; its experts
+    # take the blocks' format
     prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
     generation_path = directory / "generation_config.json"

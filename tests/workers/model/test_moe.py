@@ -299,3 +299,19 @@ def test_greedy_ngram_speculation_on_moe_targets_through_plans_equals_plain_gree
     assert [r.token_ids for r in spec.generate(prompts, params)] == expected
     stats = spec.spec_stats()
     assert stats["num_draft_tokens"] > 0, stats
+
+
+@needs_native
+def test_packed_experts_count_in_the_memory_plan_and_an_mtp_heads_experts_take_the_blocks_format(checkpoint_dir):
+    """The CPU memory plan counts the packed weights (the experts leave `parameters()` when packed), and an MTP
+    head's experts are packed in the blocks' format even where its linears take the LM head's (int8_weight_only)."""
+    from workers.memory import in_use
+    from workers.model import load_checkpoint
+    from workers.model.layers.moe import MoE
+
+    model = load_checkpoint(str(checkpoint_dir("nemotron_moe")), mtp=True, quantization="int8_weight_only").model
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert any(m in list(model.mtp.modules()) for m in moes)
+    assert {m.packed.weight_format for m in moes} == {"int8_weight_only"}
+    packed = sum(m.packed.nbytes() for m in moes)
+    assert in_use(model, torch.device("cpu")) > packed > sum(p.numel() * p.element_size() for p in model.parameters())

@@ -87,7 +87,7 @@ def route(logits: torch.Tensor, ff: FeedForwardConfig, bias: torch.Tensor | None
     """Router logits [t, E] float32 → (weights [t, k] float32, expert ids [t, k] int64), as `moe.route` chooses."""
     t, k = logits.shape[0], ff.experts_per_token
     weights, ids = torch.empty(t, k), torch.empty(t, k, dtype=torch.int64)
-    native.load().moe_route(
+    failed = native.load().moe_route(
         native.pointer(logits.contiguous()),
         weights.data_ptr(),
         ids.data_ptr(),
@@ -102,6 +102,8 @@ def route(logits: torch.Tensor, ff: FeedForwardConfig, bias: torch.Tensor | None
         ff.routed_scaling_factor,
         ff.topk_norm_eps,
     )
+    if failed:
+        raise MemoryError(f"moe_route could not allocate its scratch for {ff.num_experts} experts")
     return weights, ids
 
 
@@ -109,6 +111,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: P
     """x [t, w] → [t, w]: each row's weighted sum over its chosen experts, in slot order."""
     out = torch.empty(x.shape[0], packed.width)
     failed = native.load().moe_experts(*experts_arguments(x, weights, ids, out, packed), torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError(f"moe_experts could not allocate its scratch for {x.shape[0]} rows")
     if failed:
         raise ValueError(f"expert ids must lie in [0, {packed.num_experts})")
     return out

@@ -36,7 +36,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gdn_decode_step": (None, [P] * 7 + [F32, P, P] + [I64] * 6 + [INT]),
     "gdn_prefill": (None, [P, P, P, P, P, P, F32] + [P] * 6 + [I64] * 7 + [INT]),
     "mamba2_decode_step": (None, [P] * 7 + [F32, F32, P, P, I64, F32, P, P] + [I64] * 6 + [INT]),
-    "moe_route": (None, [P, P, P] + [I64] * 7 + [P, F32, F32]),
+    "moe_route": (I64, [P, P, P] + [I64] * 7 + [P, F32, F32]),
     "moe_experts": (I64, [P, P, P, P] + [I64] * 8 + [P, P, I64, P, P, I64, INT]),
     "moe_combine": (None, [P, P, P, P, I64, I64]),
 }

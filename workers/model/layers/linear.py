@@ -29,6 +29,7 @@ W8A8_LINEARS = {"int8": "head", "w8a8": "all"}  # the linears each quantization 
 WEIGHT_FORMATS = (*QUANTIZATIONS, "bfloat16")
 # The experts' panels per weight format: int8 weights × float32 activations for every int8 quantization.
 EXPERT_FORMATS = {"int8": "int8_weight_only", "w8a8": "int8_weight_only"}
+SAME_FORMAT = "same"  # prepare_linears' expert_format default: the experts take the linears' format
 FLOAT_LINEARS = ("shared_gate",)  # a one-output gate per token: no bytes to save, a sigmoid to keep exact
 PACKING_BATCH_HINT = 32  # oneDNN picks its weight layout for this many rows; measured fine from 1 to 256 rows
 
@@ -87,6 +88,7 @@ def prepare_linears(
     dtype: torch.dtype,
     quantization: str | None = None,
     replaced: dict[int, nn.Module] | None = None,
+    expert_format: str | None = SAME_FORMAT,
 ) -> str:
     """Switch every nn.Linear of `model` to the chosen backend after its weights are loaded; returns the one used.
 
@@ -94,7 +96,8 @@ def prepare_linears(
     `quantization` (CPU; see QUANTIZATIONS): the weights quantized per output channel, multiplied by the native int8
     kernels ("auto", "native") or by PyTorch ("torch"); gates named in `FLOAT_LINEARS` stay float.
     On the native backend each MoE block's experts are packed too (`MoE.pack`; int8 panels for every int8
-    quantization). `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
+    quantization), in `expert_format` where it is given (the blocks' format, for an MTP head whose linears take the
+    LM head's). `quantization="bfloat16"` (a weight format of `WEIGHT_FORMATS`, set by the loader for dtype="bfloat16" on CPU):
     bf16 panels for the native kernel ("auto", "native" only).
     `replaced` (id of a Linear → its replacement), kept across calls that prepare a model part by part: a Linear
     shared by several parents (Zamba2's shared blocks) is replaced once, in every parent. The Linears themselves are
@@ -132,9 +135,10 @@ def prepare_linears(
                         kind = None if name in FLOAT_LINEARS else quantization
                         replaced[id(child)] = _replacement(child, backend, kind, name == "lm_head")
                     setattr(parent, name, replaced[id(child)])
-        if backend == "native":  # experts packed like the linears, in the blocks' weight format
+        if backend == "native":  # experts packed like the linears
+            expert_format = quantization if expert_format == SAME_FORMAT else expert_format
             for moe in [m for m in model.modules() if isinstance(m, MoE) and m.packed is None]:
-                moe.pack(EXPERT_FORMATS.get(quantization, quantization))
+                moe.pack(EXPERT_FORMATS.get(expert_format, expert_format))
     return backend
 
 

@@ -146,11 +146,11 @@ class MoE(nn.Module):
 
     def pack(self, weight_format: str | None) -> None:
         """Pack the experts for the native kernels in `weight_format` (None: float32, "int8_weight_only",
-        "bfloat16") and the router's weight as float32 panels; the float32 Parameters are freed."""
+        "bfloat16") and the router's weight as float32 panels; the float32 Parameters (experts and router) are freed."""
         with torch.no_grad():
             self.packed = native_moe.pack_experts(self.experts_up, self.experts_down, self.gated, weight_format)
             self.router.panels = native.pack_panels(self.router.weight.detach().float())
-        del self.experts_up, self.experts_down
+        del self.experts_up, self.experts_down, self.router.weight
 
     def forward(self, hidden: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
         """[..., d] → [..., d]. `static_shapes`: the CUDA graph form (see the module docstring)."""

@@ -212,7 +212,8 @@ class MtpPlan:
         if failed:
             raise ValueError(
                 f"MTP step refused its input at record {failed - 1}: a token id outside [0, "
-                f"{self.model.config.vocab_size}) or a position outside the KV cache or without a KV block"
+                f"{self.model.config.vocab_size}), a position outside the KV cache or without a KV block, or a MoE "
+                "block's scratch that could not be allocated"
             )
 
     # ------------------------------------------------------------------------------------------------ recording

@@ -168,8 +168,9 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
                                    num_threads);
             break;
         case OP_MOE_ROUTE: /* a: logits, weights, ids, t, E, k, kind, norm, groups, topk groups, bias; f: scaling, eps */
-            moe_route(F32(0), F32(1), I64(2), op->a[3], op->a[4], op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
-                      F32(10), (float)op->f[0], (float)op->f[1]);
+            if (moe_route(F32(0), F32(1), I64(2), op->a[3], op->a[4], op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
+                          F32(10), (float)op->f[0], (float)op->f[1]))
+                return i + 1;
             break;
         case OP_MOE_EXPERTS: /* a: moe_experts' arguments (native_moe.experts_arguments) */
             if (moe_experts(F32(0), F32(1), I64(2), F32(3), op->a[4], op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],

@@ -72,7 +72,7 @@ static void route_softmax(const float *logits, int64_t E, int64_t k, int norm, f
  * the sum of its two best choices); weights s[id] (/ (their sum + eps) when norm) · scaling. */
 static void route_sigmoid(const float *logits, int64_t E, int64_t k, int norm, int64_t groups, int64_t topk_groups,
                           const float *bias, float scaling, float eps, float *scratch, unsigned char *taken,
-                          float *w, int64_t *ids) {
+                          int64_t *group_ids, float *w, int64_t *ids) {
     float *scores = scratch, *choice = scratch + E, *group_scores = scratch + 2 * E;
     unsigned char *allowed = taken + E;
     for (int64_t i = 0; i < E; ++i) {
@@ -82,8 +82,7 @@ static void route_sigmoid(const float *logits, int64_t E, int64_t k, int norm, i
     const unsigned char *mask = NULL;
     if (groups > 1) {
         const int64_t size = E / groups;
-        int64_t best[2], chosen[64];
-        int64_t *group_ids = topk_groups <= 64 ? chosen : malloc(topk_groups * sizeof(int64_t));
+        int64_t best[2];
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t two = size < 2 ? size : 2;
             top_k(choice + g * size, size, two, NULL, taken, best);
@@ -93,7 +92,6 @@ static void route_sigmoid(const float *logits, int64_t E, int64_t k, int norm, i
         top_k(group_scores, groups, topk_groups, NULL, taken, group_ids);
         memset(allowed, 0, E);
         for (int64_t j = 0; j < topk_groups; ++j) memset(allowed + group_ids[j] * size, 1, size);
-        if (group_ids != chosen) free(group_ids);
         mask = allowed;
     }
     top_k(choice, E, k, mask, taken, ids);
@@ -102,19 +100,29 @@ static void route_sigmoid(const float *logits, int64_t E, int64_t k, int norm, i
     for (int64_t j = 0; j < k; ++j) w[j] = (norm ? w[j] / (sum + eps) : w[j]) * scaling;
 }
 
-void moe_route(const float *logits, float *weights, int64_t *ids, int64_t t, int64_t E, int64_t k, int64_t kind,
-               int64_t norm, int64_t groups, int64_t topk_groups, const float *bias, float scaling, float eps) {
+/* 0, or 1 when its scratch cannot be allocated (nothing written then). */
+int64_t moe_route(const float *logits, float *weights, int64_t *ids, int64_t t, int64_t E, int64_t k, int64_t kind,
+                  int64_t norm, int64_t groups, int64_t topk_groups, const float *bias, float scaling, float eps) {
     float *scratch = malloc((2 * E + groups) * sizeof(float));
     unsigned char *taken = malloc(2 * E + 1);
+    int64_t *group_ids = malloc((groups + 1) * sizeof(int64_t));
+    if (!scratch || !taken || !group_ids) {
+        free(scratch);
+        free(taken);
+        free(group_ids);
+        return 1;
+    }
     for (int64_t r = 0; r < t; ++r) {
         if (kind == ROUTER_SOFTMAX)
             route_softmax(logits + r * E, E, k, (int)norm, scratch, taken, weights + r * k, ids + r * k);
         else
             route_sigmoid(logits + r * E, E, k, (int)norm, groups, topk_groups, bias, scaling, eps, scratch, taken,
-                          weights + r * k, ids + r * k);
+                          group_ids, weights + r * k, ids + r * k);
     }
     free(scratch);
     free(taken);
+    free(group_ids);
+    return 0;
 }
 
 /* y [M, N] = x [M, K] · wᵀ for the panels of one expert in `format`. */
@@ -203,7 +211,8 @@ static void experts_pass(const float *x, const float *weights, const int64_t *id
     }
 }
 
-/* out [t, width] = Σ_s weights[r, s] · expert_{ids[r, s]}(x[r]); 1 when an id is outside [0, E), else 0. */
+/* out [t, width] = Σ_s weights[r, s] · expert_{ids[r, s]}(x[r]); 1 when an id is outside [0, E), 2 when the
+ * scratch cannot be allocated (nothing written then), else 0. */
 int64_t moe_experts(const float *x, const float *weights, const int64_t *ids, float *out, int64_t t, int64_t k,
                     int64_t E, int64_t width, int64_t inter, int64_t activation, int64_t format, int64_t path,
                     const void *up, const float *up_scale, int64_t up_stride, const void *down,
@@ -214,6 +223,12 @@ int64_t moe_experts(const float *x, const float *weights, const int64_t *ids, fl
     const int64_t up_n = activation == ACTIVATION_SILU_GATED ? 2 * inter : inter;
     float *scratch = malloc(max_pairs * (2 * width + up_n + inter) * sizeof(float));
     int64_t *offsets = malloc((2 * E + 1) * sizeof(int64_t)), *order = malloc(2 * max_pairs * sizeof(int64_t));
+    if (!scratch || !offsets || !order) {
+        free(scratch);
+        free(offsets);
+        free(order);
+        return 2;
+    }
     for (int64_t first = 0; first < t; first += chunk) {
         const int64_t n = t - first < chunk ? t - first : chunk;
         experts_pass(x + first * width, weights + first * k, ids + first * k, out + first * width, n, k, E, width,

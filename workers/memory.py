@@ -90,9 +90,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     storages: dict[int, int] = {}
 
     def add(value: object) -> None:
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            storage = value.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            return
+        if value.is_mkldnn:  # oneDNN's packed weights (linear_backend="onednn"): an opaque tensor, no storage
+            storages[id(value)] = value.numel() * value.element_size()
+            return
+        storage = value.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
 
     for module in model.modules():
         for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):

@@ -75,12 +75,22 @@ PRESETS.update(FALCON_H1_PRESETS)
 # compare a MoE step with a dense step of the same active width. "qwen3-next-bench" is Qwen3-Next's layout at the
 # "gdn-bench" size: 128 experts of 128, top 8 (softmax over the top 8), and a gated shared expert of 512.
 MOE_PRESETS: dict[str, dict[str, Any]] = {
-    "moe-bench": {**PRESETS["bench"], "num_local_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 256,
-                  "shared_intermediate_size": 512},
-    "qwen3-next-bench": {**{k: v for k, v in GDN_PRESETS["gdn-bench"].items() if k != "intermediate_size"},
-                         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 128,
-                         "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
-}  # fmt: skip
+    "moe-bench": {
+        **PRESETS["bench"],
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "intermediate_size": 256,
+        "shared_intermediate_size": 512,
+    },
+    "qwen3-next-bench": {
+        **{k: v for k, v in GDN_PRESETS["gdn-bench"].items() if k != "intermediate_size"},
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+    },
+}
 PRESETS.update(MOE_PRESETS)
 
 

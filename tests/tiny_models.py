@@ -145,12 +145,20 @@ GDN_VARIANT_FAMILIES = {
 MOE_VARIANT_FAMILIES = {
     "nemotron_latent_moe": lambda: NemotronHForCausalLM(
         NemotronHConfig(
-            **_COMMON, **_NEMOTRON, hybrid_override_pattern="ME*EM-", n_routed_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
-            routed_scaling_factor=1.5, moe_latent_size=24,
+            **_COMMON,
+            **_NEMOTRON,
+            hybrid_override_pattern="ME*EM-",
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            moe_latent_size=24,
         )
     ),
-}  # fmt: skip
+}
 # Saved with the hub's fused expert tensors instead of transformers' per-expert keys.
 FUSED_EXPERT_FAMILIES = ("qwen3_5_moe",)
 # Nemotron-H with an MTP head: "*E" as Nemotron 3 Super declares it, and two attention blocks with relu² MLPs.

@@ -15,6 +15,8 @@ Routing breaks ties toward the lower expert (and group) index on every path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,13 @@ def grouped_gemm_fits(device: torch.device, dtype: torch.dtype) -> bool:
     float dtype but float64 on CPU (where graphs are never captured: the form runs eagerly, for tests)."""
     if device.type != "cuda":
         return dtype != torch.float64
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return dtype == torch.bfloat16 and _compute_capability(device) >= (8, 0)
+
+
+@functools.cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once: eager CUDA steps check it in every MoE block."""
+    return torch.cuda.get_device_capability(device)
 
 
 def static_form_reason(device: torch.device, dtype: torch.dtype) -> str | None:

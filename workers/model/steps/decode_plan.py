@@ -74,8 +74,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
         if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
-        if block.kind == MOE and moe_unsupported_reason(mixer) is not None:
-            return moe_unsupported_reason(mixer)
+        if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
+            return reason
         linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
         if not all(isinstance(m, NativeLinear) for m in linears):
             return f"a {block.kind} block has linears outside the native kernel"

@@ -65,8 +65,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"{block.kind} blocks of the MTP head are not covered"
         mixer = block.mixer
         if block.kind == MOE:
-            if moe_unsupported_reason(mixer) is not None:
-                return moe_unsupported_reason(mixer)
+            if (reason := moe_unsupported_reason(mixer)) is not None:
+                return reason
             continue
         if block.kind == ATTENTION:
             head_norms = [norm for norm in (mixer.q_norm, mixer.k_norm) if norm is not None]

@@ -127,7 +127,14 @@ class Attention(nn.Module):
         cache.write(batch.slot_ids[rows], positions[rows, cols], k[rows, :, cols], v[rows, :, cols])
         # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
         span = int((batch.cache_lens + batch.num_tokens).max())
-        if b == 1 and length * span > LONG_ATTENTION_SCORES and a.sliding_window is None:
+        if self._fresh_prompts(batch, k, cache):
+            # Every row starts at position 0: its new keys are all it sees, causally. The square causal case skips
+            # the blocks above the diagonal that a [l, span] mask makes the CPU kernel compute (2× at 2,048 tokens).
+            # A padded row's valid query t sees only keys 0 … t, all valid.
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+            )
+        elif b == 1 and length * span > LONG_ATTENTION_SCORES and a.sliding_window is None:
             out = self._long(q, cache, batch, span)
         else:
             keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
@@ -136,6 +143,12 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
             )
         return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)
+
+    def _fresh_prompts(self, batch: ForwardBatch, k: torch.Tensor, cache: KVCache) -> bool:
+        """Whether attention can run on the new keys alone: every row starts its sequence, the layer has no
+        sliding window, and the cache stores keys as computed (a narrower cache dtype rounds what decode reads)."""
+        same_dtype = cache.key.dtype == k.dtype and cache.value.dtype == k.dtype
+        return same_dtype and self.config.sliding_window is None and not bool(batch.cache_lens.any())
 
     @staticmethod
     def _contiguous(cache: KVCache, batch: ForwardBatch, span: int) -> int | None:

@@ -99,7 +99,9 @@ def ssm(
         or tuple(A.shape) != (channels, size)
         or (in_place and length != 1)
     ):
-        raise ValueError(f"shape mismatch: xc {tuple(xc.shape)}, xdbc {tuple(xdbc.shape)}, state {tuple(ssm_state.shape)}")
+        raise ValueError(
+            f"shape mismatch: xc {tuple(xc.shape)}, xdbc {tuple(xdbc.shape)}, state {tuple(ssm_state.shape)}"
+        )
     y = torch.empty(xc.shape)
     native.load().mamba1_ssm(
         native.pointer(proj),
@@ -242,7 +244,12 @@ def prefill_scan(
 
 
 def state_after(
-    x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, A: torch.Tensor, ssm_state: torch.Tensor, num_tokens: torch.Tensor
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    B: torch.Tensor,
+    A: torch.Tensor,
+    ssm_state: torch.Tensor,
+    num_tokens: torch.Tensor,
 ) -> torch.Tensor:
     """ssm_state [b, I, N] advanced by each row's first num_tokens[r] tokens of a forward's scan inputs (x, dt after
     softplus [b, l, I]; B [b, l, N]) → a new tensor, with the decode step's arithmetic (speculative state shifting)."""

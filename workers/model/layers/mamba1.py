@@ -170,7 +170,9 @@ class Mamba1Mixer(nn.Module):
         conv = conv_window_after(state.conv, scan.conv_in, num_tokens)
         if self.decode_kernel == "native":  # the decode step's arithmetic, as the plan's keep
             counts = num_tokens.to(torch.int64).contiguous()
-            return RecurrentState(conv, native_mamba1.state_after(scan.x, scan.dt, scan.B, self.native_A(), state.ssm, counts))
+            return RecurrentState(
+                conv, native_mamba1.state_after(scan.x, scan.dt, scan.B, self.native_A(), state.ssm, counts)
+            )
         valid = torch.arange(scan.dt.shape[1], device=scan.dt.device)[None, :] < num_tokens[:, None]
         A = -torch.exp(self.A_log.float())
         return RecurrentState(

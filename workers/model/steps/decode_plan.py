@@ -6,8 +6,8 @@ records those same calls once per batch size — weights, state slots 0 … b-1 
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
 
-It covers models whose every block runs native on the module path: Mamba2 and Gated DeltaNet mixers with their
-native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
+It covers models whose every block runs native on the module path: Mamba2, Mamba1 (Jamba; `mamba1_records.py`) and
+Gated DeltaNet mixers with their native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
@@ -101,7 +101,7 @@ class DecodePlan(DecodeRecords):
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
     per row — speculative verification: every linear once over all the tokens (the weights are read once), each
-    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Gated DeltaNet layer
+    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Mamba1 / Gated DeltaNet layer
     walking the tokens on a cached copy of each head's state, which it leaves in the pool as it was.
     `keep(num_accepted_tokens)` then advances each row's recurrent states by its accepted tokens to the state after
     input num_accepted_tokens − 1. Verification and keep run the decode step's arithmetic (the same compiled

@@ -21,6 +21,7 @@ from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import check_quantization, prepare_linears
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
@@ -216,7 +217,7 @@ def _block_of(name: str) -> str:
 
 
 def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how `model` runs its decode steps (Mamba2 and Gated DeltaNet mixers, attention, norms, MLPs); returns
+    """Choose how `model` runs its decode steps (Mamba2, Mamba1 and Gated DeltaNet mixers, attention, norms, MLPs); returns
     the choice made.
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
@@ -252,6 +253,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
             if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
                 module.decode_kernel = "torch"
+        elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
+            module.decode_kernel = "native" if kernel == "native" else "torch"
         elif isinstance(module, (RMSNorm, MLP, Attention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

@@ -6,8 +6,8 @@ records those same calls once per batch size — weights, state slots 0 … b-1 
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
 
-It covers models whose every block runs native on the module path: Mamba2 and Gated DeltaNet mixers with their
-native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
+It covers models whose every block runs native on the module path: Mamba2, Mamba1 (Jamba; `mamba1_records.py`) and
+Gated DeltaNet mixers with their native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
@@ -35,10 +35,12 @@ from workers.model.checkpoint.config import (
 from workers.model.kernels import native
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.state import StatePool
-from workers.model.steps.decode_records import DecodeRecords, branches
+from workers.model.steps.decode_records import DecodeRecords, branches, kept_width
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
+from workers.model.steps.mamba1_records import Mamba1Scratch
 from workers.model.steps.plan_records import RECORD_WORDS
 
 
@@ -68,11 +70,9 @@ def unsupported_reason(model: HybridModel) -> str | None:
         return "LFM short-conv models are not covered (their conv, gates and sandwich norms run module by module)"
     for block in model.blocks:
         mixer = block.mixer
-        if block.kind == MAMBA1:
-            return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
-        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
+        if block.kind not in (MAMBA, GDN, MAMBA1, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
             return reason
@@ -81,7 +81,7 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"a {block.kind} block has linears outside the native kernel"
         recurrent, attention = branches(block)
         if recurrent is not None and recurrent.decode_kernel != "native":
-            name = "Gated DeltaNet" if block.kind == GDN else "Mamba2"
+            name = {GDN: "Gated DeltaNet", MAMBA1: "Mamba1"}.get(block.kind, "Mamba2")
             if name == "Mamba2" and not recurrent.config.fused_kernels_fit:
                 return "the Mamba2 mixers' norm variant (no norm, or norm before the gate) has no native kernel"
             return f"{name} decode steps do not run through the native kernel"
@@ -101,7 +101,7 @@ class DecodePlan(DecodeRecords):
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
     per row — speculative verification: every linear once over all the tokens (the weights are read once), each
-    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Gated DeltaNet layer
+    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Mamba1 / Gated DeltaNet layer
     walking the tokens on a cached copy of each head's state, which it leaves in the pool as it was.
     `keep(num_accepted_tokens)` then advances each row's recurrent states by its accepted tokens to the state after
     input num_accepted_tokens − 1. Verification and keep run the decode step's arithmetic (the same compiled
@@ -131,12 +131,14 @@ class DecodePlan(DecodeRecords):
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
-        recurrent = next((branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS), None)
-        self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
-        # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
-        # tokens from them.
+        # Every recurrent mixer, whatever its kind (Jamba mixes Mamba1 with attention): buffers fit the widest.
+        recurrent = [branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS]
+        self.xbc = torch.empty(tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1))  # conv output
+        # Verification keeps each recurrent layer's in_proj outputs (Mamba1: x_proj and dt_proj outputs too): `keep`
+        # advances the states by the accepted tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
-        self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
+        self.kept_proj = torch.empty(kept, tokens * max((kept_width(m) for m in recurrent), default=0) if kept else 0)
+        self.mamba1_scratch = Mamba1Scratch([m for m in recurrent if isinstance(m, Mamba1Mixer)], tokens)
         a = config.attention
         attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1

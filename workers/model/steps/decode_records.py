@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MOE, PARALLEL, RECURRENT_KINDS
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
+from workers.model.steps.mamba1_records import kept_width as mamba1_kept_width
+from workers.model.steps.mamba1_records import record_mamba1, record_mamba1_shift
 from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
 
 
@@ -23,6 +26,12 @@ def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.M
     if block.kind == PARALLEL:
         return block.mixer.mamba, block.mixer.self_attn
     return (block.mixer if block.kind in RECURRENT_KINDS else None), (block.mixer if block.kind == ATTENTION else None)
+
+
+def kept_width(mixer: torch.nn.Module) -> int:
+    """Floats per token a verification keeps of a recurrent layer for the keep: its in_proj outputs (Mamba1: its
+    x_proj and dt_proj outputs too)."""
+    return mamba1_kept_width(mixer) if isinstance(mixer, Mamba1Mixer) else mixer.in_proj.out_features
 
 
 class DecodeRecords:
@@ -48,6 +57,8 @@ class DecodeRecords:
                 self._record_mamba(rec, block.mixer, recurrent_layer)
             elif block.kind == GDN:
                 self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == MAMBA1:
+                record_mamba1(rec, block.mixer, recurrent_layer, self)
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
@@ -135,6 +146,9 @@ class DecodeRecords:
         rec = Recorder(b, length)
         mixers = [branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
+            if isinstance(mixer, Mamba1Mixer):
+                record_mamba1_shift(rec, mixer, layer, self)
+                continue
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config

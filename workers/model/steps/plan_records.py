@@ -46,6 +46,10 @@ class Op(enum.IntEnum):
     MOE_ROUTE = 41  # router logits → each row's experts and weights (csrc/moe.c)
     MOE_EXPERTS = 42  # the chosen experts' weighted sum per row
     MOE_COMBINE = 43  # routed + (sigmoid-gated) shared MLP output
+    MAMBA1_CONV = 50  # Mamba1 (Jamba, steps/mamba1_records.py): conv window step + SiLU over x
+    MAMBA1_NORMS = 51  # the dt / B / C RMS norms of x_proj's output
+    MAMBA1_SSM = 52  # softplus(dt), the selective state update, D skip, silu(z) gate (decode or verification)
+    MAMBA1_SHIFT = 53  # the keep after a verification (decode_plan_shift)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

@@ -46,6 +46,10 @@ enum {
     OP_MOE_ROUTE = 41,
     OP_MOE_EXPERTS = 42,
     OP_MOE_COMBINE = 43,
+    OP_MAMBA1_CONV = 50, /* Mamba1 (Jamba): mamba1_decode.c, recorded by steps/mamba1_records.py */
+    OP_MAMBA1_NORMS = 51,
+    OP_MAMBA1_SSM = 52,
+    OP_MAMBA1_SHIFT = 53,
 };
 
 typedef struct {
@@ -245,6 +249,18 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_ATTENTION_PADDED: /* a: as OP_ATTENTION; rows at position -1 are padding */
             if (attention_padded(op, num_threads)) return i + 1;
             break;
+        case OP_MAMBA1_CONV: /* a: proj [l, b, 2I], conv windows, conv weight, conv bias, xc out, b, l, I, W, advance */
+            mamba1_conv(F32(0), F32(1), F32(2), F32(3), F32(4), op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
+                        num_threads);
+            break;
+        case OP_MAMBA1_NORMS: /* a: x_proj output, dt / B / C norm weights, dt_in out, rows, R, N; f: eps */
+            mamba1_norms(F32(0), F32(1), F32(2), F32(3), (float)op->f[0], F32(4), op->a[5], op->a[6], op->a[7],
+                         num_threads);
+            break;
+        case OP_MAMBA1_SSM: /* a: proj, xc, xdbc, dt_raw, A, D, SSM states, y, b, l, I, R, N, in place */
+            mamba1_ssm(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), F32(7), op->a[8], op->a[9], op->a[10],
+                       op->a[11], op->a[12], op->a[13], num_threads);
+            break;
         case OP_ARGMAX: /* a: logits [rows, n], token ids out [rows] (int64), rows, n: torch.argmax's first index */
             argmax_rows(F32(0), I64(1), op->a[2], op->a[3], num_threads);
             break;
@@ -263,6 +279,14 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
+        if (op->code == OP_MAMBA1_SHIFT) { /* a: proj, conv windows, conv w, conv b, xdbc, dt_raw, A, SSM states, xc
+                                            * scratch, b, l, I, R, N, W (mamba1_keep's arguments) */
+            for (int64_t r = 0; r < op->a[9]; ++r)
+                if (accepted[r] < 1 || accepted[r] > op->a[10]) return i + 1;
+            mamba1_keep(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), F32(7), F32(8), accepted, op->a[9],
+                        op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
+            continue;
+        }
         const int mamba = op->code == OP_MAMBA2_SHIFT;
         if (!mamba && op->code != OP_GDN_SHIFT) return i + 1;
         const int64_t b = mamba ? op->a[9] : op->a[7], length = mamba ? op->a[15] : op->a[13];

@@ -57,6 +57,25 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
                  const float *A_log, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
+void mamba1_conv(const float *proj, float *conv_state, const float *conv_w, const float *conv_b, float *xc, int64_t b,
+                 int64_t l, int64_t I, int64_t W, int64_t advance, int num_threads);
+void mamba1_norms(float *xdbc, const float *dt_w, const float *b_w, const float *c_w, float eps, float *dt_in,
+                  int64_t rows, int64_t R, int64_t N, int num_threads);
+void mamba1_ssm(const float *proj, const float *xc, const float *xdbc, const float *dt_raw, const float *A,
+                const float *D, float *ssm_state, float *y, int64_t b, int64_t l, int64_t I, int64_t R, int64_t N,
+                int64_t in_place, int num_threads);
+void mamba1_keep(const float *proj, float *conv_state, const float *conv_w, const float *conv_b, const float *xdbc,
+                 const float *dt_raw, const float *A, float *ssm_state, float *xc, const int64_t *accepted, int64_t b,
+                 int64_t l, int64_t I, int64_t R, int64_t N, int64_t W, int num_threads);
+void mamba1_prefill_conv(const float *proj, const int64_t *num_tokens, const float *conv_w, const float *conv_b,
+                         const float *initial_conv, float *conv_state, float *xc, int64_t b, int64_t l, int64_t I,
+                         int64_t W, int num_threads);
+void mamba1_prefill_scan(const float *proj, const int64_t *num_tokens, const float *xc, const float *xdbc,
+                         const float *dt_raw, const float *A, const float *D, const float *initial_ssm,
+                         float *ssm_state, float *dt_out, float *y, int64_t b, int64_t l, int64_t I, int64_t R,
+                         int64_t N, int num_threads);
+void mamba1_state_after(const float *x, const float *dt, const float *B, const float *A, float *ssm_state,
+                        const int64_t *num_tokens, int64_t b, int64_t l, int64_t I, int64_t N, int num_threads);
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,

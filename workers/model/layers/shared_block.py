@@ -21,9 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import SHARED_ATTENTION, HybridConfig, SharedBlockConfig
+from workers.model.kernels import native
 from workers.model.layers.attention import Attention
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
+
+
+def gelu_mul(h: torch.Tensor, use_native: bool) -> torch.Tensor:
+    """gelu(gate) · up (the erf form) for h [..., 2n] = [gate | up] → [..., n]; through the native kernel when asked,
+    so that a decode plan, which records that kernel, computes the same bits."""
+    if use_native and native.fits(h):
+        return native.gelu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.gelu(gate) * up
 
 
 class LowRank(nn.Module):
@@ -81,6 +91,7 @@ class SharedBlockUse(nn.Module):
         self.config = config
         self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.use_index = -1  # this use's position among the model's uses (its adapters' index); set by `bind`
+        self.native = False  # the MLP's gelu(gate) · up through the native kernel (set at load for CPU float32)
 
     def bind(self, shared: SharedTransformer, use_index: int) -> None:
         """Attach the shared block's weights and this use's adapters: the attention (this use's own module over
@@ -118,8 +129,8 @@ class SharedBlockUse(nn.Module):
         attend = self.attention.forward_static if static_shapes else self.attention
         attended = attend(x, batch, cache)
         # 2. Gated-GELU MLP on its norm (no residual inside the block), then this use's projection.
-        gate, up = self.gate_up_proj(self.pre_ff_norm(attended)).chunk(2, dim=-1)
-        return self.linear(self.down_proj(F.gelu(gate) * up))
+        gate_up = self.gate_up_proj(self.pre_ff_norm(attended))
+        return self.linear(self.down_proj(gelu_mul(gate_up, self.native)))
 
 
 def bind_shared_blocks(blocks: nn.ModuleList, config: HybridConfig) -> None:

@@ -40,6 +40,7 @@ from workers.model.state import StatePool
 from workers.model.steps.decode_records import DecodeRecords, branches
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
 from workers.model.steps.plan_records import RECORD_WORDS
+from workers.model.steps.shared_block_records import SharedBlockScratch, shared_block_unsupported_reason
 
 
 def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
@@ -57,11 +58,11 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
-    if SHARED_ATTENTION in model.config.block_kinds:
-        return "Zamba2's shared transformer blocks (attention over [hidden, embeddings], adapters) are not covered"
+    if (reason := shared_block_unsupported_reason(model)) is not None:
+        return reason
     if any(block.post_norm is not None for block in model.blocks):
         return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
-    norms = [block.norm for block in model.blocks] + [model.final_norm]
+    norms = [block.norm for block in model.blocks if block.kind != SHARED_ATTENTION] + [model.final_norm]
     if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
     if model.config.short_conv is not None or model.config.sandwich_norms:
@@ -72,6 +73,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
+        if block.kind == SHARED_ATTENTION:  # checked by shared_block_unsupported_reason
+            continue
         if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
@@ -148,6 +151,7 @@ class DecodePlan(DecodeRecords):
         self.branch, self.branch_normed = (
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
+        self.shared_scratch = SharedBlockScratch(model, tokens)  # Zamba2's shared-block uses
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}

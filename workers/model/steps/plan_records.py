@@ -46,6 +46,8 @@ class Op(enum.IntEnum):
     MOE_ROUTE = 41  # router logits → each row's experts and weights (csrc/moe.c)
     MOE_EXPERTS = 42  # the chosen experts' weighted sum per row
     MOE_COMBINE = 43  # routed + (sigmoid-gated) shared MLP output
+    ADD = 80  # out = x + y elementwise (Zamba2: adapters, the residual stream its shared blocks leave unwritten)
+    GELU_MUL = 81  # gelu(gate) · up, the erf form (Zamba2's shared MLP)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

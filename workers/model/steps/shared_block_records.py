@@ -34,7 +34,9 @@ class SharedBlockScratch:
         self.concat, self.concat_normed = (torch.empty(tokens, 2 * d) for _ in range(2))  # [hidden | embeddings]
         self.keys, self.values = (torch.empty(tokens, a.num_kv_heads * a.head_dim) for _ in range(2))
         rank = config.shared_block.adapter_rank if uses else 1
-        widths = [m.out_features for use in uses for m in use.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
+        widths = [
+            m.out_features for use in uses for m in use.modules() if isinstance(m, torch.nn.Linear | NativeLinear)
+        ]
         self.low = torch.empty(tokens * rank)  # an adapter's down projection
         self.adapted = torch.empty(tokens * max(widths, default=1))  # an adapter's output, added to the base's
         self.ffn_in, self.total = (torch.empty(tokens, d) for _ in range(2))

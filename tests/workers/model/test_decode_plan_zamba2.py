@@ -97,9 +97,17 @@ def test_shared_blocks_outside_the_native_kernels_say_why(paths):
     assert "residual multiplier" in unsupported_reason(model)
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_plan_steps_equal_the_module_path_bit_for_bit(paths, name):
-    model = load_checkpoint(str(paths[name])).model
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        *((name, {}) for name in LAYOUTS),
+        ("zamba2_lora", {"quantization": "int8"}),
+        ("zamba2_abab", {"dtype": "bfloat16"}),
+    ],
+)  # int8 and bfloat16 panels: every shared linear and adapter records the kernel its module calls
+def test_plan_steps_equal_the_module_path_bit_for_bit(paths, name, options):
+    model = load_checkpoint(str(paths[name]), **options).model
+    assert unsupported_reason(model) is None
     reference = _random_pool(model, slots=4, capacity=24, seed=0)
     reference.ssm.mul_(0.3)
     planned = _clone(reference)

@@ -10,6 +10,8 @@ sets, used round-robin): on x2 = rmsnorm([hidden, original embeddings]) (2d wide
 and the Mamba2 block then reads rmsnorm(hidden + T) while its residual stays `hidden` (`HybridModel.forward`).
 The shared weights are the same modules in every use (registered under each, like tied weights: the loader fills
 each alias, `prepare_linears` replaces a shared Linear once); each use has its own KV cache, adapters and linear.
+On the native path (CPU float32) gelu(gate) · up runs through the native kernel a decode plan records
+(`steps/shared_block_records.py`), so plan and module compute the same bits.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 /
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
-MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
+MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`), Zamba2's shared-block
+uses those of `SharedBlockUse.forward` (`shared_block_records.py`). Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 

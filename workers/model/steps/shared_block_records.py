@@ -61,8 +61,12 @@ def shared_block_unsupported_reason(model: torch.nn.Module) -> str | None:
         norms = [use.input_norm, use.pre_ff_norm]
         if not (use.native and use.attention.native and all(norm.native for norm in norms)):
             return "Zamba2's shared blocks do not run through the native kernels"
-        plain = [m for m in use.modules() if isinstance(m, torch.nn.Linear | NativeLinear)]
-        if not all(isinstance(m, NativeLinear) for m in plain):
+        adapted = [use.attention.q_proj, use.attention.k_proj, use.attention.v_proj, use.gate_up_proj]
+        adapters = [layer.adapter for layer in adapted if layer.adapter is not None]
+        linears = [use.linear, use.down_proj, use.attention.o_proj, *(layer.base for layer in adapted)]
+        if not all(
+            isinstance(m, NativeLinear) for m in [*linears, *(a.down for a in adapters), *(a.up for a in adapters)]
+        ):
             return "a Zamba2 shared block has linears outside the native kernel"
     return None
 

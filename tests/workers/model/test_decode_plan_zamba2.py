@@ -101,13 +101,18 @@ def test_every_use_records_the_shared_blocks_packed_panels(paths, name):
     assert int(records[:, 0].eq(Op.GELU_MUL).sum()) == len(uses)
 
 
-def test_shared_blocks_outside_the_native_kernels_say_why(paths):
+def test_shared_blocks_outside_the_native_kernels_say_why_and_bad_input_is_refused(paths):
     path = str(paths["zamba2_lora"])
     torch_steps = load_checkpoint(path, decode_kernel="torch").model
     assert unsupported_reason(torch_steps) == "Zamba2's shared blocks do not run through the native kernels"
     torch_linears = load_checkpoint(path, linear_backend="torch").model
     assert unsupported_reason(torch_linears) == "a Zamba2 shared block has linears outside the native kernel"
     model = load_checkpoint(path).model
+    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    with pytest.raises(ValueError, match="position outside the KV cache"):  # refused by the first use's attention
+        plan.run([1, 2], [3, 8])
+    with pytest.raises(ValueError, match=r"token id outside \[0, "):
+        plan.run([model.config.vocab_size], [0])
     model.config = replace(model.config, residual_multiplier=0.5)
     assert "residual multiplier" in unsupported_reason(model)
 

@@ -25,6 +25,7 @@ from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
+from workers.model.layers.shared_block import SharedBlockUse
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -223,10 +224,10 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
     Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
-    (RMSNorm fused with the residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of
-    `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their state shifts after
-    verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on
-    CUDA where triton imports, else torch.
+    (RMSNorm fused with the residual add, the MLP's silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused
+    Triton kernels of `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their
+    state shifts after verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and
+    builds, triton on CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -255,7 +256,7 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
                 module.decode_kernel = "torch"
         elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
             module.decode_kernel = "native" if kernel == "native" else "torch"
-        elif isinstance(module, (RMSNorm, MLP, Attention)):
+        elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel
 

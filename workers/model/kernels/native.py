@@ -18,6 +18,7 @@
   rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
+- `csrc/shared_block.c`: gelu(gate) · up and an elementwise add for Zamba2's shared blocks.
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 Each is built per instruction set (`isa.py`: avx512, avx2, portable; neon on aarch64), with vectors and register
 tiles sized by `csrc/simd.h`. They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and
@@ -282,6 +283,14 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     n = h.shape[-1] // 2
     out = h.new_empty(*h.shape[:-1], n)
     load().silu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    return out
+
+
+def gelu_mul(h: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) · up (the erf form, F.gelu's default) for h [..., 2n] = [gate | up] → [..., n] (Zamba2's MLP)."""
+    n = h.shape[-1] // 2
+    out = h.new_empty(*h.shape[:-1], n)
+    load().gelu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
     return out
 
 

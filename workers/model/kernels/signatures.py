@@ -16,6 +16,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "add_rms_norm": (None, [P, P, F32, P, F32, P, I64, I64, INT]),
     "silu_mul": (None, [P, P, I64, I64, INT]),
     "sigmoid_mul": (None, [P, P, P, I64, I64, INT]),
+    "gelu_mul": (None, [P, P, I64, I64, INT]),
+    "add_rows": (None, [P, P, P, I64, INT]),
     "argmax_rows": (None, [P, P, I64, I64, INT]),
     "mamba2_prefill": (None, [P] * 7 + [F32, F32, P, I64, F32] + [P] * 6 + [I64] * 7 + [INT]),
     "rope_rows": (None, [P, P, P] + [I64] * 4),

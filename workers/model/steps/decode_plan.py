@@ -11,7 +11,8 @@ Gated DeltaNet mixers with their native decode kernels, attention (NoPE or RoPE;
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
-MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
+MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`), Zamba2's shared-block
+uses those of `SharedBlockUse.forward` (`shared_block_records.py`). Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -42,6 +43,7 @@ from workers.model.steps.decode_records import DecodeRecords, branches, kept_wid
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
 from workers.model.steps.mamba1_records import Mamba1Scratch
 from workers.model.steps.plan_records import RECORD_WORDS
+from workers.model.steps.shared_block_records import SharedBlockScratch, shared_block_unsupported_reason
 
 
 def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
@@ -59,11 +61,11 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
-    if SHARED_ATTENTION in model.config.block_kinds:
-        return "Zamba2's shared transformer blocks (attention over [hidden, embeddings], adapters) are not covered"
+    if (reason := shared_block_unsupported_reason(model)) is not None:
+        return reason
     if any(block.post_norm is not None for block in model.blocks):
         return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
-    norms = [block.norm for block in model.blocks] + [model.final_norm]
+    norms = [block.norm for block in model.blocks if block.kind != SHARED_ATTENTION] + [model.final_norm]
     if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
     if model.config.short_conv is not None or model.config.sandwich_norms:
@@ -72,6 +74,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
         mixer = block.mixer
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
+        if block.kind == SHARED_ATTENTION:  # checked by shared_block_unsupported_reason
+            continue
         if block.kind not in (MAMBA, GDN, MAMBA1, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
@@ -150,6 +154,7 @@ class DecodePlan(DecodeRecords):
         self.branch, self.branch_normed = (
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
+        self.shared_scratch = SharedBlockScratch(model, tokens)  # Zamba2's shared-block uses
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}

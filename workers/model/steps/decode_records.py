@@ -3,22 +3,39 @@
 `DecodeRecords` is the recording half of `DecodePlan` (`decode_plan.py`, which allocates the buffers these records
 point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the kept in_proj outputs — and replays
 them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
-(`feed_forward_records.py`) each have their records here; the state shift after a verification too.
+(`feed_forward_records.py`) each have their records here, Zamba2's shared-block uses in `shared_block_records.py`;
+the state shift after a verification too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MAMBA1, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.checkpoint.config import (
+    ATTENTION,
+    GDN,
+    MAMBA,
+    MAMBA1,
+    MOE,
+    PARALLEL,
+    RECURRENT_KINDS,
+    SHARED_ATTENTION,
+)
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.norm import PassThroughNorm
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
 from workers.model.steps.mamba1_records import kept_width as mamba1_kept_width
 from workers.model.steps.mamba1_records import record_mamba1, record_mamba1_shift
 from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
+from workers.model.steps.shared_block_records import (
+    record_embeddings_copy,
+    record_norm_or_pass_through,
+    record_pass_through_residual,
+    record_shared_block,
+)
 
 
 def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
@@ -48,8 +65,8 @@ class DecodeRecords:
             [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
             (config.embedding_multiplier,),
         )
-        first_norm = model.blocks[0].norm if model.blocks else model.final_norm
-        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        record_embeddings_copy(rec, self, n)  # Zamba2's shared blocks read the input embeddings
+        record_norm_or_pass_through(rec, self, model.blocks[0].norm if model.blocks else model.final_norm, n)
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         recurrent_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -65,11 +82,18 @@ class DecodeRecords:
             elif block.kind == PARALLEL:
                 self._record_parallel(rec, block, recurrent_layer, attention_layer)
                 attention_layer += 1
+            elif block.kind == SHARED_ATTENTION:  # Zamba2: writes normed = next_norm(hidden + T), not the residual
+                record_shared_block(rec, self, block.mixer, attention_layer, next_norm)
+                attention_layer += 1
+                continue
             elif block.kind == MOE:
                 record_moe(rec, block.mixer, normed, mixed, self.moe_scratch, self.wide, self.narrow)
             else:
                 record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             recurrent_layer += block.kind in RECURRENT_KINDS
+            if isinstance(next_norm, PassThroughNorm):  # a shared-block use next: it norms its own input
+                record_pass_through_residual(rec, self, n)
+                continue
             rec.emit(
                 Op.ADD_RMS_NORM,
                 [hidden, mixed, next_norm.weight, normed, n, d],

@@ -50,6 +50,8 @@ class Op(enum.IntEnum):
     MAMBA1_NORMS = 51  # the dt / B / C RMS norms of x_proj's output
     MAMBA1_SSM = 52  # softplus(dt), the selective state update, D skip, silu(z) gate (decode or verification)
     MAMBA1_SHIFT = 53  # the keep after a verification (decode_plan_shift)
+    ADD = 80  # out = x + y elementwise (Zamba2: adapters, the residual stream its shared blocks leave unwritten)
+    GELU_MUL = 81  # gelu(gate) · up, the erf form (Zamba2's shared MLP)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

@@ -50,6 +50,8 @@ enum {
     OP_MAMBA1_NORMS = 51,
     OP_MAMBA1_SSM = 52,
     OP_MAMBA1_SHIFT = 53,
+    OP_ADD = 80, /* Zamba2's shared blocks (shared_block.c) */
+    OP_GELU_MUL = 81,
 };
 
 typedef struct {
@@ -184,6 +186,12 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             break;
         case OP_MOE_COMBINE: /* a: routed, shared, gate or null, out, rows, d */
             moe_combine(F32(0), F32(1), F32(2), F32(3), op->a[4], op->a[5]);
+            break;
+        case OP_ADD: /* a: x, y, out, n */
+            add_rows(F32(0), F32(1), F32(2), op->a[3], num_threads);
+            break;
+        case OP_GELU_MUL: /* a: h [rows, 2n] = [gate | up], out [rows, n], rows, n */
+            gelu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);
             break;
         case OP_SILU_MUL:
             silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);

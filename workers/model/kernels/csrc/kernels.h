@@ -98,5 +98,7 @@ void moe_combine(const float *routed, const float *shared, const float *gate, fl
 int64_t linear_panel_width(void);
 const char *kernel_isa(void);
 void flush_denormals_on_threads(int num_threads);
+void gelu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads);
+void add_rows(const float *x, const float *y, float *out, int64_t n, int num_threads);
 
 #endif

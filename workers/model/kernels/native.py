@@ -318,10 +318,11 @@ def attention_decode(
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the paged `cache` (a
     `KVCache`: key/value [KV, tokens, d] over its block table), then attend q [b, H, d] over positions
-    0 … position of each row → [b, H, d]."""
+    0 … position of each row → [b, H, d]; with a sliding `window`, over its last `window` positions only."""
     b, num_heads, head_dim = q.shape
     blocks = cache.blocks
     if not (
@@ -331,8 +332,10 @@ def attention_decode(
     last = int(positions.max())
     if last >= blocks.max_blocks_per_slot * blocks.block_size:
         raise ValueError(f"position {last} is past the KV capacity of a slot")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 position, got {window}")
     out = torch.empty_like(q)
-    load().attention_decode(
+    load().attention_verify_window(
         pointer(q),
         pointer(k),
         pointer(v),
@@ -347,9 +350,11 @@ def attention_decode(
         scale,
         pointer(out),
         b,
+        1,
         num_heads,
         cache.key.shape[0],
         head_dim,
+        window or 0,
         torch.get_num_threads(),
     )
     return out

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
-from workers.model.kernels.short_conv import short_conv, short_conv_step_
+from workers.model.kernels.short_conv import native_short_conv_step_, short_conv, short_conv_step_
 from workers.model.kernels.ssd import conv_window_after
 from workers.model.state import RecurrentState
 
@@ -36,7 +36,8 @@ class ShortConvMixer(nn.Module):
         self.in_proj = nn.Linear(d, 3 * d, bias=c.bias)
         self.conv1d = nn.Conv1d(d, d, c.conv_kernel, groups=d, bias=c.bias)
         self.out_proj = nn.Linear(d, d, bias=c.bias)
-        self.decode_kernel = "torch"  # no native or Triton kernel of its own (see decode_plan.unsupported_reason)
+        # "native": decode steps through `csrc/short_conv.c` (the loader's choice on CPU float32), else torch.
+        self.decode_kernel = "torch"
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
@@ -47,6 +48,8 @@ class ShortConvMixer(nn.Module):
         state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
         """
         b, length, d = hidden.shape
+        if self.decode_kernel == "native" and in_place and state is not None and length == 1:
+            return self._native_decode(hidden, state), state, None
         # 1. Projections: B, C, x; the conv reads u = B · x.
         gate_b, gate_c, x = self.in_proj(hidden).chunk(3, dim=-1)
         u = gate_b * x
@@ -62,6 +65,12 @@ class ShortConvMixer(nn.Module):
         conv, new_window = short_conv(u, window, weight, self.conv1d.bias, num_tokens)
         # 3. Output gate C, output projection.
         return self.out_proj(gate_c * conv), RecurrentState(new_window, matrix), ConvScanInputs(u)
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/short_conv.c`, shifting `state`'s window in place; hidden [b, 1, d]."""
+        weight = self.conv1d.weight.squeeze(1)
+        y = native_short_conv_step_(self.in_proj(hidden[:, 0]).contiguous(), state.conv, weight, self.conv1d.bias)
+        return self.out_proj(y)[:, None]
 
     def state_after(
         self, state: RecurrentState, scan: ConvScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False

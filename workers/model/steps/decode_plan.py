@@ -11,7 +11,9 @@ native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 /
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
-MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
+MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). LFM2 / LFM3's short
+convs, sandwich norms, per-head output gates and sliding windows, and OLMo-Hybrid's post-norm blocks (with their
+whole-width q/k norms and beta = 2·sigmoid(b) Gated DeltaNets) have theirs in `lfm_olmo_records.py`. Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -31,14 +33,17 @@ from workers.model.checkpoint.config import (
     PARALLEL,
     RECURRENT_KINDS,
     SHARED_ATTENTION,
+    SHORT_CONV,
 )
 from workers.model.kernels import native
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.norm import PassThroughNorm
 from workers.model.state import StatePool
 from workers.model.steps.decode_records import DecodeRecords, branches
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
+from workers.model.steps.lfm_olmo_records import HeadGateScratch, post_norm_unsupported_reason
 from workers.model.steps.plan_records import RECORD_WORDS
 
 
@@ -59,20 +64,18 @@ def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
     if SHARED_ATTENTION in model.config.block_kinds:
         return "Zamba2's shared transformer blocks (attention over [hidden, embeddings], adapters) are not covered"
-    if any(block.post_norm is not None for block in model.blocks):
-        return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
-    norms = [block.norm for block in model.blocks] + [model.final_norm]
-    if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
+    norms = [block.norm for block in model.blocks if not isinstance(block.norm, PassThroughNorm)]
+    if not all(norm.native for norm in [*norms, model.final_norm]) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
-    if model.config.short_conv is not None or model.config.sandwich_norms:
-        return "LFM short-conv models are not covered (their conv, gates and sandwich norms run module by module)"
+    if (reason := post_norm_unsupported_reason(model)) is not None:
+        return reason
     for block in model.blocks:
         mixer = block.mixer
         if block.kind == MAMBA1:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
-        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
+        if block.kind not in (MAMBA, GDN, SHORT_CONV, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
             return reason
@@ -81,12 +84,12 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"a {block.kind} block has linears outside the native kernel"
         recurrent, attention = branches(block)
         if recurrent is not None and recurrent.decode_kernel != "native":
+            if block.kind == SHORT_CONV:
+                return "short-conv decode steps do not run through the native kernel"
             name = "Gated DeltaNet" if block.kind == GDN else "Mamba2"
             if name == "Mamba2" and not recurrent.config.fused_kernels_fit:
                 return "the Mamba2 mixers' norm variant (no norm, or norm before the gate) has no native kernel"
             return f"{name} decode steps do not run through the native kernel"
-        if attention is not None and attention.config.qk_norm_full_width:
-            return "q/k norms over the whole projection (OLMo) are not covered"
         if attention is not None:
             head_norms = [norm for norm in (attention.q_norm, attention.k_norm) if norm is not None]
             if not (attention.native and all(norm.native for norm in head_norms)):
@@ -131,12 +134,14 @@ class DecodePlan(DecodeRecords):
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
-        recurrent = next((branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS), None)
-        self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
+        recurrent = [branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS]
+        # The conv's output (its input for a short conv), as wide as the widest of the layers' convs.
+        self.xbc = torch.empty(tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1))
         # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
         # tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
-        self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
+        widest_proj = max((m.in_proj.out_features for m in recurrent), default=0)
+        self.kept_proj = torch.empty(kept, tokens * widest_proj if kept else 0)
         a = config.attention
         attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
@@ -148,6 +153,7 @@ class DecodePlan(DecodeRecords):
         self.branch, self.branch_normed = (
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
+        self.head_gates = HeadGateScratch(model, tokens)
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}

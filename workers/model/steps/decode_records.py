@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MOE, PARALLEL, RECURRENT_KINDS, SHORT_CONV
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.short_conv import ShortConvMixer
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
+from workers.model.steps.lfm_olmo_records import (
+    record_first_norm,
+    record_head_gate,
+    record_residual,
+    record_short_conv,
+    record_short_conv_shift,
+)
 from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
 
 
@@ -39,8 +47,7 @@ class DecodeRecords:
             [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
             (config.embedding_multiplier,),
         )
-        first_norm = model.blocks[0].norm if model.blocks else model.final_norm
-        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        record_first_norm(rec, model, hidden, normed)
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         recurrent_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -48,6 +55,8 @@ class DecodeRecords:
                 self._record_mamba(rec, block.mixer, recurrent_layer)
             elif block.kind == GDN:
                 self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == SHORT_CONV:
+                record_short_conv(rec, block.mixer, self, recurrent_layer)
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
@@ -59,11 +68,7 @@ class DecodeRecords:
             else:
                 record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             recurrent_layer += block.kind in RECURRENT_KINDS
-            rec.emit(
-                Op.ADD_RMS_NORM,
-                [hidden, mixed, next_norm.weight, normed, n, d],
-                (config.residual_multiplier, next_norm.eps),
-            )
+            record_residual(rec, block, next_norm, self, config.residual_multiplier)
         rec.linear(model.lm_head, normed, self.logits[:n])
         return rec.tensor()
 
@@ -125,7 +130,7 @@ class DecodeRecords:
         rec.emit(
             Op.GDN if length == 1 else Op.GDN_VERIFY,
             [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
-            (mixer.norm.eps,),
+            (mixer.norm.eps, g.beta_scale),
         )
         rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
 
@@ -136,10 +141,17 @@ class DecodeRecords:
         mixers = [branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
+            if isinstance(mixer, ShortConvMixer):
+                record_short_conv_shift(rec, mixer, self, layer)
+                continue
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config
                 sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
-                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
+                rec.emit(
+                    Op.GDN_SHIFT,
+                    [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length],
+                    (g.beta_scale,),
+                )
                 continue
             m = mixer.config
             rec.emit(
@@ -190,7 +202,7 @@ class DecodeRecords:
         q, keys, values, out = record_attention_inputs(rec, attention, self)
         inv_freq = None
         if a.rope_theta is not None:
-            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
+            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"), a.rope_pairs)
             self._referenced.append(inv_freq)
         if inv_freq is not None:
             for t in range(length):
@@ -220,9 +232,12 @@ class DecodeRecords:
                 blocks.block_size,
                 self.pool.key.shape[2],
                 length,
+                a.sliding_window or 0,
             ],
             (a.scale,),
         )
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
+        if attention.g_proj is not None:  # LFM3's one gate per head
+            record_head_gate(rec, attention, self, out.view(n, width))
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)

@@ -165,6 +165,8 @@ def test_draft_model_speculation_through_plans_equals_plain(family_dir, checkpoi
     path = family_dir(family)
     draft_path = family_dir(draft) if draft in FAMILIES else checkpoint_dir(draft)
     expected, _ = _generate(path, decode_plan=False)
-    got, runner = _generate(path, speculative=SpeculativeConfig("draft", 3, draft_model=str(draft_path), policy="fixed"))
+    got, runner = _generate(
+        path, speculative=SpeculativeConfig("draft", 3, draft_model=str(draft_path), policy="fixed")
+    )
     assert got == expected and runner.spec_stats()["num_draft_tokens"] > 0
     assert isinstance(runner._scheduler.workspace.plan, DecodePlan)

@@ -251,8 +251,6 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-            if module.config.beta_scale != 1.0 and kernel == "triton":  # Triton's beta is sigmoid(b) (OLMo: 2·)
-                module.decode_kernel = "torch"
         elif isinstance(module, ShortConvMixer):
             module.decode_kernel = "native" if kernel == "native" else "torch"  # no Triton short conv
         elif isinstance(module, (RMSNorm, MLP, Attention)):

@@ -48,7 +48,8 @@ class ShortConvMixer(nn.Module):
         state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
         """
         b, length, d = hidden.shape
-        if self.decode_kernel == "native" and in_place and state is not None and length == 1:
+        native_step = in_place and state is not None and length == 1 and state.conv.is_contiguous()
+        if self.decode_kernel == "native" and native_step:
             return self._native_decode(hidden, state), state, None
         # 1. Projections: B, C, x; the conv reads u = B · x.
         gate_b, gate_c, x = self.in_proj(hidden).chunk(3, dim=-1)

@@ -3,7 +3,9 @@
 `DecodeRecords` is the recording half of `DecodePlan` (`decode_plan.py`, which allocates the buffers these records
 point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the kept in_proj outputs — and replays
 them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
-(`feed_forward_records.py`) each have their records here; the state shift after a verification too.
+(`feed_forward_records.py`) each have their records here; the state shift after a verification too. LFM's short
+convs, head gates and norms after the mixer (LFM3's sandwich norms, OLMo's post-norm blocks) are in
+`lfm_olmo_records.py`.
 """
 
 from __future__ import annotations

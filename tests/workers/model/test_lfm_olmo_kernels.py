@@ -16,7 +16,12 @@ from tests.workers.model.test_decode_plan_gdn import _module_step
 from workers.model import load_checkpoint
 from workers.model.kernels import native_recurrent
 from workers.model.kernels.gated_delta import delta_rule_scan
-from workers.model.kernels.short_conv import native_short_conv_step_, short_conv_step_
+from workers.model.kernels.short_conv import (
+    native_short_conv_prefill,
+    native_short_conv_step_,
+    short_conv,
+    short_conv_step_,
+)
 from workers.model.kernels.ssd import causal_conv
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.short_conv import ShortConvMixer
@@ -46,6 +51,56 @@ def test_native_short_conv_step_equals_the_torch_step(d, taps, bias):
         out = native_short_conv_step_(proj, window, weight, conv_bias)
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
         assert torch.equal(window, reference)  # the window holds the products B · x themselves
+
+
+@pytest.mark.parametrize("from_window", [False, True], ids=["zero", "kept"])
+@pytest.mark.parametrize(("d", "taps", "length"), [(64, 3, 1), (72, 4, 2), (13, 5, 37), (200, 2, 130)])
+def test_native_short_conv_prefill_equals_the_torch_conv(d, taps, length, from_window):
+    """Ragged rows (one without tokens, one shorter than the window), continuing a kept window or from zeros."""
+    g = torch.Generator().manual_seed(d * length + taps)
+    num_tokens = torch.tensor([length, (length + 1) // 2, 0, 1])
+    b = num_tokens.shape[0]
+    weight, bias = torch.randn(d, taps, generator=g), torch.randn(d, generator=g)
+    window = torch.randn(b, d, taps - 1, generator=g) if from_window else None
+    proj = torch.randn(b, length, 3 * d, generator=g)
+    gate_b, gate_c, x = proj.chunk(3, dim=-1)
+    u = gate_b * x
+    start = torch.zeros(b, d, taps - 1) if window is None else window
+    conv, expected_window = short_conv(u, start, weight, bias, num_tokens)
+    out, new_window, got_u = native_short_conv_prefill(proj, num_tokens, weight, bias, window)
+    torch.testing.assert_close(out, gate_c * conv, atol=ATOL, rtol=RTOL)  # padding too: what torch computes
+    assert torch.equal(got_u, u) and torch.equal(new_window, expected_window)
+    with pytest.raises(ValueError, match="num_tokens"):
+        native_short_conv_prefill(proj, num_tokens + length, weight, bias, window)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "lfm2_untied"])
+def test_native_short_conv_mixer_forwards_equal_the_torch_mixer(lfm_checkpoint, family):  # noqa: F811
+    """Prompts from zero, chunks continuing a state, and the scan inputs a state shift re-reads."""
+    path = str(lfm_checkpoint(family))
+    mixers = {
+        kernel: next(
+            m for m in load_checkpoint(path, decode_kernel=kernel).model.modules() if isinstance(m, ShortConvMixer)
+        )
+        for kernel in ("torch", "native")
+    }
+    g = torch.Generator().manual_seed(3)
+    d, taps = mixers["torch"].conv1d.weight.shape[0], mixers["torch"].conv1d.weight.shape[2]
+    hidden, num_tokens = torch.randn(3, 9, d, generator=g), torch.tensor([9, 4, 0])
+    state = RecurrentState(torch.randn(3, d, taps - 1, generator=g), torch.zeros(3, 0, 0, 0))
+    for start in (None, state):
+        with torch.inference_mode():
+            (out, new, scan), (expected, expected_new, expected_scan) = (
+                mixers[k](hidden, start, num_tokens) for k in ("native", "torch")
+            )
+        valid = (torch.arange(9)[None, :] < num_tokens[:, None])[..., None]
+        torch.testing.assert_close(out * valid, expected * valid, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(new.conv, expected_new.conv, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(scan.conv_in, expected_scan.conv_in, atol=ATOL, rtol=RTOL)
+        if start is not None:
+            shifted = mixers["native"].state_after(start, scan, torch.tensor([2, 4, 0]))
+            reference = mixers["torch"].state_after(start, expected_scan, torch.tensor([2, 4, 0]))
+            torch.testing.assert_close(shifted.conv, reference.conv, atol=ATOL, rtol=RTOL)
 
 
 def test_native_short_conv_step_checks_shapes():

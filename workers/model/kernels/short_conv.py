@@ -61,3 +61,44 @@ def native_short_conv_step_(
         torch.get_num_threads(),
     )
     return out
+
+
+def native_short_conv_prefill(
+    proj: torch.Tensor,
+    num_tokens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (or the next chunk of them) through `csrc/short_conv.c`: proj [b, l, 3d] (in_proj output B | C | x,
+    right-padded; num_tokens [b] int64 valid tokens per row) continuing `window` [b, d, W-1] (None: zeros) →
+    (out [b, l, d] the out_proj input, the window after each row's last valid token, u [b, l, d] the conv inputs).
+    float32, on CPU; `window` is left as it was."""
+    b, length, width = proj.shape
+    d, taps = weight.shape
+    if width != 3 * d or (window is not None and tuple(window.shape) != (b, d, taps - 1)):
+        raise ValueError(f"shape mismatch: proj {tuple(proj.shape)}, weight {tuple(weight.shape)}")
+    if not (num_tokens.dtype == torch.int64 and num_tokens.is_contiguous() and num_tokens.shape == (b,)):
+        raise ValueError("num_tokens must be a contiguous int64 tensor with one entry per row")
+    if b and (int(num_tokens.max()) > length or int(num_tokens.min()) < 0):
+        raise ValueError(f"num_tokens must be within 0 … {length}")
+    u, out, new_window = torch.empty(b, length, d), torch.empty(b, length, d), torch.empty(b, d, taps - 1)
+    # Held in locals through the call: the kernel reads their memory.
+    proj, taps_by_channel = proj.contiguous(), weight.t().contiguous()  # [W, d]: a tap's weights side by side
+    window = None if window is None else window.contiguous()
+    native.load().short_conv_prefill(
+        native.pointer(proj),
+        num_tokens.data_ptr(),
+        native.pointer(taps_by_channel),
+        native.pointer(bias),
+        native.pointer(window),
+        native.pointer(u),
+        native.pointer(out),
+        native.pointer(new_window),
+        b,
+        length,
+        d,
+        taps,
+        torch.get_num_threads(),
+    )
+    return out, new_window, u

@@ -40,5 +40,6 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "moe_experts": (I64, [P, P, P, P] + [I64] * 8 + [P, P, I64, P, P, I64, INT]),
     "moe_combine": (None, [P, P, P, P, I64, I64]),
     "short_conv_step": (None, [P] * 6 + [I64] * 3 + [INT]),
+    "short_conv_prefill": (None, [P] * 8 + [I64] * 4 + [INT]),
     "attention_verify_window": (None, [P] * 6 + [I64] * 3 + [P, P, F32, P] + [I64] * 6 + [INT]),
 }

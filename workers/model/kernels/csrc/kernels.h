@@ -63,6 +63,9 @@ void short_conv_verify(const float *proj, const float *window, const float *conv
                        float *out, int64_t b, int64_t l, int64_t d, int64_t W, int num_threads);
 void short_conv_keep(const float *proj, float *window, const float *conv_w, const float *conv_b, float *u,
                      const int64_t *accepted, int64_t b, int64_t l, int64_t d, int64_t W, int num_threads);
+void short_conv_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *conv_b,
+                        const float *initial, float *u, float *out, float *window, int64_t b, int64_t l, int64_t d,
+                        int64_t W, int num_threads);
 void attention_verify_window(const float *q, const float *k_new, const float *v_new, float *key_cache,
                              float *value_cache, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
                              int64_t cache_tokens, const int64_t *slot_ids, const int64_t *positions, float scale,

@@ -72,3 +72,47 @@ void short_conv_keep(const float *proj, float *window, const float *conv_w, cons
         conv_rows(window, conv_w, conv_b, u, d, b * d, u, b * d, 0, accepted, b, d, W, 1);
     }
 }
+
+/* Prompts (or the next chunk of them): proj [b, l, 3d] batch-major, right-padded (row r has num_tokens[r] valid
+ * tokens), continuing initial [b, d, W-1] (zeros where NULL), conv_wt [W, d] the taps transposed (a tap's weights
+ * side by side over the channels) → out [b, l, d] = C · conv(u) for every position (padding too: the module path
+ * ignores it there), u [b, l, d] the conv inputs B · x, and window [b, d, W-1] after each row's last valid token.
+ * Each output runs over the channels in vector lanes, one tap at a time: no per-token loop in Python, and no
+ * [b, d, W-1+l] copy as F.conv1d's causal form needs. */
+void short_conv_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *conv_b,
+                        const float *initial, float *u, float *out, float *window, int64_t b, int64_t l, int64_t d,
+                        int64_t W, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        gated_inputs(proj, u, b * l, b * l, NULL, d); /* rows are batch-major here: [b · l, 3d] */
+#pragma omp for schedule(static)
+        for (int64_t bt = 0; bt < b * l; ++bt) {
+            const int64_t bi = bt / l, t = bt % l;
+            const float *start = initial ? initial + bi * d * (W - 1) : NULL, *gate = proj + bt * 3 * d + d;
+            float *o = out + bt * d;
+            for (int64_t c = 0; c < d; ++c) o[c] = conv_b ? conv_b[c] : 0.0f;
+            for (int64_t k = 0; k < W; ++k) {
+                const int64_t src = t - (W - 1) + k; /* < 0: entry W-1+src of the initial window */
+                const float *w = conv_wt + k * d;
+                if (src >= 0) {
+                    const float *in = u + (bi * l + src) * d;
+#pragma omp simd
+                    for (int64_t c = 0; c < d; ++c) o[c] += in[c] * w[c];
+                } else if (start) {
+                    for (int64_t c = 0; c < d; ++c) o[c] += start[c * (W - 1) + W - 1 + src] * w[c];
+                }
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < d; ++c) o[c] *= gate[c];
+        }
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < b * d; ++bc) {
+            const int64_t bi = bc / d, c = bc % d, n = num_tokens[bi];
+            const float *start = initial ? initial + bc * (W - 1) : NULL;
+            for (int64_t k = 0; k < W - 1; ++k) {
+                const int64_t src = n - (W - 1) + k;
+                window[bc * (W - 1) + k] = src >= 0 ? u[(bi * l + src) * d + c] : (start ? start[W - 1 + src] : 0.0f);
+            }
+        }
+    }
+}

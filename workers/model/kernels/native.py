@@ -14,8 +14,10 @@
 - `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
   per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer; and
   the prompt (prefill) pass, token by token per request, value head and block of 64 state columns.
-- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
-  rotary embeddings.
+- `csrc/short_conv.c`: LFM2's gated short conv — decode step, speculative verification and keep, and the prompt
+  pass.
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included; a sliding
+  window where the layer has one), and rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.

@@ -8,9 +8,10 @@
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
  *
  * Speculative verification runs l tokens per row the same way: linears over all of them at once, and each attention,
- * Mamba2 and Gated DeltaNet layer in one call over the l tokens (the recurrent ones read their states and leave them
- * as they are); decode_plan_shift then advances each row's states by its accepted tokens (the keep kernels),
- * with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would leave.
+ * Mamba2, Gated DeltaNet and short-conv layer in one call over the l tokens (the recurrent ones read their states
+ * and leave them as they are); decode_plan_shift then advances each row's states by its accepted tokens (the keep
+ * kernels), with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would
+ * leave.
  */
 #include <stdint.h>
 #include <string.h>

@@ -15,7 +15,7 @@ from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
 from tests.tiny_models import engine_config
 from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
 from tests.workers.model.test_decode_plan import _clone, _random_pool
-from tests.workers.model.test_decode_plan_gdn import _module_step
+from tests.workers.model.test_decode_plan_gdn import _module_step, _recording
 from tests.workers.spec_decode.test_state_shifting import (
     PARAMS,
     ScriptedProposer,
@@ -159,14 +159,18 @@ def test_greedy_generation_through_plans_equals_the_module_path(family_dir, fami
     ("family", "draft"),
     [("lfm3", "draft_attention"), ("olmo_hybrid", "draft_hybrid"), ("lfm2_moe", "lfm2"), ("olmo_hybrid_rope", "lfm3")],
 )
-def test_draft_model_speculation_through_plans_equals_plain(family_dir, checkpoint_dir, family, draft):
+def test_draft_model_speculation_through_plans_equals_plain(family_dir, checkpoint_dir, monkeypatch, family, draft):
     """An attention-only draft, a Mamba2 hybrid draft, and LFM drafts (short convs shifted on the draft's side too):
-    the target's (and the draft's, where it is an LFM) steps run through plans; greedy output is plain greedy's."""
+    the target's and the draft's steps run through plans; greedy output is plain greedy's."""
     path = family_dir(family)
     draft_path = family_dir(draft) if draft in FAMILIES else checkpoint_dir(draft)
     expected, _ = _generate(path, decode_plan=False)
+    plans: list[DecodePlan] = []
+    monkeypatch.setattr(DecodePlan, "__init__", _recording(DecodePlan.__init__, plans))
     got, runner = _generate(
         path, speculative=SpeculativeConfig("draft", 3, draft_model=str(draft_path), policy="fixed")
     )
     assert got == expected and runner.spec_stats()["num_draft_tokens"] > 0
     assert isinstance(runner._scheduler.workspace.plan, DecodePlan)
+    draft_type = load_checkpoint(str(draft_path)).config.model_type
+    assert {plan.model.config.model_type for plan in plans} == {runner.config.model_type, draft_type}

@@ -26,6 +26,7 @@ from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
+from workers.model.layers.short_conv import ShortConvMixer
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -252,10 +253,10 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-            if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
-                module.decode_kernel = "torch"
         elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
             module.decode_kernel = "native" if kernel == "native" else "torch"
+        elif isinstance(module, ShortConvMixer):
+            module.decode_kernel = "native" if kernel == "native" else "torch"  # no Triton short conv
         elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel

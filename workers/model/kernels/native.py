@@ -14,8 +14,10 @@
 - `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
   per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer; and
   the prompt (prefill) pass, token by token per request, value head and block of 64 state columns.
-- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
-  rotary embeddings.
+- `csrc/short_conv.c`: LFM2's gated short conv — decode step, speculative verification and keep, and the prompt
+  pass.
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included; a sliding
+  window where the layer has one), and rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/shared_block.c`: gelu(gate) · up and an elementwise add for Zamba2's shared blocks.
@@ -327,10 +329,11 @@ def attention_decode(
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the paged `cache` (a
     `KVCache`: key/value [KV, tokens, d] over its block table), then attend q [b, H, d] over positions
-    0 … position of each row → [b, H, d]."""
+    0 … position of each row → [b, H, d]; with a sliding `window`, over its last `window` positions only."""
     b, num_heads, head_dim = q.shape
     blocks = cache.blocks
     if not (
@@ -340,8 +343,10 @@ def attention_decode(
     last = int(positions.max())
     if last >= blocks.max_blocks_per_slot * blocks.block_size:
         raise ValueError(f"position {last} is past the KV capacity of a slot")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 position, got {window}")
     out = torch.empty_like(q)
-    load().attention_decode(
+    load().attention_verify_window(
         pointer(q),
         pointer(k),
         pointer(v),
@@ -356,9 +361,11 @@ def attention_decode(
         scale,
         pointer(out),
         b,
+        1,
         num_heads,
         cache.key.shape[0],
         head_dim,
+        window or 0,
         torch.get_num_threads(),
     )
     return out

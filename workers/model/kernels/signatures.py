@@ -35,8 +35,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "decode_plan_record_words": (I64, []),
     "decode_plan_run": (I64, [P, I64, INT]),
     "decode_plan_shift": (I64, [P, I64, P, INT]),
-    "gdn_decode_step": (None, [P] * 7 + [F32, P, P] + [I64] * 6 + [INT]),
-    "gdn_prefill": (None, [P, P, P, P, P, P, F32] + [P] * 6 + [I64] * 7 + [INT]),
+    "gdn_decode_step": (None, [P] * 5 + [F32, P, P, F32, P, P] + [I64] * 6 + [INT]),
+    "gdn_prefill": (None, [P, P, P, P, P, F32, P, F32] + [P] * 6 + [I64] * 7 + [INT]),
     "mamba2_decode_step": (None, [P] * 7 + [F32, F32, P, P, I64, F32, P, P] + [I64] * 6 + [INT]),
     "mamba1_conv": (None, [P] * 5 + [I64] * 5 + [INT]),
     "mamba1_norms": (None, [P] * 4 + [F32, P] + [I64] * 3 + [INT]),
@@ -48,4 +48,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "moe_route": (I64, [P, P, P] + [I64] * 7 + [P, F32, F32]),
     "moe_experts": (I64, [P, P, P, P] + [I64] * 8 + [P, P, I64, P, P, I64, INT]),
     "moe_combine": (None, [P, P, P, P, I64, I64]),
+    "short_conv_step": (None, [P] * 6 + [I64] * 3 + [INT]),
+    "short_conv_prefill": (None, [P] * 8 + [I64] * 4 + [INT]),
+    "attention_verify_window": (None, [P] * 6 + [I64] * 3 + [P, P, F32, P] + [I64] * 6 + [INT]),
 }

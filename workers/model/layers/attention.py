@@ -172,13 +172,13 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(hidden)  # [b, 1, heads, hd]: one token, so heads can move to dim 1 freely
         q = q.reshape(b, a.num_heads, 1, a.head_dim)
         k, v = k.reshape(b, a.num_kv_heads, 1, a.head_dim), v.reshape(b, a.num_kv_heads, 1, a.head_dim)
-        if self.native and a.sliding_window is None and native.fits(q, k, v, cache.key, cache.value):
+        if self.native and native.fits(q, k, v, cache.key, cache.value):
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
             if a.rope_theta is not None:  # in place, on the fresh projections
                 inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device, a.rope_pairs)
                 native.rope(q, positions, inv_freq, a.rotary_dim)
                 native.rope(k, positions, inv_freq, a.rotary_dim)
-            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale)
+            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale, a.sliding_window)
             return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
         if a.rope_theta is not None:
             q, k = self._rotary(q, positions[:, None]), self._rotary(k, positions[:, None])

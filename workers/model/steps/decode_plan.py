@@ -12,7 +12,9 @@ norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
 MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`), Zamba2's shared-block
-uses those of `SharedBlockUse.forward` (`shared_block_records.py`). Anything else
+uses those of `SharedBlockUse.forward` (`shared_block_records.py`). LFM2 / LFM3's short convs, sandwich norms,
+per-head output gates and sliding windows, and OLMo-Hybrid's post-norm blocks (with their whole-width q/k norms and
+beta = 2·sigmoid(b) Gated DeltaNets) have theirs in `lfm_olmo_records.py`. Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -32,15 +34,18 @@ from workers.model.checkpoint.config import (
     PARALLEL,
     RECURRENT_KINDS,
     SHARED_ATTENTION,
+    SHORT_CONV,
 )
 from workers.model.kernels import native
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.norm import PassThroughNorm
 from workers.model.state import StatePool
 from workers.model.steps.decode_records import DecodeRecords, branches, kept_width
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
+from workers.model.steps.lfm_olmo_records import HeadGateScratch, post_norm_unsupported_reason
 from workers.model.steps.mamba1_records import Mamba1Scratch
 from workers.model.steps.plan_records import RECORD_WORDS
 from workers.model.steps.shared_block_records import SharedBlockScratch, shared_block_unsupported_reason
@@ -63,20 +68,18 @@ def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
     if (reason := shared_block_unsupported_reason(model)) is not None:
         return reason
-    if any(block.post_norm is not None for block in model.blocks):
-        return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
-    norms = [block.norm for block in model.blocks if block.kind != SHARED_ATTENTION] + [model.final_norm]
-    if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
+    norms = [block.norm for block in model.blocks if not isinstance(block.norm, PassThroughNorm)]
+    if not all(norm.native for norm in [*norms, model.final_norm]) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
-    if model.config.short_conv is not None or model.config.sandwich_norms:
-        return "LFM short-conv models are not covered (their conv, gates and sandwich norms run module by module)"
+    if (reason := post_norm_unsupported_reason(model)) is not None:
+        return reason
     for block in model.blocks:
         mixer = block.mixer
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
         if block.kind == SHARED_ATTENTION:  # checked by shared_block_unsupported_reason
             continue
-        if block.kind not in (MAMBA, GDN, MAMBA1, ATTENTION, MLP, MOE, PARALLEL):
+        if block.kind not in (MAMBA, GDN, MAMBA1, SHORT_CONV, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
             return reason
@@ -85,12 +88,12 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"a {block.kind} block has linears outside the native kernel"
         recurrent, attention = branches(block)
         if recurrent is not None and recurrent.decode_kernel != "native":
+            if block.kind == SHORT_CONV:
+                return "short-conv decode steps do not run through the native kernel"
             name = {GDN: "Gated DeltaNet", MAMBA1: "Mamba1"}.get(block.kind, "Mamba2")
             if name == "Mamba2" and not recurrent.config.fused_kernels_fit:
                 return "the Mamba2 mixers' norm variant (no norm, or norm before the gate) has no native kernel"
             return f"{name} decode steps do not run through the native kernel"
-        if attention is not None and attention.config.qk_norm_full_width:
-            return "q/k norms over the whole projection (OLMo) are not covered"
         if attention is not None:
             head_norms = [norm for norm in (attention.q_norm, attention.k_norm) if norm is not None]
             if not (attention.native and all(norm.native for norm in head_norms)):
@@ -137,7 +140,9 @@ class DecodePlan(DecodeRecords):
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
         # Every recurrent mixer, whatever its kind (Jamba mixes Mamba1 with attention): buffers fit the widest.
         recurrent = [branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS]
-        self.xbc = torch.empty(tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1))  # conv output
+        self.xbc = torch.empty(
+            tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1)
+        )  # conv output (a short conv: its input)
         # Verification keeps each recurrent layer's in_proj outputs (Mamba1: x_proj and dt_proj outputs too): `keep`
         # advances the states by the accepted tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
@@ -155,6 +160,7 @@ class DecodePlan(DecodeRecords):
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
         self.shared_scratch = SharedBlockScratch(model, tokens)  # Zamba2's shared-block uses
+        self.head_gates = HeadGateScratch(model, tokens)
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}

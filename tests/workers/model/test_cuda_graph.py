@@ -100,21 +100,29 @@ def test_graph_steps_equal_the_module_path(checkpoint_dir, family):
     """Decode steps of changing batch sizes (padded to buckets) and verifications (full and shorter than
     tokens_per_row) with partial acceptance: logits and states as the module path computes them."""
     model = load_checkpoint(str(checkpoint_dir(family)), decode_kernel="torch", linear_backend="torch").model
-    graph_pool, module_pool = _pools(model)
-    plan = GraphPlan(model, graph_pool, TOKENS, capture=False)
+    compare_graph_steps(model, model, TOLERANCE.get(family, 1e-5))
+
+
+def compare_graph_steps(graph_model, module_model, tolerance: float = 1e-5) -> None:
+    """`graph_model`'s graph plan steps against `module_model`'s module path (the same weights; their decode
+    kernels may differ) over one script of decodes and verifications with keeps."""
+    graph_pool, module_pool = _pools(graph_model)
+    plan = GraphPlan(graph_model, graph_pool, TOKENS, capture=False)
     assert plan.buckets == [1, 2, 4] and plan.null_slot == ROWS
     g = torch.Generator().manual_seed(1)
     steps = [("decode", 3), ("verify", 4), ("decode", 1), ("verify", 3), ("decode", 4), ("verify", 2)]
+    vocab = module_model.config.vocab_size
     for step, (kind, b) in enumerate(steps):
         positions = torch.randint(0, CAPACITY - TOKENS, (b,), generator=g).tolist()
         if kind == "decode":
-            token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-            expected, got = _module_decode(model, module_pool, token_ids, positions), plan.run(token_ids, positions)
+            token_ids = torch.randint(0, vocab, (b,), generator=g).tolist()
+            expected = _module_decode(module_model, module_pool, token_ids, positions)
+            got = plan.run(token_ids, positions)
         else:
             length = TOKENS if step != 3 else TOKENS - 1
-            token_ids = torch.randint(0, model.config.vocab_size, (b, length), generator=g).tolist()
+            token_ids = torch.randint(0, vocab, (b, length), generator=g).tolist()
             accepted = torch.randint(1, length + 1, (b,), generator=g).tolist()
-            expected = _module_verify(model, module_pool, token_ids, positions, accepted)
+            expected = _module_verify(module_model, module_pool, token_ids, positions, accepted)
             got = plan.verify(token_ids, positions)
             plan.keep(accepted)
             # Shorter rows run padded to TOKENS: the padding's keys are scratch past the row's tokens (rewritten
@@ -124,7 +132,6 @@ def test_graph_steps_equal_the_module_path(checkpoint_dir, family):
             for name in ("key", "value"):
                 getattr(graph_pool, name)[:, :, where.view(-1)] = getattr(module_pool, name)[:, :, where.view(-1)]
         assert got.shape == expected.shape
-        tolerance = TOLERANCE.get(family, 1e-5)
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance, msg=lambda m: f"step {step}: {m}")
         _assert_pools_close(graph_pool, module_pool, step, tolerance)
 

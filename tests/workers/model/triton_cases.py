@@ -218,3 +218,20 @@ def test_triton_grouped_experts_match_the_eager_experts(tokens, k, experts, gate
     from workers.model.steps.capture_safety import find_capture_hazards
 
     assert find_capture_hazards(lambda: triton_moe.expert_rows(x, ids, up, down, gated, activate)) == []
+
+
+@pytest.mark.parametrize("family", ["lfm2", "jamba_dense", "kimi_linear_dense"])
+@torch.inference_mode()
+def test_graph_steps_through_the_triton_kernels_equal_the_torch_module_path(checkpoint_dir, family):
+    """Whole models: the graph plan's decode, verification and keep steps with decode_kernel='triton' (short conv,
+    Mamba1, KDA through Triton; the loader chose it for every recurrent mixer) against the torch module
+    path of the same checkpoint."""
+    from tests.workers.model.test_cuda_graph import compare_graph_steps
+    from workers.model import load_checkpoint
+
+    path = str(checkpoint_dir(family))
+    triton_model = load_checkpoint(path, decode_kernel="triton", linear_backend="torch").model
+    torch_model = load_checkpoint(path, decode_kernel="torch", linear_backend="torch").model
+    kernels = {module.decode_kernel for module in triton_model.modules() if hasattr(module, "decode_kernel")}
+    assert "triton" in kernels and "torch" not in kernels, kernels
+    compare_graph_steps(triton_model, torch_model)

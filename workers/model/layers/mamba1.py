@@ -8,7 +8,9 @@ A [i, n] = −exp(A_log); y + D·x, gated by silu(z); out_proj. State comes in a
 `decode_kernel` "native" (CPU float32, set at load): the ops between the four linears run in
 `kernels/native_mamba1.py` (csrc/mamba1_decode.c) — the in-place decode step, and every other forward (prompts,
 verification from a kept state) through the native prefill scan; the decode plan calls the same kernels between
-the same linears, so the two agree bit for bit. "torch" is the reference (any dtype, any device).
+the same linears, so the two agree bit for bit. "triton" (CUDA, set at load): the in-place decode step and the
+state shift after verification through `kernels/triton_kernels/mamba1.py`. "torch" is the reference (any dtype, any
+device).
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-            if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
+            if module.config.beta_scale != 1.0 and kernel == "native":  # native beta is sigmoid(b) (OLMo-Hybrid: 2·)
                 module.decode_kernel = "torch"
         elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
             module.decode_kernel = "native" if kernel == "native" else "torch"

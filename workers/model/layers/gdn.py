@@ -186,6 +186,7 @@ class GatedDeltaNetMixer(nn.Module):
             self.norm.weight,
             self.norm.eps,
             g.num_key_heads,
+            g.beta_scale,
         )
         return self.out_proj(y)[:, None]
 

@@ -241,3 +241,30 @@ def test_graph_steps_through_the_triton_kernels_equal_the_torch_module_path(chec
     kernels = {module.decode_kernel for module in triton_model.modules() if hasattr(module, "decode_kernel")}
     assert "triton" in kernels and "torch" not in kernels, kernels
     compare_graph_steps(triton_model, torch_model, TOLERANCE.get(family, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["mamba1 i 40, n 12, W 4, biases", "kda h 3, d 12", "short conv d 24, W 3"])
+def test_bfloat16_decode_steps_stay_within_rounding_of_the_torch_path(name):
+    """The dtype GPUs serve: bfloat16 weights, activations and conv windows (A_log, D, dt_bias and the recurrent
+    states in float32, as the loader keeps them) — the kernels' loads, stores and conversions; the torch step rounds
+    its intermediates to bfloat16 where the kernels keep float32, hence the bfloat16-sized tolerance."""
+    from workers.model.loader import FLOAT32_SUFFIXES
+
+    mixer, batch = MIXERS[name]().to(torch.bfloat16), 3
+    for parameter_name, parameter in mixer.named_parameters():
+        if parameter_name.endswith(tuple(suffix.lstrip(".") for suffix in FLOAT32_SUFFIXES)):
+            parameter.data = parameter.data.float()
+    state = _state(mixer, batch, seed=5)
+    state = RecurrentState(state.conv.to(torch.bfloat16), state.ssm)
+    reference_state, triton_state = _copy(state), _copy(state)
+    hidden = torch.randn(batch, 3, 1, _width(mixer), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ones = torch.ones(batch, dtype=torch.long)
+    for step in range(3):
+        mixer.decode_kernel = "torch"
+        reference, _, _ = mixer(hidden[:, step], reference_state, ones, in_place=True)
+        mixer.decode_kernel = "triton"
+        out, _, _ = mixer(hidden[:, step], triton_state, ones, in_place=True)
+        assert out.dtype == torch.bfloat16 and triton_state.conv.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), reference.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(triton_state.ssm, reference_state.ssm, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(triton_state.conv.float(), reference_state.conv.float(), atol=5e-2, rtol=5e-2)

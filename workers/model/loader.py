@@ -20,6 +20,7 @@ from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import check_quantization, prepare_linears
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
@@ -28,6 +29,8 @@ from workers.model.layers.norm import RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
 from workers.model.layers.short_conv import ShortConvMixer
 
+# Mixers with Triton decode steps besides Mamba2 and Gated DeltaNet (`decode_kernel` "triton" selects them).
+TRITON_STEP_MIXERS = (Mamba1Mixer, KimiDeltaAttentionMixer, ShortConvMixer)
 DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
@@ -226,9 +229,9 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
     at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
     Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
     (RMSNorm fused with the residual add, the MLP's silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused
-    Triton kernels of `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their
-    state shifts after verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and
-    builds, triton on CUDA where triton imports, else torch.
+    Triton kernels of `workers/model/kernels/triton_kernels` for the Mamba2, Gated DeltaNet, Mamba1, Kimi Delta
+    Attention and short conv decode steps and their state shifts after verification (CUDA; CPU only under
+    TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -253,12 +256,14 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-        elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
+        elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32), triton (below) or the torch reference
             module.decode_kernel = "native" if kernel == "native" else "torch"
         elif isinstance(module, ShortConvMixer):
-            module.decode_kernel = "native" if kernel == "native" else "torch"  # no Triton short conv
+            module.decode_kernel = "native" if kernel == "native" else "torch"  # "triton": set below
         elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
+        if kernel == "triton" and isinstance(module, TRITON_STEP_MIXERS):
+            module.decode_kernel = "triton"  # their one-token steps and state shifts (kernels/triton_kernels)
     return kernel
 
 

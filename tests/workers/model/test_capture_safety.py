@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.workers.model.test_cuda_graph import OTHER_DENSE, OTHER_MOE
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.steps.capture_safety import find_capture_hazards
 
-FAMILIES = ["granite_dense", "bamba", "nemotron_dense", "qwen3_5"]  # Mamba2 and Gated DeltaNet
-MOE = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]
+FAMILIES = ["granite_dense", "bamba", "nemotron_dense", "qwen3_5", *OTHER_DENSE]  # Mamba2, Gated DeltaNet and the rest
+MOE = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe", *OTHER_MOE]
 ACCEPTED = [1, 3, 4]  # num_accepted_tokens per row after verifying 4 tokens
 
 

@@ -20,7 +20,17 @@ from workers.model.steps.decode_plan import DecodePlan
 
 MAMBA2, GDN = ["granite_dense", "bamba", "nemotron_dense"], ["qwen3_5"]
 MOE = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]  # experts as grouped GEMMs over sorted rows
-FAMILIES = MAMBA2 + GDN + MOE + ["qwen3"]  # qwen3: attention only, no recurrent layer
+# Families with their own fixture modules (`conftest.other_family_builder`): Falcon-H1 (parallel attention + Mamba2),
+# LFM (short conv, sandwich norms, sliding window), Jamba (Mamba1), Kimi-Linear (KDA, latent attention), Zamba2
+# (shared blocks, adapters), OLMo-Hybrid (post-norm attention, full-width q/k norm, beta · 2).
+OTHER_DENSE = ["falcon_h1", "lfm2", "lfm3", "jamba_dense", "zamba2_abab", "zamba2_lora", "olmo_hybrid"]
+OTHER_DENSE += ["olmo_hybrid_rope"]
+OTHER_MOE = ["lfm2_moe", "jamba_moe", "kimi_linear", "kimi_linear_qlora"]
+OTHER = OTHER_DENSE + OTHER_MOE
+FAMILIES = MAMBA2 + GDN + MOE + ["qwen3"] + OTHER  # qwen3: attention only, no recurrent layer
+# Large-scale weights through two Gated DeltaNet layers: the GEMMs round differently at 3 rows and at the bucket's
+# 4 (3e-6 in the hidden states), which reaches 2e-5 in the attention layer's values.
+TOLERANCE = {"olmo_hybrid": 1e-4, "olmo_hybrid_rope": 1e-4}
 ROWS, CAPACITY, TOKENS = 4, 40, 4  # request slots (+ the null slot), positions per slot, verified tokens per row
 
 
@@ -65,21 +75,21 @@ def _module_verify(model, pool: StatePool, token_ids, positions, accepted: list[
     return model.logits(out.hidden)
 
 
-def _assert_pools_close(graph: StatePool, module: StatePool, step: int) -> None:
+def _assert_pools_close(graph: StatePool, module: StatePool, step: int, tolerance: float = 1e-5) -> None:
     for name in ("conv", "ssm"):  # request slots only: the null slot holds the padded rows' scratch
         torch.testing.assert_close(
             getattr(graph, name)[:, :ROWS],
             getattr(module, name)[:, :ROWS],
-            atol=1e-5,
-            rtol=1e-5,
+            atol=tolerance,
+            rtol=tolerance,
             msg=lambda m: f"{name} after step {step}: {m}",
         )
     for name in ("key", "value"):  # blocks past the null block
         torch.testing.assert_close(
             getattr(graph, name)[:, :, 16:],
             getattr(module, name)[:, :, 16:],
-            atol=1e-5,
-            rtol=1e-5,
+            atol=tolerance,
+            rtol=tolerance,
             msg=lambda m: f"{name} after step {step}: {m}",
         )
 
@@ -90,21 +100,29 @@ def test_graph_steps_equal_the_module_path(checkpoint_dir, family):
     """Decode steps of changing batch sizes (padded to buckets) and verifications (full and shorter than
     tokens_per_row) with partial acceptance: logits and states as the module path computes them."""
     model = load_checkpoint(str(checkpoint_dir(family)), decode_kernel="torch", linear_backend="torch").model
-    graph_pool, module_pool = _pools(model)
-    plan = GraphPlan(model, graph_pool, TOKENS, capture=False)
+    compare_graph_steps(model, model, TOLERANCE.get(family, 1e-5))
+
+
+def compare_graph_steps(graph_model, module_model, tolerance: float = 1e-5) -> None:
+    """`graph_model`'s graph plan steps against `module_model`'s module path (the same weights; their decode
+    kernels may differ) over one script of decodes and verifications with keeps."""
+    graph_pool, module_pool = _pools(graph_model)
+    plan = GraphPlan(graph_model, graph_pool, TOKENS, capture=False)
     assert plan.buckets == [1, 2, 4] and plan.null_slot == ROWS
     g = torch.Generator().manual_seed(1)
     steps = [("decode", 3), ("verify", 4), ("decode", 1), ("verify", 3), ("decode", 4), ("verify", 2)]
+    vocab = module_model.config.vocab_size
     for step, (kind, b) in enumerate(steps):
         positions = torch.randint(0, CAPACITY - TOKENS, (b,), generator=g).tolist()
         if kind == "decode":
-            token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-            expected, got = _module_decode(model, module_pool, token_ids, positions), plan.run(token_ids, positions)
+            token_ids = torch.randint(0, vocab, (b,), generator=g).tolist()
+            expected = _module_decode(module_model, module_pool, token_ids, positions)
+            got = plan.run(token_ids, positions)
         else:
             length = TOKENS if step != 3 else TOKENS - 1
-            token_ids = torch.randint(0, model.config.vocab_size, (b, length), generator=g).tolist()
+            token_ids = torch.randint(0, vocab, (b, length), generator=g).tolist()
             accepted = torch.randint(1, length + 1, (b,), generator=g).tolist()
-            expected = _module_verify(model, module_pool, token_ids, positions, accepted)
+            expected = _module_verify(module_model, module_pool, token_ids, positions, accepted)
             got = plan.verify(token_ids, positions)
             plan.keep(accepted)
             # Shorter rows run padded to TOKENS: the padding's keys are scratch past the row's tokens (rewritten
@@ -114,15 +132,18 @@ def test_graph_steps_equal_the_module_path(checkpoint_dir, family):
             for name in ("key", "value"):
                 getattr(graph_pool, name)[:, :, where.view(-1)] = getattr(module_pool, name)[:, :, where.view(-1)]
         assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
-        _assert_pools_close(graph_pool, module_pool, step)
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance, msg=lambda m: f"step {step}: {m}")
+        _assert_pools_close(graph_pool, module_pool, step, tolerance)
 
 
-@pytest.mark.parametrize("family", ["granite_dense", "qwen3_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
 def test_every_captured_step_is_capture_safe(checkpoint_dir, family):
-    model = load_checkpoint(str(checkpoint_dir(family)), decode_kernel="torch", linear_backend="torch").model
-    plan = GraphPlan(model, _pools(model)[0], TOKENS, capture=False)
+    """MoE models in bfloat16: their experts run as grouped GEMMs, whose shape check refuses float32 (as on CUDA)."""
+    dtype = "bfloat16" if family in MOE + OTHER_MOE else "float32"
+    path = str(checkpoint_dir(family))
+    model = load_checkpoint(path, dtype=dtype, decode_kernel="torch", linear_backend="torch").model
+    plan = GraphPlan(model, _pools(model, getattr(torch, dtype))[0], TOKENS, capture=False)
     plan.verify([[5] * TOKENS] * 3, [1, 2, 3])  # a warm-up, as before a capture (fills the shared buffers)
     plan.keep([1, 2, 4])
     for kind in ("decode", "verify", "keep"):
@@ -141,22 +162,34 @@ PROMPTS = [[5, 9, 30, 31, 4, 77, 12, 5, 9, 30], [8, 8, 8], [100, 3, 17, 100, 3],
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 5, 12, 7)]
 
 
-@pytest.mark.parametrize("family", MAMBA2 + GDN + MOE)
+def _generate_with_graphs(path: str, **runner_args) -> tuple[list[list[int]], ModelRunner]:
+    """Greedy generation of PROMPTS through the graph plan's steps (checked to be the executor that ran)."""
+    runner = ModelRunner.from_pretrained(path, max_num_seqs=3, cuda_graphs=True, **runner_args)
+    tokens = [r.token_ids for r in runner.generate(PROMPTS, PARAMS)]
+    assert isinstance(runner._scheduler.workspace.plan, GraphPlan)
+    return tokens, runner
+
+
+@pytest.mark.parametrize("family", MAMBA2 + GDN + MOE + OTHER)
 def test_greedy_generation_with_graphs_equals_the_module_path(checkpoint_dir, family):
     path = str(checkpoint_dir(family))
     expected = _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
-    assert _generate(path, PROMPTS, PARAMS, cuda_graphs=True) == expected
+    assert _generate_with_graphs(path)[0] == expected
     assert [len(tokens) for tokens in expected] == [10, 5, 12, 7]
 
 
-@pytest.mark.parametrize("family", ["granite_dense", "qwen3_5"])
+@pytest.mark.parametrize("family", ["granite_dense", "qwen3_5", *OTHER])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_speculation_with_graphs_equals_plain_module_decoding(checkpoint_dir, family, method):
+    """Verification steps (padded to k + 1 = 4 tokens) and their keep steps through the graph plan; the draft is a
+    hybrid (Mamba2 + attention) model, whose own states are shifted too."""
     path = str(checkpoint_dir(family))
     draft = str(checkpoint_dir(draft_for(family, "draft_hybrid"))) if method == "draft" else None
     spec = SpeculativeConfig(method, 3, prompt_lookup_min=1, prompt_lookup_max=2, draft_model=draft, policy="fixed")
     expected = _generate(path, PROMPTS, PARAMS, decode_plan=False, cuda_graphs=False)
-    assert _generate(path, PROMPTS, PARAMS, cuda_graphs=True, speculative=spec) == expected
+    tokens, runner = _generate_with_graphs(path, speculative=spec)
+    assert tokens == expected
+    assert runner.spec_stats()["num_drafts"] > 0
 
 
 def test_moe_models_run_as_graphs_where_grouped_gemms_run_and_say_why_elsewhere(checkpoint_dir, monkeypatch, caplog):

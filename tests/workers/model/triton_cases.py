@@ -12,10 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workers.model.checkpoint.config import GdnConfig, MambaConfig
+from workers.model.checkpoint.config import GdnConfig, KdaConfig, Mamba1Config, MambaConfig, ShortConvConfig
 from workers.model.kernels.triton_kernels import interpreter_on, unavailable_reason
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.kda import KimiDeltaAttentionMixer
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.short_conv import ShortConvMixer
 from workers.model.state import RecurrentState
 
 if not interpreter_on() or unavailable_reason(torch.device("cpu")) is not None:
@@ -65,14 +68,47 @@ def _gdn(key_heads: int, value_heads: int, seed: int = 0, beta_scale: float = 1.
     return mixer
 
 
+def _mamba1(channels: int, state_size: int, conv_kernel: int, bias: bool, seed: int = 0) -> Mamba1Mixer:
+    """Odd widths: channel blocks of 32 with a masked tail, a state size that is not a power of two."""
+    config = Mamba1Config(channels, state_size, conv_kernel, dt_rank=5, conv_bias=bias, proj_bias=bias, chunk_size=4)
+    mixer = Mamba1Mixer(SimpleNamespace(mamba1=config, hidden_size=24, rms_norm_eps=1e-5))
+    _randomise(mixer, seed)
+    return mixer
+
+
+def _kda(heads: int, head_dim: int, seed: int = 0) -> KimiDeltaAttentionMixer:
+    config = KdaConfig(num_heads=heads, head_dim=head_dim, conv_kernel=4)
+    mixer = KimiDeltaAttentionMixer(SimpleNamespace(kda=config, hidden_size=24, rms_norm_eps=1e-5))
+    _randomise(mixer, seed)
+    return mixer
+
+
+def _short_conv(width: int, conv_kernel: int, bias: bool, seed: int = 0) -> ShortConvMixer:
+    config = ShortConvConfig(conv_kernel=conv_kernel, bias=bias)
+    mixer = ShortConvMixer(SimpleNamespace(short_conv=config, hidden_size=width))
+    _randomise(mixer, seed)
+    with torch.no_grad():  # the projections' outputs as large at any width as at 24 (B · x is a product of two)
+        for projection in (mixer.in_proj, mixer.out_proj):
+            projection.weight.mul_((24 / width) ** 0.5)
+    return mixer
+
+
 def _state(mixer: torch.nn.Module, batch: int, seed: int) -> RecurrentState:
     generator = torch.Generator().manual_seed(seed)
+    if isinstance(mixer, ShortConvMixer):  # the window alone; the matrix state is empty
+        width, taps = mixer.conv1d.weight.shape[0], mixer.conv1d.weight.shape[-1]
+        return RecurrentState(torch.randn(batch, width, taps - 1, generator=generator), torch.zeros(batch, 0, 0, 0))
     c = mixer.config
+    conv_dim = mixer.conv1d.weight.shape[0]
     if isinstance(mixer, Mamba2Mixer):
         shape = (batch, c.num_heads, c.head_dim, c.state_size)
+    elif isinstance(mixer, Mamba1Mixer):
+        shape = (batch, c.intermediate_size, c.state_size)
+    elif isinstance(mixer, KimiDeltaAttentionMixer):
+        shape = (batch, c.num_heads, c.head_dim, c.head_dim)
     else:
         shape = (batch, c.num_value_heads, c.key_head_dim, c.value_head_dim)
-    conv = torch.randn(batch, c.conv_dim, c.conv_kernel - 1, generator=generator)
+    conv = torch.randn(batch, conv_dim, c.conv_kernel - 1, generator=generator)
     return RecurrentState(conv, torch.randn(shape, generator=generator))
 
 
@@ -86,8 +122,23 @@ MIXERS = {
     "mamba2 g2, n 12 (masked)": lambda: _mamba(heads=6, groups=2, norm_groups=1, state_size=12, seed=2),
     "gdn h_v = h_k": lambda: _gdn(key_heads=2, value_heads=2),
     "gdn h_v = 2 h_k": lambda: _gdn(key_heads=2, value_heads=4, seed=1),
-    "gdn beta 2·sigmoid (OLMo-Hybrid)": lambda: _gdn(key_heads=2, value_heads=4, seed=3, beta_scale=2.0),
+    "gdn beta · 2 (OLMo-Hybrid)": lambda: _gdn(key_heads=2, value_heads=4, seed=2, beta_scale=2.0),
+    "mamba1 i 40, n 12, W 4, biases": lambda: _mamba1(40, 12, 4, bias=True),
+    "mamba1 i 72, n 16, W 3": lambda: _mamba1(72, 16, 3, bias=False, seed=1),
+    "kda h 3, d 12": lambda: _kda(heads=3, head_dim=12),
+    "kda h 2, d 40 (two value blocks)": lambda: _kda(heads=2, head_dim=40, seed=1),
+    "short conv d 24, W 3": lambda: _short_conv(24, 3, bias=False),
+    "short conv d 300, W 4, biases (two blocks)": lambda: _short_conv(300, 4, bias=True, seed=1),
 }
+
+
+def _width(mixer: torch.nn.Module) -> int:
+    return mixer.in_proj.in_features
+
+
+def _moved(new: RecurrentState, old: RecurrentState) -> float:
+    """How far a state moved (the window for a short conv, whose matrix state is empty)."""
+    return float((new.ssm - old.ssm).abs().max() if old.ssm.numel() else (new.conv - old.conv).abs().max())
 
 
 @pytest.mark.parametrize("name", list(MIXERS))
@@ -95,7 +146,7 @@ def test_decode_steps_equal_the_torch_path(name):
     mixer, batch = MIXERS[name](), 3
     state = _state(mixer, batch, seed=5)
     reference_state, triton_state = _copy(state), _copy(state)
-    hidden = torch.randn(batch, 4, 1, 24, generator=torch.Generator().manual_seed(6))
+    hidden = torch.randn(batch, 4, 1, _width(mixer), generator=torch.Generator().manual_seed(6))
     ones = torch.ones(batch, dtype=torch.long)
     for step in range(4):  # consecutive steps: the in-place state and window carry over
         mixer.decode_kernel = "torch"
@@ -106,7 +157,7 @@ def test_decode_steps_equal_the_torch_path(name):
         torch.testing.assert_close(out, reference, **TOL)
         torch.testing.assert_close(triton_state.ssm, reference_state.ssm, **TOL)
         torch.testing.assert_close(triton_state.conv, reference_state.conv, **TOL)
-    assert (triton_state.ssm - state.ssm).abs().max() > 0.1  # the state really moved
+    assert _moved(triton_state, state) > 0.1  # the state really moved
 
 
 @pytest.mark.parametrize("name", list(MIXERS))
@@ -114,7 +165,7 @@ def test_state_shift_after_partial_acceptance_equals_the_torch_path(name):
     mixer, length = MIXERS[name](), 4
     accepted = torch.tensor([1, 3, 4, 2, 1])  # several counts per batch, incl. none and all of the drafts
     state = _state(mixer, len(accepted), seed=7)
-    hidden = torch.randn(len(accepted), length, 24, generator=torch.Generator().manual_seed(8))
+    hidden = torch.randn(len(accepted), length, _width(mixer), generator=torch.Generator().manual_seed(8))
     mixer.decode_kernel = "torch"
     _, _, scan = mixer(hidden, state, torch.full_like(accepted, length))
     reference = mixer.state_after(state, scan, accepted)
@@ -173,3 +224,47 @@ def test_triton_grouped_experts_match_the_eager_experts(tokens, k, experts, gate
     from workers.model.steps.capture_safety import find_capture_hazards
 
     assert find_capture_hazards(lambda: triton_moe.expert_rows(x, ids, up, down, gated, activate)) == []
+
+
+@pytest.mark.parametrize("family", ["lfm2", "jamba_dense", "kimi_linear_dense", "olmo_hybrid"])
+@torch.inference_mode()
+def test_graph_steps_through_the_triton_kernels_equal_the_torch_module_path(checkpoint_dir, family):
+    """Whole models: the graph plan's decode, verification and keep steps with decode_kernel='triton' (short conv,
+    Mamba1, KDA, OLMo's Gated DeltaNet with beta · 2 through Triton; the loader chose it for every recurrent mixer)
+    against the torch module path of the same checkpoint."""
+    from tests.workers.model.test_cuda_graph import TOLERANCE, compare_graph_steps
+    from workers.model import load_checkpoint
+
+    path = str(checkpoint_dir(family))
+    triton_model = load_checkpoint(path, decode_kernel="triton", linear_backend="torch").model
+    torch_model = load_checkpoint(path, decode_kernel="torch", linear_backend="torch").model
+    kernels = {module.decode_kernel for module in triton_model.modules() if hasattr(module, "decode_kernel")}
+    assert "triton" in kernels and "torch" not in kernels, kernels
+    compare_graph_steps(triton_model, torch_model, TOLERANCE.get(family, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["mamba1 i 40, n 12, W 4, biases", "kda h 3, d 12", "short conv d 24, W 3"])
+def test_bfloat16_decode_steps_stay_within_rounding_of_the_torch_path(name):
+    """The dtype GPUs serve: bfloat16 weights, activations and conv windows (A_log, D, dt_bias and the recurrent
+    states in float32, as the loader keeps them) — the kernels' loads, stores and conversions; the torch step rounds
+    its intermediates to bfloat16 where the kernels keep float32, hence the bfloat16-sized tolerance."""
+    from workers.model.loader import FLOAT32_SUFFIXES
+
+    mixer, batch = MIXERS[name]().to(torch.bfloat16), 3
+    for parameter_name, parameter in mixer.named_parameters():
+        if parameter_name.endswith(tuple(suffix.lstrip(".") for suffix in FLOAT32_SUFFIXES)):
+            parameter.data = parameter.data.float()
+    state = _state(mixer, batch, seed=5)
+    state = RecurrentState(state.conv.to(torch.bfloat16), state.ssm)
+    reference_state, triton_state = _copy(state), _copy(state)
+    hidden = torch.randn(batch, 3, 1, _width(mixer), generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ones = torch.ones(batch, dtype=torch.long)
+    for step in range(3):
+        mixer.decode_kernel = "torch"
+        reference, _, _ = mixer(hidden[:, step], reference_state, ones, in_place=True)
+        mixer.decode_kernel = "triton"
+        out, _, _ = mixer(hidden[:, step], triton_state, ones, in_place=True)
+        assert out.dtype == torch.bfloat16 and triton_state.conv.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), reference.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(triton_state.ssm, reference_state.ssm, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(triton_state.conv.float(), reference_state.conv.float(), atol=5e-2, rtol=5e-2)

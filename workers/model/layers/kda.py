@@ -58,7 +58,7 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(k.num_heads))
         self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
-        self.decode_kernel = "torch"  # one-token steps run in PyTorch (no native or Triton KDA step yet)
+        self.decode_kernel = "torch"  # one-token steps and state shifts: "torch" or "triton" (set at load)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""
@@ -92,6 +92,8 @@ class KimiDeltaAttentionMixer(nn.Module):
         # 1. Projections.
         conv_in, f_low, g_low, b_raw = self.in_proj(hidden).split([k.conv_dim, k.head_dim, k.head_dim, k.num_heads], -1)
         in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
+        if in_place and self.decode_kernel == "triton":
+            return self._triton_decode(conv_in[:, 0], f_low[:, 0], g_low[:, 0], b_raw[:, 0], state), state, None
         # 2. Causal convs (+ SiLU) over q, k, v, continuing the stored window.
         weight = self.conv1d.weight.squeeze(1)
         if in_place:
@@ -117,6 +119,25 @@ class KimiDeltaAttentionMixer(nn.Module):
         new_state = state if in_place else RecurrentState(conv_state, delta_state)
         return out, new_state, DeltaScanInputs(conv_in, key, v, decay, beta)
 
+    def _triton_decode(
+        self,
+        conv_in: torch.Tensor,
+        f_low: torch.Tensor,
+        g_low: torch.Tensor,
+        b_raw: torch.Tensor,
+        state: RecurrentState,
+    ) -> torch.Tensor:
+        """The one-token step through the Triton kernels (conv, gates, delta rule with the state in place, gated
+        norm) from the projections [b, ...] of one token per row; returns out [b, 1, hidden]."""
+        from workers.model.kernels.triton_kernels.kda import kda_decode_step
+
+        weight, norm = self.conv1d.weight.squeeze(1), self.o_norm
+        f, gate = self.f_b_proj(f_low), self.g_b_proj(g_low)
+        y = kda_decode_step(
+            conv_in, f, b_raw, gate, state.conv, state.ssm, weight, self.A_log, self.dt_bias, norm.weight, norm.eps
+        )
+        return self.o_proj(y)[:, None]
+
     def state_after(
         self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
     ) -> RecurrentState:
@@ -124,6 +145,12 @@ class KimiDeltaAttentionMixer(nn.Module):
         window is a gather, the delta-rule state re-runs the accepted prefix (≤ k + 1 steps) from the step's start
         state over the kept k, v, g, beta (as `GatedDeltaNetMixer.state_after` does). `static_shapes`: re-run all l
         steps (those past a row's count are exact no-ops) instead of reading the largest count on the host."""
+        if self.decode_kernel == "triton":
+            from workers.model.kernels.triton_kernels.kda import kda_shift_
+
+            new = RecurrentState(state.conv.clone(), state.ssm.clone())
+            kda_shift_(new.conv, new.ssm, scan.conv_in, scan.k, scan.v, scan.g, scan.beta, num_tokens)
+            return new
         num_steps = scan.k.shape[1] if static_shapes else None
         return RecurrentState(
             conv_window_after(state.conv, scan.conv_in, num_tokens),

@@ -8,7 +8,9 @@ A [i, n] = −exp(A_log); y + D·x, gated by silu(z); out_proj. State comes in a
 `decode_kernel` "native" (CPU float32, set at load): the ops between the four linears run in
 `kernels/native_mamba1.py` (csrc/mamba1_decode.c) — the in-place decode step, and every other forward (prompts,
 verification from a kept state) through the native prefill scan; the decode plan calls the same kernels between
-the same linears, so the two agree bit for bit. "torch" is the reference (any dtype, any device).
+the same linears, so the two agree bit for bit. "triton" (CUDA, set at load): the in-place decode step and the
+state shift after verification through `kernels/triton_kernels/mamba1.py`. "torch" is the reference (any dtype, any
+device).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Mamba1Mixer(nn.Module):
         self.dt_layernorm = RMSNorm(r, config.rms_norm_eps)
         self.b_layernorm = RMSNorm(n, config.rms_norm_eps)
         self.c_layernorm = RMSNorm(n, config.rms_norm_eps)
-        self.decode_kernel = "torch"  # "torch" or "native" (C, CPU float32); set at load
+        self.decode_kernel = "torch"  # "torch", "native" (C, CPU float32) or "triton"; set at load
         self._A: tuple[tuple[int, int], torch.Tensor] | None = None  # (A_log's pointer and version, −exp(A_log))
 
     def native_A(self) -> torch.Tensor:
@@ -96,6 +98,8 @@ class Mamba1Mixer(nn.Module):
                 return self._native_decode(hidden, state), state, None
             return self._native_prefill(hidden, num_tokens, state)
         in_place = in_place and length == 1 and state is not None and state.ssm.is_contiguous()
+        if in_place and self.decode_kernel == "triton":
+            return self._triton_decode(hidden, state), state, None
         # 1. Projections: x and the gate z.
         conv_in, z = self.in_proj(hidden).split([m.intermediate_size, m.intermediate_size], dim=-1)
         # 2. Causal conv (+ SiLU) over x, continuing the stored window.
@@ -156,6 +160,18 @@ class Mamba1Mixer(nn.Module):
         B = xdbc[..., m.dt_rank : m.dt_rank + m.state_size]
         return out, RecurrentState(conv, ssm), SelectiveScanInputs(proj[..., : m.intermediate_size], xc, B, dt)
 
+    def _triton_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """The one-token step through the Triton kernels (conv step, selective update with D skip and gate; state in
+        place) around the same x_proj, inner norms and dt_proj; hidden [b, 1, d]."""
+        from workers.model.kernels.triton_kernels import common, mamba1
+
+        i = self.config.intermediate_size
+        proj = self.in_proj(hidden[:, 0])  # [b, 2i]: x | z
+        x = common.conv_step_(proj[:, :i], state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        dt, B, C = self._ssm_inputs(x[:, None], torch.ones_like(x[:, 0], dtype=torch.long))
+        y = mamba1.selective_step_(x, dt[:, 0], self.A_log, B[:, 0], C[:, 0], self.D, proj[:, i:], state.ssm)
+        return self.out_proj(y)[:, None]
+
     def state_after(
         self, state: RecurrentState, scan: SelectiveScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
     ) -> RecurrentState:
@@ -167,6 +183,12 @@ class Mamba1Mixer(nn.Module):
         no-ops). That keeps [b, l, i] + [b, l, n] scan inputs per layer instead of l states [b, l, i, n] (n = 16
         times more). Its shapes never depend on `num_tokens`'s values (`static_shapes` changes nothing here).
         """
+        if self.decode_kernel == "triton":
+            from workers.model.kernels.triton_kernels.mamba1 import mamba1_shift_
+
+            new = RecurrentState(state.conv.clone(), state.ssm.clone())
+            mamba1_shift_(new.conv, new.ssm, scan.conv_in, scan.x, scan.B, scan.dt, self.A_log, num_tokens)
+            return new
         conv = conv_window_after(state.conv, scan.conv_in, num_tokens)
         if self.decode_kernel == "native":  # the decode step's arithmetic, as the plan's keep
             counts = num_tokens.to(torch.int64).contiguous()

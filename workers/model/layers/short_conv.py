@@ -42,7 +42,8 @@ class ShortConvMixer(nn.Module):
         self.in_proj = nn.Linear(d, 3 * d, bias=c.bias)
         self.conv1d = nn.Conv1d(d, d, c.conv_kernel, groups=d, bias=c.bias)
         self.out_proj = nn.Linear(d, d, bias=c.bias)
-        # "native": decode steps through `csrc/short_conv.c` (the loader's choice on CPU float32), else torch.
+        # One-token steps and state shifts: "native" (`csrc/short_conv.c`, CPU float32), "triton" or "torch" (set at
+        # load by the loader).
         self.decode_kernel = "torch"
 
     def forward(
@@ -59,6 +60,8 @@ class ShortConvMixer(nn.Module):
             return self._native_decode(hidden, state), state, None
         if self.decode_kernel == "native" and not (in_place and state is not None and length == 1):
             return self._native_prefill(hidden, state, num_tokens)
+        if self.decode_kernel == "triton" and in_place and state is not None and length == 1:
+            return self._triton_decode(hidden, state), state, None
         # 1. Projections: B, C, x; the conv reads u = B · x.
         gate_b, gate_c, x = self.in_proj(hidden).chunk(3, dim=-1)
         u = gate_b * x
@@ -94,9 +97,23 @@ class ShortConvMixer(nn.Module):
         matrix = hidden.new_zeros(b, 0, 0, 0, dtype=torch.float32) if state is None else state.ssm
         return self.out_proj(y), RecurrentState(new_window, matrix), ConvScanInputs(u)
 
+    def _triton_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through the Triton step, shifting `state`'s window in place; hidden [b, 1, d]."""
+        from workers.model.kernels.triton_kernels.short_conv import short_conv_decode_step
+
+        weight = self.conv1d.weight.squeeze(1)
+        y = short_conv_decode_step(self.in_proj(hidden[:, 0]), state.conv, weight, self.conv1d.bias)
+        return self.out_proj(y)[:, None]
+
     def state_after(
         self, state: RecurrentState, scan: ConvScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
     ) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`: the window
         ending at input num_tokens − 1 (a gather; the same with `static_shapes`, nothing is read on the host)."""
+        if self.decode_kernel == "triton":
+            from workers.model.kernels.triton_kernels.common import conv_shift_
+
+            window = state.conv.clone()
+            conv_shift_(window, scan.conv_in, num_tokens)
+            return RecurrentState(window, state.ssm)
         return RecurrentState(conv_window_after(state.conv, scan.conv_in, num_tokens), state.ssm)

@@ -15,7 +15,9 @@ step over static buffers so the same kernels, on the same addresses, can be capt
 
 On CUDA every (step, bucket) is captured into one shared memory pool, largest bucket first, after a warm-up run on
 a side stream (PyTorch's recipe). Without capture (`capture=False`, the default on CPU) the very same step functions
-run eagerly — the form CI tests against the module path, and `find_capture_hazards` checks (`captured_step`).
+run eagerly — the form CI tests against the module path, and `find_capture_hazards` checks (`captured_step`), for
+every family (tests/workers/model/test_cuda_graph.py). With `decode_kernel="triton"` (the default on CUDA) the
+recurrent one-token steps and the keep step's state shifts run as Triton kernels (`kernels/triton_kernels/`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def batch_buckets(max_rows: int) -> list[int]:
 
 def unsupported_reason(model: HybridModel, drafts_from_hidden: bool = False) -> str | None:
     """Why decode steps of `model` cannot run as CUDA graphs, or None when they can. `drafts_from_hidden`: a
-    proposer drafts from the target's hidden states (MTP)."""
+    proposer drafts from the target's hidden states (MTP).
+
+    Every family's blocks have a static form (Mamba2, Gated DeltaNet, Mamba1, Kimi Delta Attention, short conv,
+    attention with latent caches, sliding windows, post-norms or shared blocks); the reasons left are MoE experts
+    where neither `torch._grouped_mm` nor Triton runs, and MTP drafting."""
     weight = model.embed_tokens.weight
     if any(block.kind == MOE for block in model.blocks):
         reason = static_form_reason(weight.device, weight.dtype)

@@ -89,9 +89,9 @@ def gdn_decode_step(
     beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """One token per row: proj [b, conv_dim + value_dim + 2·h_v] (in_proj output, `[q | k | v | z | b | a]`) → the
-    out_proj input [b, value_dim] in proj's dtype; beta = beta_scale · sigmoid(b) (OLMo-Hybrid: 2). conv_state
-    [b, conv_dim, W-1] and state [b, h_v, d_k, d_v] (float32, unit stride along d_v) are updated in place — what
-    `GatedDeltaNetMixer`'s in-place decode computes."""
+    out_proj input [b, value_dim] in proj's dtype. conv_state [b, conv_dim, W-1] and state [b, h_v, d_k, d_v]
+    (float32, unit stride along d_v) are updated in place — what `GatedDeltaNetMixer`'s in-place decode computes.
+    beta = beta_scale · sigmoid(b) (OLMo-Hybrid's 2 allows negative eigenvalues)."""
     b, num_value_heads, key_head_dim, value_head_dim = state.shape
     conv_dim, value_dim = conv_weight.shape[0], num_value_heads * value_head_dim
     key_dim = num_key_heads * key_head_dim
@@ -115,7 +115,7 @@ def gdn_decode_step(
         num_value_heads,
         num_value_heads // num_key_heads,
         key_head_dim**-0.5,
-        beta_scale,
+        float(beta_scale),
         DK=key_head_dim,
         DV=value_head_dim,
         BLOCK_K=triton.next_power_of_2(key_head_dim),

@@ -20,8 +20,10 @@ from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import check_quantization, prepare_linears
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
 
@@ -221,7 +223,8 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
-    Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
+    Mamba2, Gated DeltaNet and Kimi Delta Attention steps (KDA prompts too), the attention and latent attention
+    decode steps and the per-token elementwise work around them
     (RMSNorm fused with the residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of
     `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their state shifts after
     verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on
@@ -252,7 +255,9 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
             if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
                 module.decode_kernel = "torch"
-        elif isinstance(module, (RMSNorm, MLP, Attention)):
+        elif isinstance(module, KimiDeltaAttentionMixer):  # native kernels only (the Triton step: another change)
+            module.decode_kernel = "native" if kernel == "native" else "torch"
+        elif isinstance(module, (RMSNorm, MLP, Attention, MultiHeadLatentAttention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel
 

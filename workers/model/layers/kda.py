@@ -15,14 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels import native_kimi
 from workers.model.kernels.gated_delta import l2norm
 from workers.model.kernels.kimi_delta import chunked_kda, kda_scan, kda_state_after, kda_step_
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
 from workers.model.state import DeltaScanInputs, RecurrentState
 
 # Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
-# rule runs token by token; longer inputs (prompts) take the chunked form.
+# rule runs token by token; longer inputs (prompts) take the chunked form, or with the native kernel the native
+# prefill (csrc/kda_decode.c: conv to gated norm token by token in C) at any length from the zero state.
 RECURRENT_MAX_TOKENS = 8
+
+
+def _contiguous(state: RecurrentState) -> bool:
+    return state.conv.is_contiguous() and state.ssm.is_contiguous()
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -58,7 +64,7 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(k.num_heads))
         self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
-        self.decode_kernel = "torch"  # one-token steps run in PyTorch (no native or Triton KDA step yet)
+        self.decode_kernel = "torch"  # one-token steps and prompts: "torch" or "native" (C, CPU float32; set at load)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""
@@ -89,6 +95,11 @@ class KimiDeltaAttentionMixer(nn.Module):
         """
         k = self.config
         b, length, _ = hidden.shape
+        if self.decode_kernel == "native":
+            if in_place and length == 1 and state is not None and _contiguous(state):
+                return self._native_decode(hidden, state), state, None
+            if state is None or length > RECURRENT_MAX_TOKENS:
+                return self._native_prefill(hidden, num_tokens, state)
         # 1. Projections.
         conv_in, f_low, g_low, b_raw = self.in_proj(hidden).split([k.conv_dim, k.head_dim, k.head_dim, k.num_heads], -1)
         in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
@@ -116,6 +127,61 @@ class KimiDeltaAttentionMixer(nn.Module):
         out = self.o_proj(y.reshape(b, length, k.qkv_dim))
         new_state = state if in_place else RecurrentState(conv_state, delta_state)
         return out, new_state, DeltaScanInputs(conv_in, key, v, decay, beta)
+
+    def _native_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj's output [..., 3·h·d + 2·d + h] (contiguous), and f = f_b_proj(f_a), gate = g_b_proj(g_a)
+        [..., h·d]: the kernels' inputs, as the decode plan records them."""
+        k = self.config
+        proj = self.in_proj(hidden).contiguous()
+        f_low, g_low = proj[..., k.conv_dim : k.conv_dim + 2 * k.head_dim].split(k.head_dim, dim=-1)
+        return proj, self.f_b_proj(f_low).contiguous(), self.g_b_proj(g_low).contiguous()
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/kda_decode.c`, updating `state` in place; hidden [b, 1, hidden]."""
+        proj, f, gate = self._native_projections(hidden[:, 0])
+        out = native_kimi.kda_decode_step(
+            proj,
+            f,
+            gate,
+            state.conv,
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            state.ssm,
+            self.o_norm.weight,
+            self.o_norm.eps,
+        )
+        return self.o_proj(out)[:, None]
+
+    def _native_prefill(
+        self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: RecurrentState | None
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
+        """Prompts (from the zero state: no scan inputs) or the next chunk of one (from `state`, with its scan
+        inputs, as every forward from a kept state returns them) through `csrc/kda_decode.c`. Returns what
+        `forward` returns."""
+        k = self.config
+        b, length, _ = hidden.shape
+        proj, f, gate = self._native_projections(hidden)
+        out, conv, delta_state, qkv = native_kimi.kda_prefill(
+            proj,
+            f,
+            gate,
+            num_tokens.contiguous(),
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            self.o_norm.weight,
+            self.o_norm.eps,
+            k.num_heads,
+            None if state is None else (state.conv, state.ssm),
+        )
+        out = self.o_proj(out)
+        if state is None:
+            return out, RecurrentState(conv, delta_state), None
+        key, v = (x.reshape(b, length, k.num_heads, k.head_dim) for x in qkv[..., k.qkv_dim :].split(k.qkv_dim, -1))
+        decay, beta = self._gates(proj[..., k.conv_dim : k.conv_dim + k.head_dim], proj[..., -k.num_heads :], num_tokens)
+        scan = DeltaScanInputs(proj[..., : k.conv_dim], key, v, decay, beta)
+        return out, RecurrentState(conv, delta_state), scan
 
     def state_after(
         self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False

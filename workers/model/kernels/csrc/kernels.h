@@ -57,6 +57,23 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
                  const float *A_log, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
+void kda_decode_step(const float *proj, const float *f, const float *gate, float *conv_state, const float *conv_w,
+                     const float *dt_bias, const float *A_log, float *delta_state, const float *norm_w, float eps,
+                     float *qkv, float *out, int64_t b, int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_verify(const float *proj, const float *f, const float *gate, const float *conv_state, const float *conv_w,
+                const float *dt_bias, const float *A_log, const float *delta_state, const float *norm_w, float eps,
+                float *qkv, float *out, int64_t b, int64_t l, int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_keep(const float *proj, const float *f, float *conv_state, const float *conv_w, const float *dt_bias,
+              const float *A_log, float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l,
+              int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_prefill(const float *proj, const float *f, const float *gate, const int64_t *num_tokens, const float *conv_w,
+                 const float *dt_bias, const float *A_log, const float *norm_w, float eps, const float *initial_conv,
+                 const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
+                 int64_t l, int64_t H, int64_t D, int64_t W, int num_threads);
+void mla_attention(const float *q, const float *kv, const float *norm_w, float eps, float *cache,
+                   const int64_t *block_tables, int64_t max_blocks, int64_t block_size, const int64_t *slot_ids,
+                   const int64_t *positions, const float *kv_b, float scale, float *out, int64_t b, int64_t l,
+                   int64_t H, int64_t NOPE, int64_t R, int64_t L, int64_t V, int num_threads);
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,

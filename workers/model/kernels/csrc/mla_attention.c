@@ -1,0 +1,118 @@
+/* Multi-head latent attention (DeepSeek-V2's MLA, as Kimi-Linear uses it) over a paged latent cache, float32: the
+ * absorbed form of workers/model/layers/mla.py, for decode steps and speculative verification.
+ *
+ * The cache holds one "key" head per token, [c | k_r] (L + R wide): c = rmsnorm(latent) · norm_w and k_r the shared
+ * key part, both from kv_a_proj_with_mqa's output [latent | k_r]. Per query head i, with kv_b [H, NOPE + V, L]
+ * stacking W_uk,i [NOPE, L] and W_uv,i [V, L]: q' = [W_uk,iᵀ q_nope | q_rope], scores q'·[c | k_r] · scale over
+ * the positions up to the query's own, softmax, the weighted average of the latents c, and out_i = W_uv,i · that.
+ * Nothing per cached token is up-projected. Shapes (contiguous, token-major: token t of row r is row t · b + r):
+ *   q [l, b, H, NOPE + R]; kv [l, b, L + R] (kv_a output, latent not yet normed); out [l, b, H, V]
+ *   cache [cache_tokens, L + R], position p of slot s at block_tables[s, p / block_size] · block_size + p % block_size
+ *   slot_ids, positions [b] int64 (positions: each row's first new token). block_size <= 256.
+ * Every query runs the same per-query function, so a verification's outputs are bit for bit those of l decode steps.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* out = norm_w · rmsnorm(x) over L values (kv_a_layernorm). */
+static __attribute__((noinline, noclone)) void latent_norm(const float *x, const float *norm_w, float eps, float *out,
+                                                           int64_t L) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < L; ++i) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)L + eps);
+    for (int64_t i = 0; i < L; ++i) out[i] = norm_w[i] * (x[i] * scale);
+}
+
+/* One query head's attention at `position` over its slot's cache: q [NOPE + R] → out [V]. w_uk [NOPE, L] and
+ * w_uv [V, L] are the head's rows of kv_b; absorbed [L + R], latent [L] and score [block_size] are scratch. */
+static __attribute__((noinline, noclone)) void latent_query(
+    const float *q, const float *cache, const int64_t *table, int64_t block_size, int64_t position, const float *w_uk,
+    const float *w_uv, float scale, float *out, int64_t NOPE, int64_t R, int64_t L, int64_t V, float *absorbed,
+    float *latent, float *score) {
+    const int64_t E = L + R;
+    /* 1. q' = [W_ukᵀ q_nope | q_rope]. */
+    for (int64_t c = 0; c < L; ++c) absorbed[c] = 0.0f;
+    for (int64_t n = 0; n < NOPE; ++n) {
+        const float qn = q[n], *row = w_uk + n * L;
+#pragma omp simd
+        for (int64_t c = 0; c < L; ++c) absorbed[c] += qn * row[c];
+    }
+    for (int64_t r = 0; r < R; ++r) absorbed[L + r] = q[NOPE + r];
+    /* 2. Block by block, an online softmax over the entries, accumulating the weighted latents. */
+    float max_score = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < L; ++c) latent[c] = 0.0f;
+    for (int64_t start = 0; start <= position; start += block_size) {
+        const float *entries = cache + table[start / block_size] * block_size * E;
+        const int64_t n = position + 1 - start < block_size ? position + 1 - start : block_size;
+        float block_max = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *entry = entries + j * E;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < E; ++i) dot += absorbed[i] * entry[i];
+            score[j] = dot * scale;
+            block_max = score[j] > block_max ? score[j] : block_max;
+        }
+        if (block_max > max_score) {
+            const float rescale = max_score == -INFINITY ? 0.0f : expf(max_score - block_max);
+            total *= rescale;
+            for (int64_t c = 0; c < L; ++c) latent[c] *= rescale;
+            max_score = block_max;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float weight = expf(score[j] - max_score);
+            const float *entry = entries + j * E;
+            total += weight;
+#pragma omp simd
+            for (int64_t c = 0; c < L; ++c) latent[c] += weight * entry[c];
+        }
+    }
+    for (int64_t c = 0; c < L; ++c) latent[c] /= total;
+    /* 3. out = W_uv · the averaged latent. */
+    for (int64_t v = 0; v < V; ++v) {
+        const float *row = w_uv + v * L;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < L; ++c) dot += row[c] * latent[c];
+        out[v] = dot;
+    }
+}
+
+/* l tokens per row at positions[r] … positions[r] + l − 1 (l = 1: a decode step; more: a verification): the new
+ * entries [rmsnorm(latent) · norm_w | k_r] are written first, then every query head of every token attends causally
+ * up to its own position. The caller has checked that every new position has a block. */
+void mla_attention(const float *q, const float *kv, const float *norm_w, float eps, float *cache,
+                   const int64_t *block_tables, int64_t max_blocks, int64_t block_size, const int64_t *slot_ids,
+                   const int64_t *positions, const float *kv_b, float scale, float *out, int64_t b, int64_t l,
+                   int64_t H, int64_t NOPE, int64_t R, int64_t L, int64_t V, int num_threads) {
+    const int64_t E = L + R, QD = NOPE + R;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t tr = 0; tr < l * b; ++tr) {
+            const int64_t t = tr / b, bi = tr % b, position = positions[bi] + t;
+            const int64_t at = block_tables[slot_ids[bi] * max_blocks + position / block_size] * block_size +
+                               position % block_size;
+            latent_norm(kv + tr * E, norm_w, eps, cache + at * E, L);
+            memcpy(cache + at * E + L, kv + tr * E + L, R * sizeof(float));
+        }
+        float *scratch = malloc((E + L + block_size) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b * H; ++bh) {
+            const int64_t bi = bh / H, h = bh % H;
+            const float *w_uk = kv_b + h * (NOPE + V) * L;
+            for (int64_t t = 0; t < l; ++t) {
+                const int64_t at = (t * b + bi) * H + h;
+                latent_query(q + at * QD, cache, block_tables + slot_ids[bi] * max_blocks, block_size,
+                             positions[bi] + t, w_uk, w_uk + NOPE * L, scale, out + at * V, NOPE, R, L, V, scratch,
+                             scratch + E, scratch + E + L);
+            }
+        }
+        free(scratch);
+    }
+}

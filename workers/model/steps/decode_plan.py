@@ -11,6 +11,7 @@ native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 /
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
+Kimi-Linear's Kimi Delta Attention and latent attention blocks record their native kernels (`kimi_records.py`).
 MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
@@ -39,6 +40,7 @@ from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.state import StatePool
 from workers.model.steps.decode_records import DecodeRecords, branches
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
+from workers.model.steps.kimi_records import KimiScratch, kept_width, kimi_unsupported_reason
 from workers.model.steps.plan_records import RECORD_WORDS
 
 
@@ -71,7 +73,9 @@ def unsupported_reason(model: HybridModel) -> str | None:
         if block.kind == MAMBA1:
             return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
-            return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
+            if (reason := kimi_unsupported_reason(mixer)) is not None:
+                return reason
+            continue
         if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
@@ -131,12 +135,12 @@ class DecodePlan(DecodeRecords):
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
-        recurrent = next((branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS), None)
-        self.xbc = torch.empty(tokens, recurrent.conv1d.weight.shape[0] if recurrent else 1)  # the conv's output
-        # Verification keeps each recurrent layer's in_proj outputs: `keep` advances the states by the accepted
-        # tokens from them.
+        recurrent = [branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS]
+        self.xbc = torch.empty(tokens, max([m.conv1d.weight.shape[0] for m in recurrent], default=1))  # conv output
+        # Verification keeps each recurrent layer's in_proj outputs (and KDA's f): `keep` advances the states by the
+        # accepted tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
-        self.kept_proj = torch.empty(kept, tokens * recurrent.in_proj.out_features if kept else 0)
+        self.kept_proj = torch.empty(kept, tokens * max([kept_width(m) for m in recurrent], default=0) if kept else 0)
         a = config.attention
         attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
@@ -149,6 +153,7 @@ class DecodePlan(DecodeRecords):
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
+        self.kimi_scratch = KimiScratch(model, tokens)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`

@@ -3,18 +3,22 @@
 `DecodeRecords` is the recording half of `DecodePlan` (`decode_plan.py`, which allocates the buffers these records
 point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the kept in_proj outputs — and replays
 them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
-(`feed_forward_records.py`) each have their records here; the state shift after a verification too.
+(`feed_forward_records.py`) each have their records here; the state shift after a verification too. Kimi-Linear's
+mixers (Kimi Delta Attention, latent attention) have theirs in `kimi_records.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
+from workers.model.steps.kimi_records import record_kda, record_kda_shift, record_mla
 from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
 
 
@@ -48,6 +52,11 @@ class DecodeRecords:
                 self._record_mamba(rec, block.mixer, recurrent_layer)
             elif block.kind == GDN:
                 self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == KDA:
+                record_kda(rec, self, block.mixer, recurrent_layer)
+            elif isinstance(block.mixer, MultiHeadLatentAttention):
+                record_mla(rec, self, block.mixer, attention_layer)
+                attention_layer += 1
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
@@ -135,6 +144,9 @@ class DecodeRecords:
         rec = Recorder(b, length)
         mixers = [branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
+            if isinstance(mixer, KimiDeltaAttentionMixer):
+                record_kda_shift(rec, self, mixer, layer)
+                continue
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config

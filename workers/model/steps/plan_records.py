@@ -46,6 +46,10 @@ class Op(enum.IntEnum):
     MOE_ROUTE = 41  # router logits → each row's experts and weights (csrc/moe.c)
     MOE_EXPERTS = 42  # the chosen experts' weighted sum per row
     MOE_COMBINE = 43  # routed + (sigmoid-gated) shared MLP output
+    KDA = 57  # Kimi Delta Attention (kimi_records.py)
+    KDA_VERIFY = 58
+    KDA_SHIFT = 59
+    MLA = 64  # latent attention over the cached latent (kimi_records.py)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

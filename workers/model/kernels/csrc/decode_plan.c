@@ -46,6 +46,10 @@ enum {
     OP_MOE_ROUTE = 41,
     OP_MOE_EXPERTS = 42,
     OP_MOE_COMBINE = 43,
+    OP_KDA = 57, /* Kimi Delta Attention (kda_decode.c) */
+    OP_KDA_VERIFY = 58,
+    OP_KDA_SHIFT = 59,
+    OP_MLA = 64, /* latent attention (mla_attention.c) */
 };
 
 typedef struct {
@@ -245,6 +249,13 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_ATTENTION_PADDED: /* a: as OP_ATTENTION; rows at position -1 are padding */
             if (attention_padded(op, num_threads)) return i + 1;
             break;
+        case OP_KDA:
+        case OP_KDA_VERIFY: /* a, f: kda_plan_step's (kda_decode.c) */
+            kda_plan_step(op->a, op->f, op->code == OP_KDA_VERIFY, num_threads);
+            break;
+        case OP_MLA: /* a, f: mla_plan_step's (mla_attention.c); refuses a position without a block */
+            if (mla_plan_step(op->a, op->f, num_threads)) return i + 1;
+            break;
         case OP_ARGMAX: /* a: logits [rows, n], token ids out [rows] (int64), rows, n: torch.argmax's first index */
             argmax_rows(F32(0), I64(1), op->a[2], op->a[3], num_threads);
             break;
@@ -263,6 +274,10 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
+        if (op->code == OP_KDA_SHIFT) { /* a: kda_plan_shift's (kda_decode.c) */
+            if (kda_plan_shift(op->a, accepted, num_threads)) return i + 1;
+            continue;
+        }
         const int mamba = op->code == OP_MAMBA2_SHIFT;
         if (!mamba && op->code != OP_GDN_SHIFT) return i + 1;
         const int64_t b = mamba ? op->a[9] : op->a[7], length = mamba ? op->a[15] : op->a[13];

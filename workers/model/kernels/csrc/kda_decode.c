@@ -235,3 +235,27 @@ void kda_prefill(const float *proj, const float *f, const float *gate, const int
         }
     }
 }
+
+/* A decode plan's KDA record (decode_plan.c): a = proj, f, gate, conv windows, conv weight, dt_bias, A_log,
+ * delta-rule states, norm weight, qkv scratch, out, b, H, D, W, l; f[0] = eps. `verify`: l tokens per row,
+ * token-major, states left as they are; else one token per row, states advanced. */
+#define A_F32(i) ((float *)a[i])
+void kda_plan_step(const int64_t *a, const double *f, int verify, int num_threads) {
+    if (verify)
+        kda_verify(A_F32(0), A_F32(1), A_F32(2), A_F32(3), A_F32(4), A_F32(5), A_F32(6), A_F32(7), A_F32(8),
+                   (float)f[0], A_F32(9), A_F32(10), a[11], a[15], a[12], a[13], a[14], num_threads);
+    else
+        kda_decode_step(A_F32(0), A_F32(1), A_F32(2), A_F32(3), A_F32(4), A_F32(5), A_F32(6), A_F32(7), A_F32(8),
+                        (float)f[0], A_F32(9), A_F32(10), a[11], a[12], a[13], a[14], num_threads);
+}
+
+/* A decode plan's KDA shift record: a = kept proj [l, b, ·], kept f [l, b, HD], conv windows, conv weight, dt_bias,
+ * A_log, delta-rule states, qkv scratch, b, H, D, W, l. 1 (nothing done) when an accepted count is outside 1 … l. */
+int64_t kda_plan_shift(const int64_t *a, const int64_t *accepted, int num_threads) {
+    for (int64_t r = 0; r < a[8]; ++r)
+        if (accepted[r] < 1 || accepted[r] > a[12]) return 1;
+    kda_keep(A_F32(0), A_F32(1), A_F32(2), A_F32(3), A_F32(4), A_F32(5), A_F32(6), A_F32(7), accepted, a[8], a[12],
+             a[9], a[10], a[11], num_threads);
+    return 0;
+}
+#undef A_F32

@@ -74,6 +74,9 @@ void mla_attention(const float *q, const float *kv, const float *norm_w, float e
                    const int64_t *block_tables, int64_t max_blocks, int64_t block_size, const int64_t *slot_ids,
                    const int64_t *positions, const float *kv_b, float scale, float *out, int64_t b, int64_t l,
                    int64_t H, int64_t NOPE, int64_t R, int64_t L, int64_t V, int num_threads);
+void kda_plan_step(const int64_t *a, const double *f, int verify, int num_threads);
+int64_t kda_plan_shift(const int64_t *a, const int64_t *accepted, int num_threads);
+int64_t mla_plan_step(const int64_t *a, const double *f, int num_threads);
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,

@@ -116,3 +116,22 @@ void mla_attention(const float *q, const float *kv, const float *norm_w, float e
         free(scratch);
     }
 }
+
+/* A decode plan's latent attention record (decode_plan.c): a = q, kv, norm weight, cache, slot ids, positions,
+ * block tables, kv_b, out, b, l, H, NOPE, R, L, V, capacity, max blocks, block size; f = scale, eps. 1 (nothing
+ * written) when a new position lies outside the cache or has no block, else 0. */
+int64_t mla_plan_step(const int64_t *a, const double *f, int num_threads) {
+    const int64_t *slot_ids = (const int64_t *)a[4], *positions = (const int64_t *)a[5];
+    const int64_t *tables = (const int64_t *)a[6];
+    const int64_t b = a[9], l = a[10], capacity = a[16], max_blocks = a[17], block_size = a[18];
+    for (int64_t r = 0; r < b; ++r)
+        for (int64_t t = 0; t < l; ++t) {
+            const int64_t position = positions[r] + t;
+            if (position < 0 || position >= capacity) return 1;
+            if (tables[slot_ids[r] * max_blocks + position / block_size] == 0) return 1; /* no block */
+        }
+    mla_attention((const float *)a[0], (const float *)a[1], (const float *)a[2], (float)f[1], (float *)a[3], tables,
+                  max_blocks, block_size, slot_ids, positions, (const float *)a[7], (float)f[0], (float *)a[8], b, l,
+                  a[11], a[12], a[13], a[14], a[15], num_threads);
+    return 0;
+}

@@ -145,9 +145,17 @@ def test_kda_kernels_refuse_mismatched_shapes(kimi_model):
         proj = torch.zeros(2, 3, mixer.in_proj.out_features)
         gates = torch.zeros(2, 3, k.qkv_dim)
         native_kimi.kda_prefill(
-            proj, gates, gates, torch.tensor([4, 1]), mixer.conv1d.weight.squeeze(1), mixer.dt_bias, mixer.A_log,
-            mixer.o_norm.weight, 1e-5, k.num_heads,
-        )  # fmt: skip
+            proj,
+            gates,
+            gates,
+            torch.tensor([4, 1]),
+            mixer.conv1d.weight.squeeze(1),
+            mixer.dt_bias,
+            mixer.A_log,
+            mixer.o_norm.weight,
+            1e-5,
+            k.num_heads,
+        )
 
 
 def _mla(model) -> tuple[int, MultiHeadLatentAttention]:
@@ -193,8 +201,11 @@ def test_mla_native_refuses_a_position_without_a_block(kimi_model):
         mla(hidden, batch, pool.kv_caches()[index])
     assert not pool.key.any()  # nothing was written, not even row 0's entry
     with pytest.raises(ValueError, match="outside the cache"), torch.inference_mode():
-        mla(hidden, ForwardBatch(torch.tensor([0, 0]), torch.tensor([3, 32]), torch.tensor([1, 1])),
-            pool.kv_caches()[index])  # fmt: skip
+        mla(
+            hidden,
+            ForwardBatch(torch.tensor([0, 0]), torch.tensor([3, 32]), torch.tensor([1, 1])),
+            pool.kv_caches()[index],
+        )
 
 
 def test_odd_layout_scores_match_transformers(kimi_model):

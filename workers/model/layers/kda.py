@@ -179,7 +179,9 @@ class KimiDeltaAttentionMixer(nn.Module):
         if state is None:
             return out, RecurrentState(conv, delta_state), None
         key, v = (x.reshape(b, length, k.num_heads, k.head_dim) for x in qkv[..., k.qkv_dim :].split(k.qkv_dim, -1))
-        decay, beta = self._gates(proj[..., k.conv_dim : k.conv_dim + k.head_dim], proj[..., -k.num_heads :], num_tokens)
+        decay, beta = self._gates(
+            proj[..., k.conv_dim : k.conv_dim + k.head_dim], proj[..., -k.num_heads :], num_tokens
+        )
         scan = DeltaScanInputs(proj[..., : k.conv_dim], key, v, decay, beta)
         return out, RecurrentState(conv, delta_state), scan
 

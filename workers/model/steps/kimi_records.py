@@ -52,7 +52,9 @@ class KimiScratch:
         self.kv = torch.empty(tokens * max([m.kv_lora_rank + m.qk_rope_head_dim for m in mlas], default=0))
 
 
-def _kda_inputs(plan: object, mixer: KimiDeltaAttentionMixer, layer: int, n: int, length: int) -> tuple[torch.Tensor, ...]:
+def _kda_inputs(
+    plan: object, mixer: KimiDeltaAttentionMixer, layer: int, n: int, length: int
+) -> tuple[torch.Tensor, ...]:
     """Where a KDA layer's in_proj output [n, width] and f [n, h·d] go: kept per layer through a verification (the
     shift re-runs tokens from them), else scratch."""
     width, qkv_dim = mixer.in_proj.out_features, mixer.config.qkv_dim

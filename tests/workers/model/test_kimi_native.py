@@ -5,6 +5,8 @@ layout: KDA head_dim 12 over 3 heads, MLA without a rope part) and against trans
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import KimiLinearForCausalLM
@@ -14,6 +16,7 @@ from workers import ModelRunner
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.checkpoint.config import KDA
 from workers.model.kernels import native_kimi
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.state import RecurrentState
 
@@ -35,8 +38,22 @@ def kimi_model(tmp_path_factory):
     return get
 
 
-def _kda(model):
-    return next(block.mixer for block in model.blocks if block.kind == KDA)
+def _wide_kda(config) -> KimiDeltaAttentionMixer:
+    """A random KDA mixer with head_dim 80 (one full 64-column block of the prompt walk plus a 16-column tail)."""
+    torch.manual_seed(0)
+    mixer = KimiDeltaAttentionMixer(replace(config, kda=replace(config.kda, head_dim=80, num_heads=2)))
+    with torch.no_grad():
+        for name, parameter in mixer.named_parameters():
+            parameter.copy_(torch.randn(parameter.shape) * (0.5 if "bias" in name or "A_log" in name else 0.2))
+        mixer.o_norm.weight.add_(1.0)
+    mixer.decode_kernel = "native"
+    return mixer.eval()
+
+
+def _kda(kimi_model, family: str) -> KimiDeltaAttentionMixer:
+    if family == "wide":
+        return _wide_kda(kimi_model("kimi_linear")[1].config)
+    return next(block.mixer for block in kimi_model(family)[1].blocks if block.kind == KDA)
 
 
 def _state(mixer, b: int, seed: int) -> RecurrentState:
@@ -63,9 +80,9 @@ def _torch_tokens(mixer, hidden: torch.Tensor, state: RecurrentState | None) -> 
         mixer.decode_kernel = "native"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "wide"])
 def test_kda_decode_step_matches_the_pytorch_step(kimi_model, family):
-    mixer = _kda(kimi_model(family)[1])
+    mixer = _kda(kimi_model, family)
     hidden = torch.randn(3, 1, mixer.in_proj.in_features, generator=torch.Generator().manual_seed(0))
     state = _state(mixer, 3, 1)
     expected, expected_state = _torch_tokens(mixer, hidden, RecurrentState(state.conv.clone(), state.ssm.clone()))
@@ -78,12 +95,15 @@ def test_kda_decode_step_matches_the_pytorch_step(kimi_model, family):
     assert (state.ssm - _state(mixer, 3, 1).ssm).abs().max() > 1e-3  # the step did change the state
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 133])
+PREFILL_CASES = [(f, n) for f in FAMILIES for n in (1, 63, 64, 65, 133)] + [("wide", n) for n in (1, 63, 65)]
+
+
+@pytest.mark.parametrize(("family", "length"), PREFILL_CASES)
 def test_kda_native_prefill_matches_token_by_token_steps(kimi_model, family, length):
     """Prompt lengths around the delta rule's chunk (64): 1, chunk − 1, chunk, chunk + 1, two chunks + a tail; rows
-    right-padded (ragged); from the zero state and continued from each row's kept state."""
-    mixer = _kda(kimi_model(family)[1])
+    right-padded (ragged); from the zero state and continued from each row's kept state. "wide": head_dim 80, a
+    full 64-column block of the prompt walk and a partial one."""
+    mixer = _kda(kimi_model, family)
     assert mixer.config.chunk_size == 64
     g = torch.Generator().manual_seed(length)
     hidden = torch.randn(3, length, mixer.in_proj.in_features, generator=g)
@@ -102,12 +122,12 @@ def test_kda_native_prefill_matches_token_by_token_steps(kimi_model, family, len
             torch.testing.assert_close(state.ssm[row], expected_state.ssm[0], **TOL)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "wide"])
 def test_kda_native_prefill_continues_through_forward_and_shifts(kimi_model, family):
     """A prompt in two pieces through `forward` (the second from the kept state, longer than the recurrent
     threshold: the native prefill with scan inputs) equals it in one piece; the scan inputs shift the state exactly
     as the PyTorch path's `state_after` does."""
-    mixer = _kda(kimi_model(family)[1])
+    mixer = _kda(kimi_model, family)
     hidden = torch.randn(2, 40, mixer.in_proj.in_features, generator=torch.Generator().manual_seed(5))
     full = torch.tensor([40, 40])
     with torch.inference_mode():
@@ -125,7 +145,7 @@ def test_kda_native_prefill_continues_through_forward_and_shifts(kimi_model, fam
 
 
 def test_kda_kernels_refuse_mismatched_shapes(kimi_model):
-    mixer = _kda(kimi_model("kimi_linear")[1])
+    mixer = _kda(kimi_model, "kimi_linear")
     k, state = mixer.config, _state(mixer, 2, 0)
     proj = torch.zeros(2, mixer.in_proj.out_features + 1)
     with pytest.raises(ValueError, match="shape mismatch"):

@@ -14,8 +14,8 @@
  *   delta_state [b, H, D, D]       updated in place
  *   qkv         [b, Cd]            scratch: conv output (silu; q, k then l2-normalised, q scaled by D^-0.5)
  *   out         [b, HD]            the o_proj input: norm_w · rmsnorm(o) · sigmoid(gate) per head
- * The decode step, the verification, the keep and the prompt walk each head through the same non-inlined helpers,
- * so all four round alike: a prompt's states are bit for bit those of its tokens' decode steps.
+ * The decode step, the verification and the keep walk each head through the same non-inlined helpers, so they
+ * round alike; the prompt walk sums the same products in the same order a column block at a time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -184,21 +184,65 @@ void kda_keep(const float *proj, const float *f, float *conv_state, const float 
     }
 }
 
+/* A row's first n prompt tokens through nc ≤ KDA_COLUMNS columns of one head's state, held contiguous in
+ * S [D, KDA_COLUMNS]: kda_head_walk token after token, except that each update pass also accumulates the next
+ * token's Sᵀ(k ∘ decay) from the rows it has just written — the same products summed in the same order as that
+ * token's own first pass — so the block is read once per token instead of twice, and stays in L1 for the whole
+ * prompt. Token t reads q at q + t · Cd (k HD further on), v at v + t · Cd, its decays at decay + t · HD, beta at
+ * beta[t · H], and writes its output columns at o + t · HD. */
+static inline void kda_block_prompt(float *S, const float *q, const float *v, const float *decay, const float *beta,
+                                    float *o, int64_t Cd, int64_t HD, int64_t H, int64_t D, int64_t nc, int64_t n) {
+    float scaled_k[D], next_k[D], predicted[KDA_COLUMNS] = {0};
+    if (n > 0) {
+        for (int64_t i = 0; i < D; ++i) scaled_k[i] = q[HD + i] * decay[i];
+        for (int64_t i = 0; i < D; ++i) {
+            const float ki = scaled_k[i];
+#pragma omp simd
+            for (int64_t j = 0; j < nc; ++j) predicted[j] += S[i * KDA_COLUMNS + j] * ki;
+        }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        const float *qt = q + t * Cd, *kt = qt + HD, *dt = decay + t * HD, bt = beta[t * H];
+        if (t + 1 < n) /* after the last token the next sums are not used */
+            for (int64_t i = 0; i < D; ++i) next_k[i] = kt[Cd + i] * dt[HD + i];
+        else
+            memcpy(next_k, scaled_k, D * sizeof(float));
+        float delta[KDA_COLUMNS], acc[KDA_COLUMNS] = {0}, next[KDA_COLUMNS] = {0};
+        for (int64_t j = 0; j < nc; ++j) delta[j] = (v[t * Cd + j] - predicted[j]) * bt;
+        for (int64_t i = 0; i < D; ++i) {
+            float *row = S + i * KDA_COLUMNS;
+            const float di = dt[i], ki = kt[i], qi = qt[i], ni = next_k[i];
+#pragma omp simd
+            for (int64_t j = 0; j < nc; ++j) {
+                const float s = row[j] * di + ki * delta[j];
+                row[j] = s;
+                acc[j] += s * qi;
+                next[j] += s * ni;
+            }
+        }
+        memcpy(o + t * HD, acc, nc * sizeof(float));
+        memcpy(predicted, next, nc * sizeof(float));
+        memcpy(scaled_k, next_k, D * sizeof(float));
+    }
+}
+
 /* A prompt (or the next chunk of one): proj [b, l, ·], f and gate [b, l, HD] (rows right-padded, row r has
  * num_tokens[r] valid tokens), continuing initial_conv [b, Cd, W-1] and initial_delta [b, H, D, D] (zeros where
  * NULL) → out [b, l, HD] (0 at padding), the states after each row's last valid token into conv_state and
- * delta_state, and the activated conv output into qkv [b, l, Cd] (0 at padding). The decode step's arithmetic token
- * after token, per (row, head): no chunked-scan passes, no Python loop. */
+ * delta_state, and the activated conv output into qkv [b, l, Cd] (0 at padding). The decode step's recurrence token
+ * after token, walked per (row, head, block of KDA_COLUMNS state columns) so that the block stays in cache for the
+ * whole prompt: no chunked-scan passes, no Python loop. */
 void kda_prefill(const float *proj, const float *f, const float *gate, const int64_t *num_tokens, const float *conv_w,
                  const float *dt_bias, const float *A_log, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t H, int64_t D, int64_t W, int num_threads) {
     const int64_t HD = H * D, Cd = 3 * HD, row_len = Cd + 2 * D + H;
-    const int64_t blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK;
+    const int64_t blocks = (Cd + CONV_BLOCK - 1) / CONV_BLOCK, column_blocks = (D + KDA_COLUMNS - 1) / KDA_COLUMNS;
+    float *decay = malloc((b * l * (HD + H) + 1) * sizeof(float)), *beta = decay + b * l * HD;
 #pragma omp parallel num_threads(num_threads)
     {
         /* 1. The conv per (row, channel block) over the row's valid tokens from its initial window, which is left
-         * advanced in conv_state; padding gets 0. */
+         * advanced in conv_state; padding gets 0. Then silu, the l2 norms, and the gates of every valid token. */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < b * blocks; ++item) {
             const int64_t bi = item / blocks, c = item % blocks * CONV_BLOCK;
@@ -211,29 +255,46 @@ void kda_prefill(const float *proj, const float *f, const float *gate, const int
             for (int64_t t = n; t < l; ++t) memset(qkv + (bi * l + t) * Cd + c, 0, channels * sizeof(float));
         }
 #pragma omp for schedule(static)
-        for (int64_t bt = 0; bt < b * l; ++bt)
-            if (bt % l < num_tokens[bt / l]) kda_activate(qkv + bt * Cd, H, D);
-        /* 2. The delta rule and the gated norm per (row, head) over the row's valid tokens. */
+        for (int64_t bt = 0; bt < b * l; ++bt) {
+            if (bt % l >= num_tokens[bt / l]) continue;
+            kda_activate(qkv + bt * Cd, H, D);
+            for (int64_t h = 0; h < H; ++h)
+                beta[bt * H + h] = kda_gates(f + bt * HD + h * D, dt_bias + h * D, A_log[h],
+                                             proj[bt * row_len + Cd + 2 * D + h], decay + bt * HD + h * D, D);
+        }
+        /* 2. The delta rule per (row, head, column block) over the row's valid tokens, in a contiguous copy of the
+         * block (rows D floats apart in place would share L1 sets), from the initial state (zeros without one). */
+        float *S = malloc(D * KDA_COLUMNS * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < b * H; ++bh) {
-            const int64_t bi = bh / H, h = bh % H, n = num_tokens[bi];
-            float *S = delta_state + bh * D * D;
-            if (initial_delta)
-                memcpy(S, initial_delta + bh * D * D, D * D * sizeof(float));
+        for (int64_t item = 0; item < b * H * column_blocks; ++item) {
+            const int64_t bh = item / column_blocks, bi = bh / H, h = bh % H, j0 = item % column_blocks * KDA_COLUMNS;
+            const int64_t nc = D - j0 < KDA_COLUMNS ? D - j0 : KDA_COLUMNS, bt = bi * l;
+            float *state = delta_state + bh * D * D + j0;
+            for (int64_t i = 0; i < D; ++i)
+                for (int64_t j = 0; j < nc; ++j)
+                    S[i * KDA_COLUMNS + j] = initial_delta ? initial_delta[bh * D * D + i * D + j0 + j] : 0.0f;
+            const float *q = qkv + bt * Cd + h * D, *v = qkv + bt * Cd + 2 * HD + h * D + j0;
+            float *o = out + bt * HD + h * D + j0;
+            if (nc == KDA_COLUMNS) /* the full width as a constant: the column loops vectorise whole */
+                kda_block_prompt(S, q, v, decay + bt * HD + h * D, beta + bt * H + h, o, Cd, HD, H, D, KDA_COLUMNS,
+                                 num_tokens[bi]);
             else
-                memset(S, 0, D * D * sizeof(float));
-            for (int64_t t = 0; t < l; ++t) {
-                const int64_t bt = bi * l + t;
-                float *o = out + (bt * H + h) * D;
-                if (t >= n) {
-                    memset(o, 0, D * sizeof(float));
-                    continue;
-                }
-                kda_token(S, qkv + bt * Cd, proj + bt * row_len, f + bt * HD, dt_bias, A_log, h, H, D, o);
-                kda_head_norm(o, gate + bt * HD + h * D, norm_w, eps, D);
-            }
+                kda_block_prompt(S, q, v, decay + bt * HD + h * D, beta + bt * H + h, o, Cd, HD, H, D, nc,
+                                 num_tokens[bi]);
+            for (int64_t i = 0; i < D; ++i) memcpy(state + i * D, S + i * KDA_COLUMNS, nc * sizeof(float));
+        }
+        free(S);
+        /* 3. The gated norm per (token, head); 0 at padding. */
+#pragma omp for schedule(static)
+        for (int64_t bth = 0; bth < b * l * H; ++bth) {
+            const int64_t bt = bth / H, h = bth % H;
+            if (bt % l < num_tokens[bt / l])
+                kda_head_norm(out + bth * D, gate + bt * HD + h * D, norm_w, eps, D);
+            else
+                memset(out + bth * D, 0, D * sizeof(float));
         }
     }
+    free(decay);
 }
 
 /* A decode plan's KDA record (decode_plan.c): a = proj, f, gate, conv windows, conv weight, dt_bias, A_log,

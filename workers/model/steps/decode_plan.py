@@ -142,7 +142,8 @@ class DecodePlan(DecodeRecords):
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
         self.kept_proj = torch.empty(kept, tokens * max([kept_width(m) for m in recurrent], default=0) if kept else 0)
         a = config.attention
-        attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
+        # Latent attention (config.mla) projects into `kimi_scratch` instead.
+        attention = config.mla is None and any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
         self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
         gated = attention and a.output_gate  # q_proj rows [q_h | gate_h] are split into these two

@@ -7,6 +7,8 @@ which every family-wide test runs).
 `kimi_linear_dense`: one KDA and one MLA layer with dense MLPs only.
 `kimi_linear_odd`: odd shapes — KDA head_dim 12 (not a multiple of 16) over 3 heads, a 5-wide conv; MLA with
 3 heads, no rope part (qk_rope_head_dim 0), odd latent and head widths, a low-rank query.
+`kimi_linear_wide`: KDA head_dim 80 (a full 64-column block of the native kernels plus a partial one), MLA latent
+72 + rope 16 (the hub checkpoint's 512 + 64 in small), dense MLPs.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ KIMI_FAMILIES = {
            "qk_nope_head_dim": 10, "v_head_dim": 7},
         q_lora_rank=11, num_hidden_layers=3, mlp_layer_types=["dense"] * 3,
         linear_attn_config=dict(head_dim=12, num_heads=3, short_conv_kernel_size=5, kda_layers=[1, 3],
+                                full_attn_layers=[2]))),
+    "kimi_linear_wide": lambda: KimiLinearForCausalLM(KimiLinearConfig(
+        **{**_KIMI, "kv_lora_rank": 72, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32},
+        q_lora_rank=None, num_hidden_layers=2, mlp_layer_types=["dense"] * 2,
+        linear_attn_config=dict(head_dim=80, num_heads=2, short_conv_kernel_size=4, kda_layers=[1],
                                 full_attn_layers=[2]))),
 }  # fmt: skip
 

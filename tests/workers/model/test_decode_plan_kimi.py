@@ -24,7 +24,7 @@ from workers.model import load_checkpoint
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.scheduler import Scheduler
 
-FAMILIES = ["kimi_linear", "kimi_linear_qlora", "kimi_linear_dense", "kimi_linear_odd"]
+FAMILIES = ["kimi_linear", "kimi_linear_qlora", "kimi_linear_dense", "kimi_linear_odd", "kimi_linear_wide"]
 PROMPTS = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]  # 4 prompts, 3 slots
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
@@ -155,7 +155,7 @@ def test_draft_models_step_through_their_own_plans(kimi_dir, checkpoint_dir, dra
         assert len({id(plan.model) for plan in plans}) == 2  # the draft runs its own plan
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "kimi_linear_odd"])
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_linear_odd", "kimi_linear_wide"])
 def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(kimi_dir, family):
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
     the plan: the accepted counts are the scripted ones, every slot holds the states and latent cache of a fresh

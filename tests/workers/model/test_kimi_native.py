@@ -228,10 +228,12 @@ def test_mla_native_refuses_a_position_without_a_block(kimi_model):
         )
 
 
-def test_odd_layout_scores_match_transformers(kimi_model):
-    """The odd layout (KDA head_dim 12 over 3 heads, a 5-wide conv, MLA without a rope part, low-rank query) on
-    the native path against transformers' modeling code, over a prompt longer than one delta-rule chunk."""
-    path, _ = kimi_model("kimi_linear_odd")
+@pytest.mark.parametrize("family", ["kimi_linear_odd", "kimi_linear_wide"])
+def test_odd_layouts_score_like_transformers(kimi_model, family):
+    """The odd layout (KDA head_dim 12 over 3 heads, a 5-wide conv, MLA without a rope part, low-rank query) and the
+    wide one (KDA head_dim 80: full and partial column blocks) on the native path against transformers' modeling
+    code, over a prompt longer than one delta-rule chunk."""
+    path, _ = kimi_model(family)
     hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     sequences = [torch.randint(4, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 90)]
     for sequence, score in zip(sequences, ModelRunner.from_pretrained(str(path), max_num_seqs=2).score(sequences)):

@@ -10,8 +10,8 @@ k_r = kv_a(x)[L:] — one cache "key" head `[c | k_r]` of width L + R and no val
 - expanded (prompts): up-project the span's latents to per-head keys and values once and attend as usual, cheaper
   when the queries are as many as the keys.
 Scores use scale (nope + rope)^-0.5 in both. Scores are computed for blocks of queries so that no [h, l, span]
-matrix exceeds `MAX_SCORES` entries. With `native` (CPU float32, set at load) a step of few query tokens per row —
-every row's tokens valid — runs the absorbed form in one C call (`csrc/mla_attention.c`: the latent norm, the cache
+matrix exceeds `MAX_SCORES` entries. With `native` (CPU float32, set at load) a step of up to `NATIVE_MAX_TOKENS`
+query tokens per row — every row's tokens valid — runs the absorbed form in one C call (`csrc/mla_attention.c`: the latent norm, the cache
 write and the attention), the call the decode plan records; the einsum path stays the reference.
 """
 
@@ -28,6 +28,10 @@ from workers.model.state import ForwardBatch, KVCache
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm: transformers and the hub code leave them at the default
 ABSORB_MAX_TOKENS = 64  # query tokens per row up to which attention runs absorbed (see the module docstring)
 MAX_SCORES = 1 << 22  # entries of one block's score matrix [b, h, queries, span]
+# Query tokens per row up to which the native kernel runs a step (decode, verification, draft steps): it scores
+# each query against the cache with vector dot products, where a prompt's many queries are faster as the
+# matrix products of the einsum path.
+NATIVE_MAX_TOKENS = 16
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -63,7 +67,7 @@ class MultiHeadLatentAttention(nn.Module):
         length = hidden.shape[1]
         return (
             self.native
-            and length <= self.absorb_max_tokens
+            and length <= min(NATIVE_MAX_TOKENS, self.absorb_max_tokens)
             and native.fits(self.kv_b, cache.key)
             and hidden.dtype == torch.float32
             and bool((batch.num_tokens == length).all())

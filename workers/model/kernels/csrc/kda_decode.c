@@ -29,8 +29,6 @@
 #define SHARED_STEP __attribute__((noinline, noclone))
 #define KDA_COLUMNS 64 /* state columns walked at a time: a block of D · 64 floats stays in cache between passes */
 
-static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
-
 /* x ← x / sqrt(Σx² + 1e-6) · scale over n values (the FLA / transformers l2norm). */
 static SHARED_STEP void kda_l2norm(float *x, int64_t n, float scale) {
     float sq = 0.0f;
@@ -47,12 +45,56 @@ static inline void kda_activate(float *qkv, int64_t H, int64_t D) {
     for (int64_t h = 0; h < 2 * H; ++h) kda_l2norm(qkv + h * D, D, h < H ? 1.0f / sqrtf((float)D) : 1.0f);
 }
 
+/* Natural log of x > 0 (a normal float) on LANES lanes: Cephes' logf (x = m · 2^e with m in [√½, √2), a degree-8
+ * polynomial in m − 1), within ~1 ulp of logf. */
+static inline vf vlogf_lanes(vf x) {
+    const vi bits = (vi)x;
+    vi e = ((bits >> 23) & 0xff) - 126;
+    vf m = (vf)((bits & 0x807fffff) | 0x3f000000); /* in [0.5, 1) */
+    const vi small = m < 0.707106781186547524f;
+    e = e + small; /* small lanes: −1 + 1 … as vi true is −1 */
+    m = m + (vf)((vi)m & small) - 1.0f; /* 2m − 1 where small, else m − 1 */
+    const vf z = m * m;
+    vf y = m * 7.0376836292e-2f - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    const vf ef = __builtin_convertvector(e, vf);
+    y = y * m * z + ef * -2.12194440e-4f - 0.5f * z;
+    return m + y + ef * 0.693359375f;
+}
+
+/* decay = exp(-a · softplus(raw)) on LANES lanes; softplus(raw) = log1p(exp(raw)), raw past 20 as is (torch's
+ * threshold). log1p(u) as log(1 + u) · u / ((1 + u) − 1), exact to float rounding for small u too. */
+static inline vf select_lanes(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+static inline vf decay_lanes(vf raw, float a) {
+    const vf zero = {0};
+    const vi large = raw > 20.0f;
+    const vf u = vexpf_lanes(select_lanes(large, zero + 20.0f, raw)), one_plus = 1.0f + u, rounded = one_plus - 1.0f;
+    const vi exact = rounded == zero; /* 1 + u rounds to 1: log1p(u) = u to float precision */
+    vf softplus = vlogf_lanes(one_plus) * (u / select_lanes(exact, zero + 1.0f, rounded));
+    softplus = select_lanes(large, raw, select_lanes(exact, u, softplus));
+    return vexpf_lanes(-a * softplus);
+}
+
 /* Head h's gates of one token: decay[c] = exp(-exp(A_log[h]) · softplus(f[c] + dt_bias[c])) over its D key
- * channels (f, dt_bias at the head's channels), returns beta = sigmoid(b). */
+ * channels (f, dt_bias at the head's channels), vectorised (a partial last vector padded); returns beta =
+ * sigmoid(b). */
 static SHARED_STEP float kda_gates(const float *f, const float *dt_bias, float A_log, float b_raw, float *decay,
                                    int64_t D) {
     const float a = expf(A_log);
-    for (int64_t c = 0; c < D; ++c) decay[c] = expf(-a * softplus(f[c] + dt_bias[c]));
+    for (int64_t c = 0; c < D; c += LANES) {
+        const int64_t n = D - c < LANES ? D - c : LANES;
+        vf raw = {0}, out;
+        for (int64_t i = 0; i < n; ++i) raw[i] = f[c + i] + dt_bias[c + i];
+        out = decay_lanes(raw, a);
+        memcpy(decay + c, &out, n * sizeof(float));
+    }
     return 1.0f / (1.0f + expf(-b_raw));
 }
 

@@ -6,6 +6,9 @@ gated RMSNorm (weight · rmsnorm(o) · sigmoid(g_b(g_a(x)))) → o_proj.
 Our `in_proj` holds every projection of the input as one matrix with rows `[q | k | v | f_a | g_a | b]` and
 `conv1d` the three short convs stacked `[q | k | v]` (the loader concatenates them). State comes in as a
 `RecurrentState` (conv window [3·h·d, W-1], delta-rule state [h, d, d]) and the new one is returned.
+With `decode_kernel == "native"` (CPU float32, set at load) decode steps and prompts run everything between the
+projections and o_proj in C (`kernels/native_kimi.py` over `csrc/kda_decode.c`); f_b_proj and g_b_proj stay linears
+on in_proj's f_a / g_a parts, as the decode plan records them. Other kernels (Triton) would dispatch beside it.
 """
 
 from __future__ import annotations
@@ -87,11 +90,13 @@ class KimiDeltaAttentionMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
         """hidden [b, l, hidden] → (out [b, l, hidden], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state, one token per
-        row): write the new state into `state`'s tensors and return them (the decode loop's pool views).
+        row): write the new state into `state`'s tensors and return them (the decode loop's pool views). The native
+        kernels return no scan inputs for an in-place step or a prompt from the zero state (nothing shifts a state it
+        did not start from).
         """
         k = self.config
         b, length, _ = hidden.shape

@@ -18,6 +18,7 @@ from workers.model.checkpoint.config import KDA
 from workers.model.kernels import native_kimi
 from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.native_linear import NativeLinear
 from workers.model.state import RecurrentState
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # float32 rounding; a wrong state or output is off by O(1)
@@ -46,6 +47,8 @@ def _wide_kda(config) -> KimiDeltaAttentionMixer:
         for name, parameter in mixer.named_parameters():
             parameter.copy_(torch.randn(parameter.shape) * (0.5 if "bias" in name or "A_log" in name else 0.2))
         mixer.o_norm.weight.add_(1.0)
+    for name in ("in_proj", "f_b_proj", "g_b_proj", "o_proj"):  # as the loader packs them on the native path
+        setattr(mixer, name, NativeLinear(getattr(mixer, name)))
     mixer.decode_kernel = "native"
     return mixer.eval()
 
@@ -93,6 +96,33 @@ def test_kda_decode_step_matches_the_pytorch_step(kimi_model, family):
     torch.testing.assert_close(state.conv, expected_state.conv, **TOL)
     torch.testing.assert_close(state.ssm, expected_state.ssm, **TOL)
     assert (state.ssm - _state(mixer, 3, 1).ssm).abs().max() > 1e-3  # the step did change the state
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "wide"])
+def test_kda_native_verification_and_keep_equal_decode_steps_bit_for_bit(kimi_model, family):
+    """A few tokens per row from a kept state through the native module path (ragged rows): every output is the
+    native decode step's, the start state is left as it was, the new state and `state_after` for any accepted
+    counts are the states those decode steps leave."""
+    mixer = _kda(kimi_model, family)
+    hidden = torch.randn(3, 4, mixer.in_proj.in_features, generator=torch.Generator().manual_seed(7))
+    start = _state(mixer, 3, 8)
+    stepped = RecurrentState(start.conv.clone(), start.ssm.clone())
+    outputs, snapshots = [], [RecurrentState(start.conv.clone(), start.ssm.clone())]
+    with torch.inference_mode():
+        for t in range(4):
+            outputs.append(mixer(hidden[:, t : t + 1], stepped, torch.ones(3, dtype=torch.int64), in_place=True)[0])
+            snapshots.append(RecurrentState(stepped.conv.clone(), stepped.ssm.clone()))
+        state = RecurrentState(start.conv.clone(), start.ssm.clone())
+        out, new_state, kept = mixer(hidden, state, torch.tensor([4, 2, 3]))
+        shifted = mixer.state_after(state, kept, torch.tensor([1, 4, 0]))
+    assert torch.equal(out, torch.cat(outputs, dim=1))
+    assert torch.equal(state.conv, start.conv) and torch.equal(state.ssm, start.ssm)
+    for row, (n, shift) in enumerate(zip([4, 2, 3], [1, 4, 0])):
+        for got, steps in ((new_state, n), (shifted, shift)):
+            assert torch.equal(got.conv[row], snapshots[steps].conv[row]), f"conv window of row {row}"
+            assert torch.equal(got.ssm[row], snapshots[steps].ssm[row]), f"delta-rule state of row {row}"
+    with pytest.raises(ValueError, match="accepted counts"):
+        mixer.state_after(state, kept, torch.tensor([1, 5, 0]))
 
 
 PREFILL_CASES = [(f, n) for f in FAMILIES for n in (1, 63, 64, 65, 133)] + [("wide", n) for n in (1, 63, 65)]

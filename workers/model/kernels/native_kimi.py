@@ -11,6 +11,8 @@ import torch
 
 from workers.model.kernels import native
 
+RecurrentStateLike = tuple[torch.Tensor, torch.Tensor]  # (conv window, delta-rule state)
+
 
 def _kda_sizes(proj: torch.Tensor, conv_weight: torch.Tensor, num_heads: int) -> tuple[int, int, int]:
     """(h, d, W) of a KDA mixer from its in_proj output's width and conv weight [3·h·d, W], or ValueError."""
@@ -65,6 +67,89 @@ def kda_decode_step(
         torch.get_num_threads(),
     )
     return out
+
+
+def _check_token_major(
+    proj: torch.Tensor, f: torch.Tensor, state: RecurrentStateLike, conv_weight: torch.Tensor
+) -> tuple[int, ...]:
+    """(l, b, h, d, W) of token-major KDA inputs proj [l, b, ·], f [l, b, h·d] over states ([b, 3·h·d, W-1],
+    [b, h, d, d]), or ValueError."""
+    length, b = proj.shape[:2]
+    h, d, width = _kda_sizes(proj, conv_weight, state[1].shape[1])
+    if (
+        f.shape != (length, b, h * d)
+        or tuple(state[0].shape) != (b, 3 * h * d, width - 1)
+        or tuple(state[1].shape) != (b, h, d, d)
+    ):
+        raise ValueError(
+            f"shape mismatch: proj {tuple(proj.shape)}, f {tuple(f.shape)}, conv_state {tuple(state[0].shape)}, "
+            f"delta_state {tuple(state[1].shape)}"
+        )
+    return length, b, h, d, width
+
+
+def kda_verify(
+    proj: torch.Tensor,
+    f: torch.Tensor,
+    gate: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    delta_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """l tokens per row from the states, which are read and left as they are (`kda_keep` advances them):
+    token-major proj [l, b, 3·h·d + 2·d + h], f and gate [l, b, h·d] → the o_proj input [l, b, h·d], bit for bit
+    what l decode steps give."""
+    length, b, h, d, width = _check_token_major(proj, f, (conv_state, delta_state), conv_weight)
+    if gate.shape != f.shape:
+        raise ValueError(f"shape mismatch: gate {tuple(gate.shape)}, f {tuple(f.shape)}")
+    qkv, out = torch.empty(length, b, 3 * h * d), torch.empty(length, b, h * d)
+    native.load().kda_verify(
+        *(native.pointer(t) for t in (proj, f, gate, conv_state, conv_weight, dt_bias, A_log, delta_state)),
+        native.pointer(norm_weight),
+        eps,
+        native.pointer(qkv),
+        native.pointer(out),
+        b,
+        length,
+        h,
+        d,
+        width,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def kda_keep(
+    proj: torch.Tensor,
+    f: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    delta_state: torch.Tensor,
+    accepted: torch.Tensor,
+) -> None:
+    """Advance each row's states in place by its first accepted[r] (0 … l) tokens of token-major proj [l, b, ·] and
+    f [l, b, h·d]: the states accepted[r] decode steps leave, bit for bit."""
+    length, b, h, d, width = _check_token_major(proj, f, (conv_state, delta_state), conv_weight)
+    accepted = accepted.to(torch.int64).contiguous()
+    if accepted.shape != (b,) or (b and (int(accepted.min()) < 0 or int(accepted.max()) > length)):
+        raise ValueError(f"accepted counts must be 0 … {length} for each of {b} rows, got {accepted.tolist()}")
+    qkv = torch.empty(length, b, 3 * h * d)
+    native.load().kda_keep(
+        *(native.pointer(t) for t in (proj, f, conv_state, conv_weight, dt_bias, A_log, delta_state, qkv)),
+        accepted.data_ptr(),
+        b,
+        length,
+        h,
+        d,
+        width,
+        torch.get_num_threads(),
+    )
 
 
 def kda_prefill(

@@ -37,6 +37,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gdn_prefill": (None, [P, P, P, P, P, P, F32] + [P] * 6 + [I64] * 7 + [INT]),
     "kda_decode_step": (None, [P] * 9 + [F32, P, P] + [I64] * 4 + [INT]),
     "kda_prefill": (None, [P] * 8 + [F32] + [P] * 6 + [I64] * 5 + [INT]),
+    "kda_verify": (None, [P] * 9 + [F32, P, P] + [I64] * 5 + [INT]),
+    "kda_keep": (None, [P] * 9 + [I64] * 5 + [INT]),
     "mla_attention": (None, [P, P, P, F32, P, P, I64, I64, P, P, P, F32, P] + [I64] * 7 + [INT]),
     "mamba2_decode_step": (None, [P] * 7 + [F32, F32, P, P, I64, F32, P, P] + [I64] * 6 + [INT]),
     "moe_route": (I64, [P, P, P] + [I64] * 7 + [P, F32, F32]),

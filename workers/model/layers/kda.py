@@ -13,6 +13,8 @@ on in_proj's f_a / g_a parts, as the decode plan records them. Other kernels (Tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,15 @@ RECURRENT_MAX_TOKENS = 8
 
 def _contiguous(state: RecurrentState) -> bool:
     return state.conv.is_contiguous() and state.ssm.is_contiguous()
+
+
+@dataclass
+class KdaKeptInputs:
+    """What a native verification keeps for `state_after`: the kernels' token-major inputs (a keep re-runs the
+    accepted tokens from them with the decode step's arithmetic)."""
+
+    proj: torch.Tensor  # [l, b, 3·h·d + 2·d + h] in_proj output
+    f: torch.Tensor  # [l, b, h·d] f_b_proj(f_a)
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -90,7 +101,7 @@ class KimiDeltaAttentionMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | KdaKeptInputs | None]:
         """hidden [b, l, hidden] → (out [b, l, hidden], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state, one token per
@@ -105,6 +116,8 @@ class KimiDeltaAttentionMixer(nn.Module):
                 return self._native_decode(hidden, state), state, None
             if state is None or length > RECURRENT_MAX_TOKENS:
                 return self._native_prefill(hidden, num_tokens, state)
+            if _contiguous(state):
+                return self._native_verify(hidden, state, num_tokens)
         # 1. Projections.
         conv_in, f_low, g_low, b_raw = self.in_proj(hidden).split([k.conv_dim, k.head_dim, k.head_dim, k.num_heads], -1)
         in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
@@ -158,6 +171,20 @@ class KimiDeltaAttentionMixer(nn.Module):
         )
         return self.o_proj(out)[:, None]
 
+    def _native_verify(
+        self, hidden: torch.Tensor, state: RecurrentState, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, RecurrentState, KdaKeptInputs]:
+        """A few tokens per row from a kept state (verification, draft steps, a prompt's short last chunk) through
+        `csrc/kda_decode.c`: outputs bit for bit those of decode steps, `state` left as it was, the new state the
+        keep of each row's valid tokens. Returns what `forward` returns."""
+        proj, f, gate = self._native_projections(hidden.transpose(0, 1))  # token-major [l, b, ·]
+        weight = self.conv1d.weight.squeeze(1)
+        out = native_kimi.kda_verify(
+            proj, f, gate, state.conv, weight, self.dt_bias, self.A_log, state.ssm, self.o_norm.weight, self.o_norm.eps
+        )
+        kept = KdaKeptInputs(proj, f)
+        return self.o_proj(out).transpose(0, 1).contiguous(), self.state_after(state, kept, num_tokens), kept
+
     def _native_prefill(
         self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: RecurrentState | None
     ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
@@ -191,12 +218,21 @@ class KimiDeltaAttentionMixer(nn.Module):
         return out, RecurrentState(conv, delta_state), scan
 
     def state_after(
-        self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+        self,
+        state: RecurrentState,
+        scan: DeltaScanInputs | KdaKeptInputs,
+        num_tokens: torch.Tensor,
+        static_shapes: bool = False,
     ) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`: the conv
         window is a gather, the delta-rule state re-runs the accepted prefix (≤ k + 1 steps) from the step's start
         state over the kept k, v, g, beta (as `GatedDeltaNetMixer.state_after` does). `static_shapes`: re-run all l
         steps (those past a row's count are exact no-ops) instead of reading the largest count on the host."""
+        if isinstance(scan, KdaKeptInputs):  # from a native verification: the keep kernel, from copies
+            new = RecurrentState(*(t.clone(memory_format=torch.contiguous_format) for t in (state.conv, state.ssm)))
+            weight = self.conv1d.weight.squeeze(1)
+            native_kimi.kda_keep(scan.proj, scan.f, new.conv, weight, self.dt_bias, self.A_log, new.ssm, num_tokens)
+            return new
         num_steps = scan.k.shape[1] if static_shapes else None
         return RecurrentState(
             conv_window_after(state.conv, scan.conv_in, num_tokens),

@@ -131,6 +131,9 @@ def test_greedy_generation_through_plans_equals_the_module_path(kimi_dir, family
         assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected
     assert isinstance(spec._scheduler.workspace.plan, DecodePlan) and spec._scheduler.workspace.plan.tokens_per_row == 4
     assert spec.spec_stats()["num_draft_tokens"] > 0
+    # The module path verifies natively too (KDA's verify and keep kernels, latent attention's kernel).
+    module_spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=ngram, decode_plan=False)
+    assert [r.token_ids for r in module_spec.generate(PROMPTS, GREEDY)] == expected
 
 
 @pytest.mark.parametrize("draft", ["kimi_linear_dense", "draft_hybrid"])

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from bench.family_presets import FAMILY_PRESETS, build_family_preset
+
 # Shapes of the runs compared. "bench" is NOTES.md's anchor config; "granite-4.0-h-1b" follows the published
 # Granite 4.0-H-1B config (hidden 1536, 40 layers, 4 of them attention); "tiny" is for smoke tests.
 # GraniteMoeHybrid checkpoints; GDN_PRESETS below are Qwen3.5 ones.
@@ -92,13 +94,16 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 PRESETS.update(MOE_PRESETS)
+PRESETS.update({name: shape for name, (_, _, shape) in FAMILY_PRESETS.items()})
 
 
 def build_preset(name: str, directory: Path) -> Path:
     """Save a random-weight checkpoint with the preset's shapes (reused when already there): GraniteMoeHybrid,
-    text-only Qwen3.5 for the GDN presets, or LFM2 for the LFM presets."""
+    text-only Qwen3.5 for the GDN presets, LFM2 for the LFM presets, or the family of a `FAMILY_PRESETS` one."""
     if (directory / "config.json").exists():
         return directory
+    if name in FAMILY_PRESETS:
+        return build_family_preset(name, directory)
     if name in GDN_PRESETS or name == "qwen3-next-bench":
         return _build_gdn_preset(name, directory)
     if name in LFM_PRESETS:

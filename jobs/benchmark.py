@@ -5,6 +5,7 @@ python jobs/benchmark.py --task shards --model examples/models/demo-target --bat
 python jobs/benchmark.py --task prefix --model examples/models/demo-target --num-rows 64 --new-tokens 16  # prefix cache
 python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-heavy prompts vs plain
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
+python jobs/benchmark.py --task prefill --preset jamba-bench --prompt-len 2048 --batch-sizes 4  # long prompts, 1 token
 python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
 """
 
@@ -125,6 +126,25 @@ def bench_score(args: argparse.Namespace, path: str, runner: ModelRunner) -> lis
     return rows
 
 
+def bench_prefill(args: argparse.Namespace, path: str, runner: ModelRunner) -> list[dict[str, Any]]:
+    """Prompt tokens/s per batch size of runs that generate one token (prefill-bound: long prompts, short outputs,
+    as scoring and classification jobs are), for hybridgen and transformers' `generate`."""
+    hf = None if args.no_transformers else _hf_model(path, runner.device, runner.dtype)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size)
+        tokens = batch * args.prompt_len
+        ours = timed(lambda: runner.generate(prompts, params), args.repeats, runner.device)
+        row: dict[str, Any] = {"engine": "hybridgen", "batch": batch, "prefill_tokens_per_s": tokens / ours.seconds}
+        if hf is not None:
+            theirs = timed(hf_generate_fn(hf, prompts, 1), args.repeats, runner.device)
+            row["transformers"] = {"prefill_tokens_per_s": tokens / theirs.seconds}
+            row["ratio_to_transformers"] = row["prefill_tokens_per_s"] / row["transformers"]["prefill_tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
 def bench_bookkeeping(args: argparse.Namespace) -> int:
     """The driver's plan, resume and finalize bookkeeping for each --num-shards (no model): printed and saved."""
     with tempfile.TemporaryDirectory(prefix="hybridgen-resume-") as scratch:
@@ -188,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             f"own), {args.num_distinct} distinct prompts of {args.prompt_len}; {args.new_tokens} new tokens",
             result["prefix"],
         )
+    elif args.task == "prefill":
+        result["prefill"] = bench_prefill(args, str(path), runner)
+        print_table(f"prefill: {args.prompt_len}-token prompts, 1 new token (prompt tokens/s)", result["prefill"])
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

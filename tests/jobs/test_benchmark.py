@@ -137,3 +137,32 @@ def test_benchmark_resume_bookkeeping_without_a_model(tmp_path, capsys):
     steps = ("plan_ms", "prepare_ms", "write_ms", "finalize_own_ms", "resume_ms", "finalize_resumed_ms")
     assert all(row[step] > 0 for row in rows for step in steps)
     assert "shard bookkeeping (milliseconds)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("preset", "model_type"),
+    [("jamba-bench", "jamba"), ("zamba2-bench", "zamba2"), ("kimi-bench", "kimi_linear"),
+     ("olmo-bench", "olmo_hybrid"), ("lfm3-bench", "lfm3")],
+)  # fmt: skip
+def test_family_presets_are_their_familys_configs_at_the_bench_size(preset, model_type):
+    """Each family preset is a transformers config of that family, 512 wide and 8 layers deep, that hybridgen reads
+    (building the full model is left to the benchmark itself: too slow for the suite)."""
+    import transformers
+
+    from bench.family_presets import FAMILY_PRESETS
+    from workers.model.checkpoint.config import HybridConfig
+
+    config_class, model_class, shape = FAMILY_PRESETS[preset]
+    config = getattr(transformers, config_class)(**shape)
+    assert config.model_type == model_type and hasattr(transformers, model_class)
+    ours = HybridConfig.from_hf_dict(config.to_dict())
+    assert (ours.hidden_size, len(ours.block_kinds) >= 8, ours.vocab_size) == (512, True, 32000)
+
+
+def test_benchmark_prefill_task_times_long_prompts_against_transformers(tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    args = ["--preset", "tiny", "--task", "prefill", "--batch-sizes", "2", "--prompt-len", "48", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["prefill"]
+    assert row["batch"] == 2 and row["prefill_tokens_per_s"] > 0 and row["ratio_to_transformers"] > 0
+    assert "prefill: 48-token prompts, 1 new token" in capsys.readouterr().out

@@ -22,10 +22,13 @@ from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import check_quantization, prepare_linears
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
+from workers.model.layers.shared_block import SharedBlockUse
+from workers.model.layers.short_conv import ShortConvMixer
 
 DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -218,17 +221,17 @@ def _block_of(name: str) -> str:
 
 
 def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how `model` runs its decode steps (Mamba2 and Gated DeltaNet mixers, attention, norms, MLPs); returns
+    """Choose how `model` runs its decode steps (Mamba2, Mamba1 and Gated DeltaNet mixers, attention, norms, MLPs); returns
     the choice made.
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
     Mamba2, Gated DeltaNet and Kimi Delta Attention steps (KDA prompts too), the attention and latent attention
-    decode steps and the per-token elementwise work around them
-    (RMSNorm fused with the residual add, the MLP's silu(gate) · up). "triton": the fused Triton kernels of
-    `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their state shifts after
-    verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on
-    CUDA where triton imports, else torch.
+    decode steps and the per-token elementwise work around them (RMSNorm fused with the residual add, the MLP's
+    silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused
+    Triton kernels of `workers/model/kernels/triton_kernels` for the Mamba2 and Gated DeltaNet decode steps and their
+    state shifts after verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native where it applies and
+    builds, triton on CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -253,11 +256,13 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-            if module.config.beta_scale != 1.0:  # the fused kernels compute beta = sigmoid(b) (OLMo-Hybrid: 2·)
-                module.decode_kernel = "torch"
         elif isinstance(module, KimiDeltaAttentionMixer):  # native kernels only (the Triton step: another change)
             module.decode_kernel = "native" if kernel == "native" else "torch"
-        elif isinstance(module, (RMSNorm, MLP, Attention, MultiHeadLatentAttention)):
+        elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32) or the torch reference
+            module.decode_kernel = "native" if kernel == "native" else "torch"
+        elif isinstance(module, ShortConvMixer):
+            module.decode_kernel = "native" if kernel == "native" else "torch"  # no Triton short conv
+        elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse, MultiHeadLatentAttention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
     return kernel
 

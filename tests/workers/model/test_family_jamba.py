@@ -201,8 +201,13 @@ def test_fused_experts_load_like_per_expert_ones(jamba_dir, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_the_decode_plan_declines_with_a_reason(loaded):
-    assert "Mamba1" in unsupported_reason(loaded.model)
+def test_the_decode_plan_covers_jamba_and_the_torch_kernel_says_why_not(loaded, jamba_dir):
+    assert unsupported_reason(loaded.model) is None
+    torch_model = load_checkpoint(str(jamba_dir("jamba_dense")), decode_kernel="torch").model
+    assert "native kernels are off" in unsupported_reason(torch_model)
+    mixed = load_checkpoint(str(jamba_dir("jamba_dense"))).model
+    next(block for block in mixed.blocks if block.kind == MAMBA1).mixer.decode_kernel = "torch"
+    assert unsupported_reason(mixed) == "Mamba1 decode steps do not run through the native kernel"
 
 
 def _dirs(jamba_dir, checkpoint_dir):

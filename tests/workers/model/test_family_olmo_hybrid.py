@@ -190,11 +190,12 @@ def test_value_heads_must_be_a_multiple_of_key_heads(olmo_dirs, tmp_path):
         check_model(str(path))
 
 
-def test_decode_plan_declines_with_a_reason(loaded):
-    """The module path serves OLMo-Hybrid; the native decode plan names what it does not cover."""
-    assert "post-norm blocks" in unsupported_reason(loaded.model)
+def test_decode_plan_covers_olmo_hybrid(loaded):
+    """The native decode plan covers OLMo-Hybrid (post-norm blocks, whole-width q/k norms, beta = 2·sigmoid(b) in
+    the native GDN kernels; tests/workers/model/test_decode_plan_lfm_olmo.py checks it against the module path)."""
+    assert unsupported_reason(loaded.model) is None
     mixers = [block.mixer for block in loaded.model.blocks if block.kind == "gdn"]
-    assert all(mixer.decode_kernel == "torch" for mixer in mixers)  # the fused kernels compute beta = sigmoid(b)
+    assert mixers and all(mixer.decode_kernel == "native" for mixer in mixers)
 
 
 def test_graph_steps_generate_what_the_module_path_does(olmo_dirs):

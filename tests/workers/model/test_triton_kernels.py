@@ -29,7 +29,7 @@ ROOT = Path(__file__).parents[3]
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[test]')"
 )
-@pytest.mark.slow  # ~15 s: a fresh process, 17 interpreted cases
+@pytest.mark.slow  # ~15 s: a fresh process, 19 interpreted cases
 def test_triton_kernels_match_the_torch_reference_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rs"]

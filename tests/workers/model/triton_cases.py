@@ -51,9 +51,14 @@ def _mamba(heads: int, groups: int, norm_groups: int, state_size: int = 8, seed:
     return mixer
 
 
-def _gdn(key_heads: int, value_heads: int, seed: int = 0) -> GatedDeltaNetMixer:
+def _gdn(key_heads: int, value_heads: int, seed: int = 0, beta_scale: float = 1.0) -> GatedDeltaNetMixer:
     config = GdnConfig(
-        num_key_heads=key_heads, num_value_heads=value_heads, key_head_dim=8, value_head_dim=12, conv_kernel=4
+        num_key_heads=key_heads,
+        num_value_heads=value_heads,
+        key_head_dim=8,
+        value_head_dim=12,
+        conv_kernel=4,
+        beta_scale=beta_scale,
     )
     mixer = GatedDeltaNetMixer(SimpleNamespace(gdn=config, hidden_size=24, rms_norm_eps=1e-3))
     _randomise(mixer, seed)
@@ -81,6 +86,7 @@ MIXERS = {
     "mamba2 g2, n 12 (masked)": lambda: _mamba(heads=6, groups=2, norm_groups=1, state_size=12, seed=2),
     "gdn h_v = h_k": lambda: _gdn(key_heads=2, value_heads=2),
     "gdn h_v = 2 h_k": lambda: _gdn(key_heads=2, value_heads=4, seed=1),
+    "gdn beta 2·sigmoid (OLMo-Hybrid)": lambda: _gdn(key_heads=2, value_heads=4, seed=3, beta_scale=2.0),
 }
 
 

@@ -14,10 +14,13 @@
 - `csrc/gdn_decode.c`: the Gated DeltaNet decode step (conv, l2norm, gates, delta rule, gated norm) in one pass
   per request and value head over the delta-rule state, instead of ~4 PyTorch passes and ~30 calls per layer; and
   the prompt (prefill) pass, token by token per request, value head and block of 64 state columns.
-- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included), and
-  rotary embeddings.
+- `csrc/short_conv.c`: LFM2's gated short conv — decode step, speculative verification and keep, and the prompt
+  pass.
+- `csrc/attention.c`: one decode step of grouped-query attention over the slot KV cache (writes included; a sliding
+  window where the layer has one), and rotary embeddings.
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
+- `csrc/shared_block.c`: gelu(gate) · up and an elementwise add for Zamba2's shared blocks.
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 Each is built per instruction set (`isa.py`: avx512, avx2, portable; neon on aarch64), with vectors and register
 tiles sized by `csrc/simd.h`. They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and
@@ -285,6 +288,14 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_mul(h: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) · up (the erf form, F.gelu's default) for h [..., 2n] = [gate | up] → [..., n] (Zamba2's MLP)."""
+    n = h.shape[-1] // 2
+    out = h.new_empty(*h.shape[:-1], n)
+    load().gelu_mul(pointer(h), pointer(out), h.numel() // (2 * n), n, torch.get_num_threads())
+    return out
+
+
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x · sigmoid(gate) for x, gate [..., n] of the same shape (gated attention's output gate)."""
     if x.shape != gate.shape:
@@ -318,10 +329,11 @@ def attention_decode(
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One new token per row: write k, v [b, KV, d] at `positions` of `slot_ids` in the paged `cache` (a
     `KVCache`: key/value [KV, tokens, d] over its block table), then attend q [b, H, d] over positions
-    0 … position of each row → [b, H, d]."""
+    0 … position of each row → [b, H, d]; with a sliding `window`, over its last `window` positions only."""
     b, num_heads, head_dim = q.shape
     blocks = cache.blocks
     if not (
@@ -331,8 +343,10 @@ def attention_decode(
     last = int(positions.max())
     if last >= blocks.max_blocks_per_slot * blocks.block_size:
         raise ValueError(f"position {last} is past the KV capacity of a slot")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 position, got {window}")
     out = torch.empty_like(q)
-    load().attention_decode(
+    load().attention_verify_window(
         pointer(q),
         pointer(k),
         pointer(v),
@@ -347,9 +361,11 @@ def attention_decode(
         scale,
         pointer(out),
         b,
+        1,
         num_heads,
         cache.key.shape[0],
         head_dim,
+        window or 0,
         torch.get_num_threads(),
     )
     return out

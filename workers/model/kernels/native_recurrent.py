@@ -78,8 +78,10 @@ def gdn_decode_step(
     norm_weight: torch.Tensor,
     eps: float,
     num_key_heads: int,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """One token per row through a Gated DeltaNet mixer's conv, delta rule and gated norm; states in place.
+    beta = beta_scale · sigmoid(b) (OLMo-Hybrid: 2).
 
     proj [b, conv_dim + h_v·d_v + 2·h_v] (in_proj output, rows q | k | v | z | b | a); conv_state [b, conv_dim, W-1];
     conv_weight [conv_dim, W]; delta_state [b, h_v, d_k, d_v]. Returns the out_proj input [b, h_v·d_v]. All float32,
@@ -106,6 +108,7 @@ def gdn_decode_step(
         native.pointer(conv_weight),
         native.pointer(dt_bias),
         native.pointer(A_log),
+        beta_scale,
         native.pointer(delta_state),
         native.pointer(norm_weight),
         eps,
@@ -199,9 +202,11 @@ def gdn_prefill(
     num_key_heads: int,
     num_value_heads: int,
     initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    beta_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts (or the next chunk of them) through a Gated DeltaNet mixer's conv, delta rule and gated norm, from
-    the zero state or from `initial` (conv window [b, conv_dim, W-1], delta-rule state [b, h_v, d_k, d_v]).
+    the zero state or from `initial` (conv window [b, conv_dim, W-1], delta-rule state [b, h_v, d_k, d_v]);
+    beta = beta_scale · sigmoid(b) (OLMo-Hybrid: 2).
 
     proj [b, l, conv_dim + h_v·d_v + 2·h_v] (in_proj output, rows q | k | v | z | b | a; right-padded, num_tokens
     [b] int64 valid tokens per row). Returns (out [b, l, h_v·d_v], conv_state [b, conv_dim, W-1], delta_state
@@ -232,6 +237,7 @@ def gdn_prefill(
         native.pointer(conv_by_tap),
         native.pointer(dt_bias),
         native.pointer(A_log),
+        beta_scale,
         native.pointer(norm_weight),
         eps,
         native.pointer(initial_conv),

@@ -1,5 +1,7 @@
 """Mamba (version 1) selective scan in pure PyTorch: prefill scan, one-step recurrence, state after a prefix.
 
+The reference for the native kernels (`native_mamba1.py`, csrc/mamba1_decode.c), which CPU float32 runs instead.
+
 Glossary: b batch, l length, i channels (d_inner), n state size. Per channel the state is a vector of n:
 `h_t = exp(dt_t · A) ⊙ h_{t-1} + (dt_t · x_t) ⊗ B_t`, `y_t = h_t · C_t`, with A [i, n] (per channel *and* state
 index, unlike Mamba2's one scalar per head), dt, x [b, l, i] and B, C [b, l, n] shared by every channel.

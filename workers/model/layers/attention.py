@@ -127,7 +127,14 @@ class Attention(nn.Module):
         cache.write(batch.slot_ids[rows], positions[rows, cols], k[rows, :, cols], v[rows, :, cols])
         # 2. Attend over each row's cache up to its own position (causal; stale entries beyond are masked).
         span = int((batch.cache_lens + batch.num_tokens).max())
-        if b == 1 and length * span > LONG_ATTENTION_SCORES and a.sliding_window is None:
+        if self._fresh_prompts(batch, k, cache):
+            # Every row starts at position 0: its new keys are all it sees, causally. The square causal case skips
+            # the blocks above the diagonal that a [l, span] mask makes the CPU kernel compute (2× at 2,048 tokens).
+            # A padded row's valid query t sees only keys 0 … t, all valid.
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
+            )
+        elif b == 1 and length * span > LONG_ATTENTION_SCORES and a.sliding_window is None:
             out = self._long(q, cache, batch, span)
         else:
             keys, values = cache.read(batch.slot_ids, span, self._contiguous(cache, batch, span))
@@ -136,6 +143,12 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=mask[:, None], scale=a.scale, enable_gqa=a.num_heads != a.num_kv_heads
             )
         return self._output(out.transpose(1, 2).reshape(b, length, a.num_heads * a.head_dim), gate)
+
+    def _fresh_prompts(self, batch: ForwardBatch, k: torch.Tensor, cache: KVCache) -> bool:
+        """Whether attention can run on the new keys alone: every row starts its sequence, the layer has no
+        sliding window, and the cache stores keys as computed (a narrower cache dtype rounds what decode reads)."""
+        same_dtype = cache.key.dtype == k.dtype and cache.value.dtype == k.dtype
+        return same_dtype and self.config.sliding_window is None and not bool(batch.cache_lens.any())
 
     @staticmethod
     def _contiguous(cache: KVCache, batch: ForwardBatch, span: int) -> int | None:
@@ -159,13 +172,13 @@ class Attention(nn.Module):
         q, k, v, gate = self._project(hidden)  # [b, 1, heads, hd]: one token, so heads can move to dim 1 freely
         q = q.reshape(b, a.num_heads, 1, a.head_dim)
         k, v = k.reshape(b, a.num_kv_heads, 1, a.head_dim), v.reshape(b, a.num_kv_heads, 1, a.head_dim)
-        if self.native and a.sliding_window is None and native.fits(q, k, v, cache.key, cache.value):
+        if self.native and native.fits(q, k, v, cache.key, cache.value):
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [b, heads, hd], contiguous
             if a.rope_theta is not None:  # in place, on the fresh projections
                 inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, q.device, a.rope_pairs)
                 native.rope(q, positions, inv_freq, a.rotary_dim)
                 native.rope(k, positions, inv_freq, a.rotary_dim)
-            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale)
+            out = native.attention_decode(q, k, v, cache, batch.slot_ids, positions, a.scale, a.sliding_window)
             return self._output(out.view(b, 1, a.num_heads * a.head_dim), gate)
         if a.rope_theta is not None:
             q, k = self._rotary(q, positions[:, None]), self._rotary(k, positions[:, None])

@@ -137,6 +137,7 @@ class GatedDeltaNetMixer(nn.Module):
             self.norm.weight,
             self.norm.eps,
             g.num_key_heads,
+            g.beta_scale,
         )
         return self.out_proj(out)[:, None]
 
@@ -160,6 +161,7 @@ class GatedDeltaNetMixer(nn.Module):
             g.num_key_heads,
             g.num_value_heads,
             None if state is None else (state.conv, state.ssm),
+            g.beta_scale,
         )
         out = self.out_proj(out)
         if state is None:
@@ -186,6 +188,7 @@ class GatedDeltaNetMixer(nn.Module):
             self.norm.weight,
             self.norm.eps,
             g.num_key_heads,
+            g.beta_scale,
         )
         return self.out_proj(y)[:, None]
 

@@ -4,6 +4,11 @@ in_proj → [x, z]; causal depthwise conv (SiLU) over x; x_proj(x) → [dt (r), 
 (Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`); dt = softplus(dt_proj(dt)) per channel; selective scan with
 A [i, n] = −exp(A_log); y + D·x, gated by silu(z); out_proj. State comes in as a `RecurrentState` (conv window
 [i, W-1], SSM state [i, n]) and the new one is returned. Parameter names follow the hub checkpoints.
+
+`decode_kernel` "native" (CPU float32, set at load): the ops between the four linears run in
+`kernels/native_mamba1.py` (csrc/mamba1_decode.c) — the in-place decode step, and every other forward (prompts,
+verification from a kept state) through the native prefill scan; the decode plan calls the same kernels between
+the same linears, so the two agree bit for bit. "torch" is the reference (any dtype, any device).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels import native_mamba1
 from workers.model.kernels.selective_scan import selective_scan, selective_state_after, selective_step_
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
 from workers.model.layers.norm import RMSNorm
@@ -50,7 +56,19 @@ class Mamba1Mixer(nn.Module):
         self.dt_layernorm = RMSNorm(r, config.rms_norm_eps)
         self.b_layernorm = RMSNorm(n, config.rms_norm_eps)
         self.c_layernorm = RMSNorm(n, config.rms_norm_eps)
-        self.decode_kernel = "torch"  # the only one: no native, compiled or Triton Mamba1 step (yet)
+        self.decode_kernel = "torch"  # "torch" or "native" (C, CPU float32); set at load
+        self._A: tuple[tuple[int, int], torch.Tensor] | None = None  # (A_log's pointer and version, −exp(A_log))
+
+    def native_A(self) -> torch.Tensor:
+        """A = −exp(A_log) [i, n] float32, contiguous, as the native kernels take it: computed once (again only
+        when A_log changes), the tensor the decode plan records."""
+        try:
+            key = (self.A_log.data_ptr(), self.A_log._version)
+        except RuntimeError:  # an inference tensor has no version counter (and cannot change in place outside it)
+            key = (self.A_log.data_ptr(), -1)
+        if self._A is None or self._A[0] != key:
+            self._A = (key, (-torch.exp(self.A_log.detach().float())).contiguous())
+        return self._A[1]
 
     def _ssm_inputs(self, x: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output x [b, l, i] → (dt [b, l, i] float32 after softplus and 0 at padding, B, C [b, l, n])."""
@@ -72,6 +90,11 @@ class Mamba1Mixer(nn.Module):
         """
         m = self.config
         b, length, _ = hidden.shape
+        if self.decode_kernel == "native":
+            contiguous = state is not None and state.conv.is_contiguous() and state.ssm.is_contiguous()
+            if in_place and length == 1 and contiguous:
+                return self._native_decode(hidden, state), state, None
+            return self._native_prefill(hidden, num_tokens, state)
         in_place = in_place and length == 1 and state is not None and state.ssm.is_contiguous()
         # 1. Projections: x and the gate z.
         conv_in, z = self.in_proj(hidden).split([m.intermediate_size, m.intermediate_size], dim=-1)
@@ -95,6 +118,44 @@ class Mamba1Mixer(nn.Module):
         out = self.out_proj(y.to(hidden.dtype))
         return out, RecurrentState(conv_state, ssm_state), SelectiveScanInputs(conv_in, x, B, dt)
 
+    def _native_inner(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_proj, the inner norms and dt_proj over the conv output xc [..., i] → (x_proj output [..., r + 2n] with B,
+        C normed, dt_proj output [..., i] before softplus)."""
+        xdbc = self.x_proj(xc).contiguous()
+        dt_in = native_mamba1.norms(
+            xdbc, self.dt_layernorm.weight, self.b_layernorm.weight, self.c_layernorm.weight, self.dt_layernorm.eps
+        )
+        return xdbc, self.dt_proj(dt_in).contiguous()
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through the native kernels, updating `state` in place; hidden [b, 1, d]."""
+        proj = self.in_proj(hidden[:, 0]).contiguous()  # [b, 2i]
+        xc = native_mamba1.conv(proj, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias, advance=True)
+        xdbc, dt_raw = self._native_inner(xc)
+        y = native_mamba1.ssm(proj, xc, xdbc, dt_raw, self.native_A(), self.D, state.ssm, in_place=True)
+        return self.out_proj(y)[:, None]
+
+    def _native_prefill(
+        self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: RecurrentState | None
+    ) -> tuple[torch.Tensor, RecurrentState, SelectiveScanInputs | None]:
+        """Prompts (from the zero state: no scan inputs) or tokens from a kept state (a verification, the next chunk
+        of a prompt; with the scan inputs `state_after` shifts from) through the native conv and prefill scan."""
+        m = self.config
+        proj = self.in_proj(hidden).contiguous()  # [b, l, 2i]
+        num_tokens = num_tokens.contiguous()
+        weight = self.conv1d.weight.squeeze(1)
+        xc, conv = native_mamba1.prefill_conv(
+            proj, num_tokens, weight, self.conv1d.bias, None if state is None else state.conv.contiguous()
+        )
+        xdbc, dt_raw = self._native_inner(xc)
+        initial = None if state is None else state.ssm.contiguous()
+        y, ssm, dt = native_mamba1.prefill_scan(proj, num_tokens, xc, xdbc, dt_raw, self.native_A(), self.D, initial)
+        out = self.out_proj(y)
+        if state is None:
+            return out, RecurrentState(conv, ssm), None
+        B = xdbc[..., m.dt_rank : m.dt_rank + m.state_size]
+        return out, RecurrentState(conv, ssm), SelectiveScanInputs(proj[..., : m.intermediate_size], xc, B, dt)
+
     def state_after(
         self, state: RecurrentState, scan: SelectiveScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
     ) -> RecurrentState:
@@ -106,9 +167,15 @@ class Mamba1Mixer(nn.Module):
         no-ops). That keeps [b, l, i] + [b, l, n] scan inputs per layer instead of l states [b, l, i, n] (n = 16
         times more). Its shapes never depend on `num_tokens`'s values (`static_shapes` changes nothing here).
         """
+        conv = conv_window_after(state.conv, scan.conv_in, num_tokens)
+        if self.decode_kernel == "native":  # the decode step's arithmetic, as the plan's keep
+            counts = num_tokens.to(torch.int64).contiguous()
+            return RecurrentState(
+                conv, native_mamba1.state_after(scan.x, scan.dt, scan.B, self.native_A(), state.ssm, counts)
+            )
         valid = torch.arange(scan.dt.shape[1], device=scan.dt.device)[None, :] < num_tokens[:, None]
         A = -torch.exp(self.A_log.float())
         return RecurrentState(
-            conv_window_after(state.conv, scan.conv_in, num_tokens),
+            conv,
             selective_state_after(scan.x, scan.dt * valid[..., None], A, scan.B, state.ssm),
         )

@@ -90,7 +90,7 @@ class HeadGatedRMSNorm(nn.Module):
 class PassThroughNorm(nn.Module):
     """The pre-norm slot of a post-norm block (OLMo 2/3): its mixer reads the residual stream as it is."""
 
-    native = False  # nothing to run: the decode plan declines post-norm blocks by name (`unsupported_reason`)
+    native = False  # nothing to run: a decode plan copies the residual stream for it (`lfm_olmo_records.py`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] → x."""

@@ -10,6 +10,8 @@ sets, used round-robin): on x2 = rmsnorm([hidden, original embeddings]) (2d wide
 and the Mamba2 block then reads rmsnorm(hidden + T) while its residual stays `hidden` (`HybridModel.forward`).
 The shared weights are the same modules in every use (registered under each, like tied weights: the loader fills
 each alias, `prepare_linears` replaces a shared Linear once); each use has its own KV cache, adapters and linear.
+On the native path (CPU float32) gelu(gate) · up runs through the native kernel a decode plan records
+(`steps/shared_block_records.py`), so plan and module compute the same bits.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import SHARED_ATTENTION, HybridConfig, SharedBlockConfig
+from workers.model.kernels import native
 from workers.model.layers.attention import Attention
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
+
+
+def gelu_mul(h: torch.Tensor, use_native: bool) -> torch.Tensor:
+    """gelu(gate) · up (the erf form) for h [..., 2n] = [gate | up] → [..., n]; through the native kernel when asked,
+    so that a decode plan, which records that kernel, computes the same bits."""
+    if use_native and native.fits(h):
+        return native.gelu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.gelu(gate) * up
 
 
 class LowRank(nn.Module):
@@ -81,6 +93,7 @@ class SharedBlockUse(nn.Module):
         self.config = config
         self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.use_index = -1  # this use's position among the model's uses (its adapters' index); set by `bind`
+        self.native = False  # the MLP's gelu(gate) · up through the native kernel (set at load for CPU float32)
 
     def bind(self, shared: SharedTransformer, use_index: int) -> None:
         """Attach the shared block's weights and this use's adapters: the attention (this use's own module over
@@ -118,8 +131,8 @@ class SharedBlockUse(nn.Module):
         attend = self.attention.forward_static if static_shapes else self.attention
         attended = attend(x, batch, cache)
         # 2. Gated-GELU MLP on its norm (no residual inside the block), then this use's projection.
-        gate, up = self.gate_up_proj(self.pre_ff_norm(attended)).chunk(2, dim=-1)
-        return self.linear(self.down_proj(F.gelu(gate) * up))
+        gate_up = self.gate_up_proj(self.pre_ff_norm(attended))
+        return self.linear(self.down_proj(gelu_mul(gate_up, self.native)))
 
 
 def bind_shared_blocks(blocks: nn.ModuleList, config: HybridConfig) -> None:

@@ -4,7 +4,8 @@ in_proj → B, C, x (each d wide, in that order); u = B · x through a depthwise
 C · that; out_proj. The recurrent state is the conv window of u alone ([b, d, W-1]); the `RecurrentState`'s matrix
 state is empty ([b, 0, 0, 0]), so the state pools, slot moves and snapshots of the other recurrent kinds carry it
 unchanged. Speculative state shifting keeps each verification's conv inputs and gathers the window after input
-num_accepted − 1 (`conv_window_after`).
+num_accepted − 1 (`conv_window_after`). With `decode_kernel == "native"` (CPU float32) the decode step and the
+multi-token forwards run `csrc/short_conv.c` (the decode plan's kernels); the torch kernels are the reference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
-from workers.model.kernels.short_conv import short_conv, short_conv_step_
+from workers.model.kernels.short_conv import (
+    native_short_conv_prefill,
+    native_short_conv_step_,
+    short_conv,
+    short_conv_step_,
+)
 from workers.model.kernels.ssd import conv_window_after
 from workers.model.state import RecurrentState
 
@@ -36,7 +42,8 @@ class ShortConvMixer(nn.Module):
         self.in_proj = nn.Linear(d, 3 * d, bias=c.bias)
         self.conv1d = nn.Conv1d(d, d, c.conv_kernel, groups=d, bias=c.bias)
         self.out_proj = nn.Linear(d, d, bias=c.bias)
-        self.decode_kernel = "torch"  # no native or Triton kernel of its own (see decode_plan.unsupported_reason)
+        # "native": decode steps through `csrc/short_conv.c` (the loader's choice on CPU float32), else torch.
+        self.decode_kernel = "torch"
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
@@ -47,6 +54,11 @@ class ShortConvMixer(nn.Module):
         state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
         """
         b, length, d = hidden.shape
+        native_step = in_place and state is not None and length == 1 and state.conv.is_contiguous()
+        if self.decode_kernel == "native" and native_step:
+            return self._native_decode(hidden, state), state, None
+        if self.decode_kernel == "native" and not (in_place and state is not None and length == 1):
+            return self._native_prefill(hidden, state, num_tokens)
         # 1. Projections: B, C, x; the conv reads u = B · x.
         gate_b, gate_c, x = self.in_proj(hidden).chunk(3, dim=-1)
         u = gate_b * x
@@ -62,6 +74,25 @@ class ShortConvMixer(nn.Module):
         conv, new_window = short_conv(u, window, weight, self.conv1d.bias, num_tokens)
         # 3. Output gate C, output projection.
         return self.out_proj(gate_c * conv), RecurrentState(new_window, matrix), ConvScanInputs(u)
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/short_conv.c`, shifting `state`'s window in place; hidden [b, 1, d]."""
+        weight = self.conv1d.weight.squeeze(1)
+        y = native_short_conv_step_(self.in_proj(hidden[:, 0]).contiguous(), state.conv, weight, self.conv1d.bias)
+        return self.out_proj(y)[:, None]
+
+    def _native_prefill(
+        self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, RecurrentState, ConvScanInputs]:
+        """Prompts, chunks of them or verifications through `csrc/short_conv.c` (`state` is left as it was);
+        returns what `forward` returns."""
+        b = hidden.shape[0]
+        window = None if state is None else state.conv
+        y, new_window, u = native_short_conv_prefill(
+            self.in_proj(hidden), num_tokens.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias, window
+        )
+        matrix = hidden.new_zeros(b, 0, 0, 0, dtype=torch.float32) if state is None else state.ssm
+        return self.out_proj(y), RecurrentState(new_window, matrix), ConvScanInputs(u)
 
     def state_after(
         self, state: RecurrentState, scan: ConvScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False

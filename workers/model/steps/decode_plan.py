@@ -6,13 +6,16 @@ records those same calls once per batch size — weights, state slots 0 … b-1 
 buffers allocated once — and `csrc/decode_plan.c` replays them. Each record calls the kernel the module path would
 call with the same arguments, so logits, states and KV caches match that path bit for bit (tests check it).
 
-It covers models whose every block runs native on the module path: Mamba2 and Gated DeltaNet mixers with their
-native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
+It covers models whose every block runs native on the module path: Mamba2, Mamba1 (Jamba; `mamba1_records.py`) and
+Gated DeltaNet mixers with their native decode kernels, attention (NoPE or RoPE; the gated attention of Qwen3.5 / Qwen3-Next with per-head q/k
 norms and partial RoPE), dense MLPs (SwiGLU or relu²), native linears and norms (CPU, float32). Zero-centred
 RMSNorms (Qwen) need nothing of their own: the loader stores 1 + w, and both paths run the plain RMSNorm kernel.
 Falcon-H1's parallel blocks record their Mamba2 branch and their attention branch, then sum the two outputs.
-Kimi-Linear's Kimi Delta Attention and latent attention blocks record their native kernels (`kimi_records.py`).
-MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`). Anything else
+MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`), Zamba2's shared-block
+uses those of `SharedBlockUse.forward` (`shared_block_records.py`). LFM2 / LFM3's short convs, sandwich norms,
+per-head output gates and sliding windows, and OLMo-Hybrid's post-norm blocks (with their whole-width q/k norms and
+beta = 2·sigmoid(b) Gated DeltaNets) have theirs in `lfm_olmo_records.py`, Kimi-Linear's Kimi Delta Attention and latent attention
+blocks in `kimi_records.py`. Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -32,16 +35,22 @@ from workers.model.checkpoint.config import (
     PARALLEL,
     RECURRENT_KINDS,
     SHARED_ATTENTION,
+    SHORT_CONV,
 )
 from workers.model.kernels import native
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.norm import PassThroughNorm
 from workers.model.state import StatePool
-from workers.model.steps.decode_records import DecodeRecords, branches
+from workers.model.steps.decode_records import DecodeRecords, branches, kept_width
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
-from workers.model.steps.kimi_records import KimiScratch, kept_width, kimi_unsupported_reason
+from workers.model.steps.kimi_records import KimiScratch, kimi_unsupported_reason
+from workers.model.steps.lfm_olmo_records import HeadGateScratch, post_norm_unsupported_reason
+from workers.model.steps.mamba1_records import Mamba1Scratch
 from workers.model.steps.plan_records import RECORD_WORDS
+from workers.model.steps.shared_block_records import SharedBlockScratch, shared_block_unsupported_reason
 
 
 def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, tokens_per_row: int) -> tuple[int, int]:
@@ -59,24 +68,22 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
-    if SHARED_ATTENTION in model.config.block_kinds:
-        return "Zamba2's shared transformer blocks (attention over [hidden, embeddings], adapters) are not covered"
-    if any(block.post_norm is not None for block in model.blocks):
-        return "post-norm blocks (OLMo's attention layers: x + norm(mixer(x))) are not covered"
-    norms = [block.norm for block in model.blocks] + [model.final_norm]
-    if not all(norm.native for norm in norms) or not isinstance(model.lm_head, NativeLinear):
+    if (reason := shared_block_unsupported_reason(model)) is not None:
+        return reason
+    norms = [block.norm for block in model.blocks if not isinstance(block.norm, PassThroughNorm)]
+    if not all(norm.native for norm in [*norms, model.final_norm]) or not isinstance(model.lm_head, NativeLinear):
         return "the native kernels are off (not CPU float32, or decode_kernel / linear_backend chose another path)"
-    if model.config.short_conv is not None or model.config.sandwich_norms:
-        return "LFM short-conv models are not covered (their conv, gates and sandwich norms run module by module)"
+    if (reason := post_norm_unsupported_reason(model)) is not None:
+        return reason
     for block in model.blocks:
         mixer = block.mixer
-        if block.kind == MAMBA1:
-            return "Mamba1 (Jamba) decode steps have no native kernel: they run module by module"
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
             if (reason := kimi_unsupported_reason(mixer)) is not None:
                 return reason
             continue
-        if block.kind not in (MAMBA, GDN, ATTENTION, MLP, MOE, PARALLEL):
+        if block.kind == SHARED_ATTENTION:  # checked by shared_block_unsupported_reason
+            continue
+        if block.kind not in (MAMBA, GDN, MAMBA1, SHORT_CONV, ATTENTION, MLP, MOE, PARALLEL):
             return f"{block.kind} blocks are not covered"
         if block.kind == MOE and (reason := moe_unsupported_reason(mixer)) is not None:
             return reason
@@ -85,12 +92,12 @@ def unsupported_reason(model: HybridModel) -> str | None:
             return f"a {block.kind} block has linears outside the native kernel"
         recurrent, attention = branches(block)
         if recurrent is not None and recurrent.decode_kernel != "native":
-            name = "Gated DeltaNet" if block.kind == GDN else "Mamba2"
+            if block.kind == SHORT_CONV:
+                return "short-conv decode steps do not run through the native kernel"
+            name = {GDN: "Gated DeltaNet", MAMBA1: "Mamba1"}.get(block.kind, "Mamba2")
             if name == "Mamba2" and not recurrent.config.fused_kernels_fit:
                 return "the Mamba2 mixers' norm variant (no norm, or norm before the gate) has no native kernel"
             return f"{name} decode steps do not run through the native kernel"
-        if attention is not None and attention.config.qk_norm_full_width:
-            return "q/k norms over the whole projection (OLMo) are not covered"
         if attention is not None:
             head_norms = [norm for norm in (attention.q_norm, attention.k_norm) if norm is not None]
             if not (attention.native and all(norm.native for norm in head_norms)):
@@ -105,7 +112,7 @@ class DecodePlan(DecodeRecords):
 
     `run` is a plain step (one token per row, states updated in place). `verify` runs up to `tokens_per_row` tokens
     per row — speculative verification: every linear once over all the tokens (the weights are read once), each
-    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Gated DeltaNet layer
+    attention layer in one call that reads the cache once for all of them, and each Mamba2 / Mamba1 / Gated DeltaNet layer
     walking the tokens on a cached copy of each head's state, which it leaves in the pool as it was.
     `keep(num_accepted_tokens)` then advances each row's recurrent states by its accepted tokens to the state after
     input num_accepted_tokens − 1. Verification and keep run the decode step's arithmetic (the same compiled
@@ -135,12 +142,16 @@ class DecodePlan(DecodeRecords):
         # Scratch shared by the blocks: in_proj / up_proj / q_proj outputs, and out_proj / down_proj / o_proj inputs.
         self.wide = torch.empty(tokens * max([m.out_features for m in linears], default=1))
         self.narrow = torch.empty(tokens * max([m.in_features for m in linears], default=1))
+        # Every recurrent mixer, whatever its kind (Jamba mixes Mamba1 with attention): buffers fit the widest.
         recurrent = [branches(b)[0] for b in model.blocks if b.kind in RECURRENT_KINDS]
-        self.xbc = torch.empty(tokens, max([m.conv1d.weight.shape[0] for m in recurrent], default=1))  # conv output
-        # Verification keeps each recurrent layer's in_proj outputs (and KDA's f): `keep` advances the states by the
-        # accepted tokens from them.
+        self.xbc = torch.empty(
+            tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1)
+        )  # conv output (a short conv: its input)
+        # Verification keeps each recurrent layer's in_proj outputs (Mamba1: x_proj and dt_proj outputs too; KDA: f): `keep`
+        # advances the states by the accepted tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
-        self.kept_proj = torch.empty(kept, tokens * max([kept_width(m) for m in recurrent], default=0) if kept else 0)
+        self.kept_proj = torch.empty(kept, tokens * max((kept_width(m) for m in recurrent), default=0) if kept else 0)
+        self.mamba1_scratch = Mamba1Scratch([m for m in recurrent if isinstance(m, Mamba1Mixer)], tokens)
         a = config.attention
         # Latent attention (config.mla) projects into `kimi_scratch` instead.
         attention = config.mla is None and any(kind in ATTENTION_KINDS for kind in config.block_kinds)
@@ -153,6 +164,8 @@ class DecodePlan(DecodeRecords):
         self.branch, self.branch_normed = (
             torch.empty(tokens if PARALLEL in config.block_kinds else 0, d) for _ in "ab"
         )
+        self.shared_scratch = SharedBlockScratch(model, tokens)  # Zamba2's shared-block uses
+        self.head_gates = HeadGateScratch(model, tokens)
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
         self.kimi_scratch = KimiScratch(model, tokens)
         self._records: dict[tuple[int, int], torch.Tensor] = {}

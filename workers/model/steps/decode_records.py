@@ -3,23 +3,51 @@
 `DecodeRecords` is the recording half of `DecodePlan` (`decode_plan.py`, which allocates the buffers these records
 point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the kept in_proj outputs — and replays
 them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
-(`feed_forward_records.py`) each have their records here; the state shift after a verification too. Kimi-Linear's
-mixers (Kimi Delta Attention, latent attention) have theirs in `kimi_records.py`.
+(`feed_forward_records.py`) each have their records here, Zamba2's shared-block uses in `shared_block_records.py`;
+the state shift after a verification too. LFM's short convs, head gates and norms after the mixer (LFM3's sandwich
+norms, OLMo's post-norm blocks) are in `lfm_olmo_records.py`, Jamba's Mamba1 mixers in `mamba1_records.py`,
+Kimi-Linear's Kimi Delta Attention and latent attention in `kimi_records.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MAMBA, MOE, PARALLEL, RECURRENT_KINDS
+from workers.model.checkpoint.config import (
+    ATTENTION,
+    GDN,
+    KDA,
+    MAMBA,
+    MAMBA1,
+    MOE,
+    PARALLEL,
+    RECURRENT_KINDS,
+    SHARED_ATTENTION,
+    SHORT_CONV,
+)
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.kda import KimiDeltaAttentionMixer
+from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.layers.mla import MultiHeadLatentAttention
+from workers.model.layers.short_conv import ShortConvMixer
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
-from workers.model.steps.kimi_records import record_kda, record_kda_shift, record_mla
+from workers.model.steps.kimi_records import kda_kept_width, record_kda, record_kda_shift, record_mla
+from workers.model.steps.lfm_olmo_records import (
+    record_first_norm,
+    record_head_gate,
+    record_residual,
+    record_short_conv,
+    record_short_conv_shift,
+)
+from workers.model.steps.mamba1_records import kept_width as mamba1_kept_width
+from workers.model.steps.mamba1_records import record_mamba1, record_mamba1_shift
 from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
+from workers.model.steps.shared_block_records import (
+    record_embeddings_copy,
+    record_shared_block,
+)
 
 
 def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
@@ -27,6 +55,14 @@ def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.M
     if block.kind == PARALLEL:
         return block.mixer.mamba, block.mixer.self_attn
     return (block.mixer if block.kind in RECURRENT_KINDS else None), (block.mixer if block.kind == ATTENTION else None)
+
+
+def kept_width(mixer: torch.nn.Module) -> int:
+    """Floats per token a verification keeps of a recurrent layer for the keep: its in_proj outputs (Mamba1: its
+    x_proj and dt_proj outputs too; KDA: f_b_proj's)."""
+    if isinstance(mixer, KimiDeltaAttentionMixer):
+        return kda_kept_width(mixer)
+    return mamba1_kept_width(mixer) if isinstance(mixer, Mamba1Mixer) else mixer.in_proj.out_features
 
 
 class DecodeRecords:
@@ -43,8 +79,8 @@ class DecodeRecords:
             [self.token_ids, model.embed_tokens.weight, hidden, n, d, config.vocab_size],
             (config.embedding_multiplier,),
         )
-        first_norm = model.blocks[0].norm if model.blocks else model.final_norm
-        rec.emit(Op.RMS_NORM, [hidden, first_norm.weight, normed, n, d], (first_norm.eps,))
+        record_embeddings_copy(rec, self, n)  # Zamba2's shared blocks read the input embeddings
+        record_first_norm(rec, model, hidden, normed)
         next_norms = [block.norm for block in model.blocks[1:]] + [model.final_norm]
         recurrent_layer = attention_layer = 0
         for block, next_norm in zip(model.blocks, next_norms):
@@ -57,22 +93,26 @@ class DecodeRecords:
             elif isinstance(block.mixer, MultiHeadLatentAttention):
                 record_mla(rec, self, block.mixer, attention_layer)
                 attention_layer += 1
+            elif block.kind == MAMBA1:
+                record_mamba1(rec, block.mixer, recurrent_layer, self)
+            elif block.kind == SHORT_CONV:
+                record_short_conv(rec, block.mixer, self, recurrent_layer)
             elif block.kind == ATTENTION:
                 self._record_attention(rec, block.mixer, attention_layer)
                 attention_layer += 1
             elif block.kind == PARALLEL:
                 self._record_parallel(rec, block, recurrent_layer, attention_layer)
                 attention_layer += 1
+            elif block.kind == SHARED_ATTENTION:  # Zamba2: writes normed = next_norm(hidden + T), not the residual
+                record_shared_block(rec, self, block.mixer, attention_layer, next_norm)
+                attention_layer += 1
+                continue
             elif block.kind == MOE:
                 record_moe(rec, block.mixer, normed, mixed, self.moe_scratch, self.wide, self.narrow)
             else:
                 record_mlp(rec, block.mixer, normed, mixed, self.wide, self.narrow)
             recurrent_layer += block.kind in RECURRENT_KINDS
-            rec.emit(
-                Op.ADD_RMS_NORM,
-                [hidden, mixed, next_norm.weight, normed, n, d],
-                (config.residual_multiplier, next_norm.eps),
-            )
+            record_residual(rec, block, next_norm, self, config.residual_multiplier)
         rec.linear(model.lm_head, normed, self.logits[:n])
         return rec.tensor()
 
@@ -134,7 +174,7 @@ class DecodeRecords:
         rec.emit(
             Op.GDN if length == 1 else Op.GDN_VERIFY,
             [proj, *self._gdn_arguments(mixer, layer), mixer.norm.weight, self.xbc[:n], y, b, *sizes, length],
-            (mixer.norm.eps,),
+            (mixer.norm.eps, g.beta_scale),
         )
         rec.linear(mixer.out_proj, y.view(n, g.value_dim), self.mixed[:n])
 
@@ -147,11 +187,21 @@ class DecodeRecords:
             if isinstance(mixer, KimiDeltaAttentionMixer):
                 record_kda_shift(rec, self, mixer, layer)
                 continue
+            if isinstance(mixer, Mamba1Mixer):
+                record_mamba1_shift(rec, mixer, layer, self)
+                continue
             kept, scratch = self.kept_proj[layer, : b * length * mixer.in_proj.out_features], self.xbc[: b * length]
+            if isinstance(mixer, ShortConvMixer):
+                record_short_conv_shift(rec, mixer, self, layer)
+                continue
             if isinstance(mixer, GatedDeltaNetMixer):
                 g = mixer.config
                 sizes = [g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel]
-                rec.emit(Op.GDN_SHIFT, [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length])
+                rec.emit(
+                    Op.GDN_SHIFT,
+                    [kept, *self._gdn_arguments(mixer, layer), scratch, b, *sizes, length],
+                    (g.beta_scale,),
+                )
                 continue
             m = mixer.config
             rec.emit(
@@ -202,7 +252,7 @@ class DecodeRecords:
         q, keys, values, out = record_attention_inputs(rec, attention, self)
         inv_freq = None
         if a.rope_theta is not None:
-            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"))
+            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"), a.rope_pairs)
             self._referenced.append(inv_freq)
         if inv_freq is not None:
             for t in range(length):
@@ -232,9 +282,12 @@ class DecodeRecords:
                 blocks.block_size,
                 self.pool.key.shape[2],
                 length,
+                a.sliding_window or 0,
             ],
             (a.scale,),
         )
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
+        if attention.g_proj is not None:  # LFM3's one gate per head
+            record_head_gate(rec, attention, self, out.view(n, width))
         rec.linear(attention.o_proj, out.view(n, width), self.mixed[:n] if into is None else into)

@@ -19,10 +19,9 @@ from workers.model.layers.native_linear import NativeLinear
 from workers.model.steps.plan_records import Op, Recorder, scratch_rows
 
 
-def kept_width(mixer: torch.nn.Module) -> int:
-    """Floats per token a verification keeps for a recurrent layer's shift: in_proj's output, and a KDA mixer's f."""
-    extra = mixer.config.qkv_dim if isinstance(mixer, KimiDeltaAttentionMixer) else 0
-    return mixer.in_proj.out_features + extra
+def kda_kept_width(mixer: KimiDeltaAttentionMixer) -> int:
+    """Floats per token a verification keeps for a KDA layer's shift: in_proj's output and f."""
+    return mixer.in_proj.out_features + mixer.config.qkv_dim
 
 
 def kimi_unsupported_reason(mixer: torch.nn.Module) -> str | None:

@@ -46,6 +46,17 @@ class Op(enum.IntEnum):
     MOE_ROUTE = 41  # router logits → each row's experts and weights (csrc/moe.c)
     MOE_EXPERTS = 42  # the chosen experts' weighted sum per row
     MOE_COMBINE = 43  # routed + (sigmoid-gated) shared MLP output
+    MAMBA1_CONV = 50  # Mamba1 (Jamba, steps/mamba1_records.py): conv window step + SiLU over x
+    MAMBA1_NORMS = 51  # the dt / B / C RMS norms of x_proj's output
+    MAMBA1_SSM = 52  # softplus(dt), the selective state update, D skip, silu(z) gate (decode or verification)
+    MAMBA1_SHIFT = 53  # the keep after a verification (decode_plan_shift)
+    ADD = 80  # out = x + y elementwise (Zamba2: adapters, the residual stream its shared blocks leave unwritten)
+    GELU_MUL = 81  # gelu(gate) · up, the erf form (Zamba2's shared MLP)
+    SHORT_CONV = 70  # LFM2's gated short conv (csrc/short_conv.c; lfm_olmo_records.py)
+    SHORT_CONV_VERIFY = 71
+    SHORT_CONV_SHIFT = 72
+    REPEAT_HEADS = 73  # LFM3's per-head output gate over each head's channels
+    RESIDUAL_ADD = 77  # OLMo: the residual add before a post-norm block, copied into `normed` (no norm)
     KDA = 57  # Kimi Delta Attention (kimi_records.py)
     KDA_VERIFY = 58
     KDA_SHIFT = 59
@@ -145,7 +156,8 @@ def linear_record(layer: NativeLinear, x: torch.Tensor, y: torch.Tensor, rows: i
 def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: object) -> tuple[torch.Tensor, ...]:
     """The records of an attention block's inputs for all rows · length tokens, as `Attention._project` computes them
     on the native path: the q/k/v projections of `scratch.normed`, the [q_h | gate_h] split of gated attention's
-    q_proj rows (into `scratch.query` and `scratch.gate`), the per-head q/k RMSNorms (Qwen3, Qwen3.5) in place.
+    q_proj rows (into `scratch.query` and `scratch.gate`), the per-head q/k RMSNorms (Qwen3, Qwen3.5, LFM2) or the
+    whole-width ones (OLMo) in place.
     `scratch` is a plan with the buffers `normed`, `wide`, `narrow`, `keys`, `values`, `query`, `gate`. Returns
     views q, keys, values and the attention output scratch, each [l, b, ·] (token-major)."""
     a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
@@ -165,7 +177,11 @@ def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: 
             )
     else:
         q = projected.view(length, b, width)
-    if attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE
+    if attention.q_norm is not None and a.qk_norm_full_width:  # OLMo: one RMSNorm over all heads, in place
+        for x, norm in ((q, attention.q_norm), (keys, attention.k_norm)):
+            rows = x.reshape(n, -1)
+            rec.emit(Op.RMS_NORM, [rows, norm.weight, rows, n, rows.shape[1]], (norm.eps,))
+    elif attention.q_norm is not None:  # per-head RMSNorm of q and k, in place, before RoPE
         for x, norm, heads in ((q, attention.q_norm, a.num_heads), (keys, attention.k_norm, a.num_kv_heads)):
             head_rows = x.reshape(n * heads, a.head_dim)
             rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))

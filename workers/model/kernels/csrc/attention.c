@@ -52,15 +52,23 @@ static inline float block_values(float *o, const float *values, const float *sco
     return total;
 }
 
+/* The first position a query at `position` attends to: 0, or with a sliding window (LFM3's sliding layers; window
+ * > 0) the oldest of its last `window` positions — as attention.py's mask, key > position − window. */
+static inline int64_t first_visible(int64_t position, int64_t window) {
+    return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
 /* l tokens per request at positions[r] … positions[r] + l − 1 (l = 1: a decode step; more: speculative
  * verification). q, out [l, b, H, d]; k_new, v_new [l, b, KV, d]. All l keys/values are written first; token t
- * then attends causally up to its own position. Per (request, KV head) the cache is walked block by block once for
- * all l · H / KV queries (each block stays in cache while they read it); every query runs the same per-block
- * arithmetic as a decode step at its position, so the outputs are bit for bit those of l decode steps. */
-void attention_verify(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
-                      const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
-                      const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
-                      int64_t l, int64_t H, int64_t KV, int64_t d, int num_threads) {
+ * then attends causally up to its own position (from first_visible on: `window` 0 for none). Per (request, KV
+ * head) the cache is walked block by block once for all l · H / KV queries (each block stays in cache while they
+ * read it); every query runs the same per-block arithmetic as a decode step at its position, so the outputs are
+ * bit for bit those of l decode steps. */
+void attention_verify_window(const float *q, const float *k_new, const float *v_new, float *key_cache,
+                             float *value_cache, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
+                             int64_t cache_tokens, const int64_t *slot_ids, const int64_t *positions, float scale,
+                             float *out, int64_t b, int64_t l, int64_t H, int64_t KV, int64_t d, int64_t window,
+                             int num_threads) {
     const int64_t group = H / KV;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t item = 0; item < b * KV; ++item) {
@@ -84,16 +92,19 @@ void attention_verify(const float *q, const float *k_new, const float *v_new, fl
             }
         /* 2. Block by block: each query that reaches the block scores it and adds its weighted values (online
          * softmax: what was summed so far is rescaled when the running maximum grows). */
-        for (int64_t start = 0; start <= last; start += block_size) {
+        for (int64_t start = first_visible(first, window) / block_size * block_size; start <= last;
+             start += block_size) {
             const int64_t base = table[start / block_size] * block_size;
             for (int64_t t = 0; t < l; ++t) {
-                const int64_t position = first + t;
-                if (start > position) continue;
-                const int64_t n = position + 1 - start < block_size ? position + 1 - start : block_size;
+                const int64_t position = first + t, lo = first_visible(position, window);
+                if (start > position || start + block_size <= lo) continue;
+                const int64_t skip = lo > start ? lo - start : 0; /* keys of this block before the window */
+                const int64_t n = (position + 1 - start < block_size ? position + 1 - start : block_size) - skip;
+                const int64_t from = (base + skip) * d;
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t head = kv * group + g, at = (t * b + bi) * H + head;
-                    const float block_max = block_scores(q + at * d, keys + base * d, n, d, scale, score);
-                    total[t * group + g] = block_values(out + at * d, values + base * d, score, n, d, block_max,
+                    const float block_max = block_scores(q + at * d, keys + from, n, d, scale, score);
+                    total[t * group + g] = block_values(out + at * d, values + from, score, n, d, block_max,
                                                         &max_score[t * group + g], total[t * group + g]);
                 }
             }
@@ -104,6 +115,14 @@ void attention_verify(const float *q, const float *k_new, const float *v_new, fl
                 for (int64_t i = 0; i < d; ++i) o[i] /= total[t * group + g];
             }
     }
+}
+
+void attention_verify(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
+                      const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
+                      const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
+                      int64_t l, int64_t H, int64_t KV, int64_t d, int num_threads) {
+    attention_verify_window(q, k_new, v_new, key_cache, value_cache, block_tables, max_blocks, block_size,
+                            cache_tokens, slot_ids, positions, scale, out, b, l, H, KV, d, 0, num_threads);
 }
 
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,

@@ -8,9 +8,10 @@
  * A record is 32 words: the op code, 27 integer or pointer arguments, 4 float arguments (as doubles).
  *
  * Speculative verification runs l tokens per row the same way: linears over all of them at once, and each attention,
- * Mamba2 and Gated DeltaNet layer in one call over the l tokens (the recurrent ones read their states and leave them
- * as they are); decode_plan_shift then advances each row's states by its accepted tokens (the keep kernels),
- * with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would leave.
+ * Mamba2, Gated DeltaNet and short-conv layer in one call over the l tokens (the recurrent ones read their states
+ * and leave them as they are); decode_plan_shift then advances each row's states by its accepted tokens (the keep
+ * kernels), with the arithmetic of the decode steps, so the kept state is bit for bit what plain decode steps would
+ * leave.
  */
 #include <stdint.h>
 #include <string.h>
@@ -46,6 +47,17 @@ enum {
     OP_MOE_ROUTE = 41,
     OP_MOE_EXPERTS = 42,
     OP_MOE_COMBINE = 43,
+    OP_MAMBA1_CONV = 50, /* Mamba1 (Jamba): mamba1_decode.c, recorded by steps/mamba1_records.py */
+    OP_MAMBA1_NORMS = 51,
+    OP_MAMBA1_SSM = 52,
+    OP_MAMBA1_SHIFT = 53,
+    OP_ADD = 80, /* Zamba2's shared blocks (shared_block.c) */
+    OP_GELU_MUL = 81,
+    OP_SHORT_CONV = 70, /* LFM2's gated short conv (short_conv.c) */
+    OP_SHORT_CONV_VERIFY = 71,
+    OP_SHORT_CONV_SHIFT = 72,
+    OP_REPEAT_HEADS = 73, /* LFM3's per-head output gate, repeated over each head's channels */
+    OP_RESIDUAL_ADD = 77, /* OLMo's residual add before a post-norm block (no norm after it) */
     OP_KDA = 57, /* Kimi Delta Attention (kda_decode.c) */
     OP_KDA_VERIFY = 58,
     OP_KDA_SHIFT = 59,
@@ -185,6 +197,12 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_MOE_COMBINE: /* a: routed, shared, gate or null, out, rows, d */
             moe_combine(F32(0), F32(1), F32(2), F32(3), op->a[4], op->a[5]);
             break;
+        case OP_ADD: /* a: x, y, out, n */
+            add_rows(F32(0), F32(1), F32(2), op->a[3], num_threads);
+            break;
+        case OP_GELU_MUL: /* a: h [rows, 2n] = [gate | up], out [rows, n], rows, n */
+            gelu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);
+            break;
         case OP_SILU_MUL:
             silu_mul(F32(0), F32(1), op->a[2], op->a[3], num_threads);
             break;
@@ -209,12 +227,14 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             argmax_feed(op);
             break;
         case OP_GDN: /* a: in_proj output, conv windows, conv weight, dt_bias, A_log, delta-rule states, norm weight,
-                      * conv output scratch, out, b, HK, HV, DK, DV, W; f: eps (gdn_decode.c's arguments) */
-            gdn_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], F32(7), F32(8),
+                      * conv output scratch, out, b, HK, HV, DK, DV, W; f: eps, beta_scale (gdn_decode.c's) */
+            gdn_decode_step(F32(0), F32(1), F32(2), F32(3), F32(4), (float)op->f[1], F32(5), F32(6), (float)op->f[0],
+                            F32(7), F32(8),
                             op->a[9], op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
             break;
         case OP_GDN_VERIFY: /* as OP_GDN with proj and out [l, b, ·], qkv scratch [l, b, Cd], a15 l */
-            gdn_verify(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), (float)op->f[0], F32(7), F32(8),
+            gdn_verify(F32(0), F32(1), F32(2), F32(3), F32(4), (float)op->f[1], F32(5), F32(6), (float)op->f[0], F32(7),
+                       F32(8),
                        op->a[9], op->a[15], op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
             break;
         case OP_MAMBA2_VERIFY: /* as OP_MAMBA2 with proj and out [l, b, ·], xbc scratch [l, b, Cd], a18 l */
@@ -231,7 +251,7 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_ATTENTION_VERIFY: {
             /* a: q, k, v, key cache, value cache, slot ids, positions, block tables, out, b, H, KV, d, capacity,
              * max blocks, block size, cache tokens, and for a verification l (q, k, v, out [l, b, ·]; positions
-             * of each row's first token) */
+             * of each row's first token); a18 the sliding window (0: none) */
             const int64_t *positions = I64(6), *slot_ids = I64(5), *tables = I64(7);
             const int64_t rows = op->a[9], capacity = op->a[13], max_blocks = op->a[14], block_size = op->a[15];
             const int64_t length = op->code == OP_ATTENTION ? 1 : op->a[17];
@@ -241,9 +261,9 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
                     if (position < 0 || position >= capacity) return i + 1;
                     if (tables[slot_ids[r] * max_blocks + position / block_size] == 0) return i + 1; /* no block */
                 }
-            attention_verify(F32(0), F32(1), F32(2), F32(3), F32(4), tables, max_blocks, block_size, op->a[16],
-                             slot_ids, positions, (float)op->f[0], F32(8), rows, length, op->a[10], op->a[11],
-                             op->a[12], num_threads);
+            attention_verify_window(F32(0), F32(1), F32(2), F32(3), F32(4), tables, max_blocks, block_size,
+                                    op->a[16], slot_ids, positions, (float)op->f[0], F32(8), rows, length, op->a[10],
+                                    op->a[11], op->a[12], op->a[18], num_threads);
             break;
         }
         case OP_ATTENTION_PADDED: /* a: as OP_ATTENTION; rows at position -1 are padding */
@@ -255,6 +275,35 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
             break;
         case OP_MLA: /* a, f: mla_plan_step's (mla_attention.c); refuses a position without a block */
             if (mla_plan_step(op->a, op->f, num_threads)) return i + 1;
+            break;
+        case OP_MAMBA1_CONV: /* a: proj [l, b, 2I], conv windows, conv weight, conv bias, xc out, b, l, I, W, advance */
+            mamba1_conv(F32(0), F32(1), F32(2), F32(3), F32(4), op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
+                        num_threads);
+            break;
+        case OP_MAMBA1_NORMS: /* a: x_proj output, dt / B / C norm weights, dt_in out, rows, R, N; f: eps */
+            mamba1_norms(F32(0), F32(1), F32(2), F32(3), (float)op->f[0], F32(4), op->a[5], op->a[6], op->a[7],
+                         num_threads);
+            break;
+        case OP_MAMBA1_SSM: /* a: proj, xc, xdbc, dt_raw, A, D, SSM states, y, b, l, I, R, N, in place */
+            mamba1_ssm(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), F32(7), op->a[8], op->a[9], op->a[10],
+                       op->a[11], op->a[12], op->a[13], num_threads);
+            break;
+        case OP_SHORT_CONV: /* a: in_proj output, windows, conv weight, conv bias or null, u scratch, out, b, d, W */
+            short_conv_step(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), op->a[6], op->a[7], op->a[8], num_threads);
+            break;
+        case OP_SHORT_CONV_VERIFY: /* as OP_SHORT_CONV over [l, b, ·] rows, a9 l */
+            short_conv_verify(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), op->a[6], op->a[9], op->a[7], op->a[8],
+                              num_threads);
+            break;
+        case OP_REPEAT_HEADS: /* a: per-head values [rows, H], out [rows, H, width], rows · H, width */
+            for (int64_t r = 0; r < op->a[2]; ++r)
+                for (int64_t i = 0; i < op->a[3]; ++i) F32(1)[r * op->a[3] + i] = F32(0)[r];
+            break;
+        case OP_RESIDUAL_ADD: /* a: hidden, delta, normed, rows · d; f: alpha (1: an exact add, as torch's) */
+            for (int64_t j = 0; j < op->a[3]; ++j) {
+                F32(0)[j] = op->f[0] == 1.0 ? F32(0)[j] + F32(1)[j] : F32(0)[j] + (float)op->f[0] * F32(1)[j];
+                F32(2)[j] = F32(0)[j];
+            }
             break;
         case OP_ARGMAX: /* a: logits [rows, n], token ids out [rows] (int64), rows, n: torch.argmax's first index */
             argmax_rows(F32(0), I64(1), op->a[2], op->a[3], num_threads);
@@ -269,13 +318,29 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
 /* Shift records, one per recurrent layer, after a verification: OP_MAMBA2_SHIFT (a: in_proj outputs [l, b, ·],
  * conv windows, conv weight, conv bias, dt_bias, A_log, D, SSM states, xbc scratch [l, b, Cd], b, H, P, G, N, W, l;
  * f: dt_min, dt_max) or OP_GDN_SHIFT (a: in_proj outputs, conv windows, conv weight, dt_bias, A_log, delta-rule
- * states, qkv scratch [l, b, Cd], b, HK, HV, DK, DV, W, l). Every row advances its states by its first accepted[r]
+ * states, qkv scratch [l, b, Cd], b, HK, HV, DK, DV, W, l; f: beta_scale). Every row advances its states by its first accepted[r]
  * tokens (1 ≤ accepted[r] ≤ l). 0 on success, else 1 + the refusing record. */
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
         if (op->code == OP_KDA_SHIFT) { /* a: kda_plan_shift's (kda_decode.c) */
             if (kda_plan_shift(op->a, accepted, num_threads)) return i + 1;
+            continue;
+        }
+        if (op->code == OP_MAMBA1_SHIFT) { /* a: proj, conv windows, conv w, conv b, xdbc, dt_raw, A, SSM states, xc
+                                            * scratch, b, l, I, R, N, W (mamba1_keep's arguments) */
+            for (int64_t r = 0; r < op->a[9]; ++r)
+                if (accepted[r] < 1 || accepted[r] > op->a[10]) return i + 1;
+            mamba1_keep(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), F32(7), F32(8), accepted, op->a[9],
+                        op->a[10], op->a[11], op->a[12], op->a[13], op->a[14], num_threads);
+            continue;
+        }
+        if (op->code == OP_SHORT_CONV_SHIFT) { /* a: as OP_SHORT_CONV_VERIFY without out: proj, windows, weight,
+                                                * bias, u scratch, b, d, W, l */
+            for (int64_t r = 0; r < op->a[5]; ++r)
+                if (accepted[r] < 1 || accepted[r] > op->a[8]) return i + 1;
+            short_conv_keep(F32(0), F32(1), F32(2), F32(3), F32(4), accepted, op->a[5], op->a[8], op->a[6], op->a[7],
+                            num_threads);
             continue;
         }
         const int mamba = op->code == OP_MAMBA2_SHIFT;
@@ -288,7 +353,7 @@ int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted
                         F32(7), F32(8), accepted, b, length, op->a[10], op->a[11], op->a[12], op->a[13], op->a[14],
                         num_threads);
         else
-            gdn_keep(F32(0), F32(1), F32(2), F32(3), F32(4), F32(5), F32(6), accepted, b, length, op->a[8], op->a[9],
+            gdn_keep(F32(0), F32(1), F32(2), F32(3), F32(4), (float)op->f[0], F32(5), F32(6), accepted, b, length, op->a[8], op->a[9],
                      op->a[10], op->a[11], op->a[12], num_threads);
     }
     return 0;

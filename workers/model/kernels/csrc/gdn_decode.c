@@ -67,11 +67,12 @@ static inline void delta_head_step(float *S, int64_t stride, const float *q, con
 }
 
 /* The gates of value head h from its in_proj row p: decay = exp(g), g = -exp(A_log) · softplus(a + dt_bias);
- * beta = sigmoid(b). */
+ * beta = beta_scale · sigmoid(b) (beta_scale 1 for Qwen; 2 for OLMo-Hybrid's negative eigenvalues, where the
+ * product is exact: the module path's `sigmoid(b) * 2` rounds alike). */
 static inline void head_gates(const float *p, int64_t Cd, int64_t HV, int64_t DV, int64_t h, const float *dt_bias,
-                              const float *A_log, float *decay, float *beta) {
+                              const float *A_log, float beta_scale, float *decay, float *beta) {
     *decay = expf(-expf(A_log[h]) * softplus(p[Cd + HV * DV + HV + h] + dt_bias[h]));
-    *beta = 1.0f / (1.0f + expf(-p[Cd + HV * DV + h]));
+    *beta = 1.0f / (1.0f + expf(-p[Cd + HV * DV + h])) * beta_scale;
 }
 
 /* o ← norm_w · rmsnorm(o) · silu(z) over one head's DV channels, in place. */
@@ -157,8 +158,8 @@ static SHARED_STEP void delta_head_walk(float *S, const float *q, const float *k
 }
 
 void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias,
-                     const float *A_log, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
-                     int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
+                     const float *A_log, float beta_scale, float *delta_state, const float *norm_w, float eps, float *qkv,
+                     float *out, int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -173,7 +174,7 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
             const int64_t bi = bh / HV, h = bh % HV, kh = h / per_key;
             const float *row = qkv + bi * Cd, *p = proj + bi * row_len;
             float decay, beta;
-            head_gates(p, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+            head_gates(p, Cd, HV, DV, h, dt_bias, A_log, beta_scale, &decay, &beta);
             float *o = out + bh * DV;
             delta_head_walk(delta_state + bh * DK * DV, row + kh * DK, row + HK * DK + kh * DK,
                             row + 2 * HK * DK + h * DV, decay, beta, o, DK, DV,
@@ -188,7 +189,7 @@ void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, 
  * [l, b, Cd] scratch. Each (row, value head) walks its l tokens on a copy of its state in cache: the state is read
  * once instead of saved, updated l times and restored. Outputs are bit for bit those of l decode steps. */
 void gdn_verify(const float *proj, const float *conv_state, const float *conv_w, const float *dt_bias,
-                const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
+                const float *A_log, float beta_scale, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                 int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
 #pragma omp parallel num_threads(num_threads)
@@ -206,7 +207,7 @@ void gdn_verify(const float *proj, const float *conv_state, const float *conv_w,
                 const int64_t r = t * b + bi;
                 const float *row = qkv + r * Cd, *p = proj + r * row_len;
                 float decay, beta;
-                head_gates(p, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+                head_gates(p, Cd, HV, DV, h, dt_bias, A_log, beta_scale, &decay, &beta);
                 float *o = out + (r * HV + h) * DV;
                 delta_head_walk(state, row + kh * DK, row + HK * DK + kh * DK, row + 2 * HK * DK + h * DV, decay,
                                 beta, o, DK, DV, NULL);
@@ -221,7 +222,7 @@ void gdn_verify(const float *proj, const float *conv_state, const float *conv_w,
  * tokens of proj [l, b, ·] — the states accepted[r] decode steps would leave, bit for bit. qkv [l, b, Cd] is
  * scratch. */
 void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias, const float *A_log,
-              float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
+              float beta_scale, float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
               int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
 #pragma omp parallel num_threads(num_threads)
@@ -238,7 +239,7 @@ void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const f
                 const int64_t r = t * b + bi;
                 const float *row = qkv + r * Cd;
                 float decay, beta;
-                head_gates(proj + r * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+                head_gates(proj + r * row_len, Cd, HV, DV, h, dt_bias, A_log, beta_scale, &decay, &beta);
                 delta_head_walk(delta_state + bh * DK * DV, row + kh * DK, row + HK * DK + kh * DK,
                                 row + 2 * HK * DK + h * DV, decay, beta, o, DK, DV, NULL);
             }
@@ -255,7 +256,8 @@ void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const f
  * gate_row + t · row_len, and writes its output columns at o + t · o_stride. */
 static void delta_block_prompt(float *S, const float *q_k, const float *v, int64_t Cd, int64_t HK, int64_t DK,
                                const float *gate_row, int64_t row_len, int64_t HV, int64_t DV, int64_t h,
-                               const float *dt_bias, const float *A_log, float *o, int64_t o_stride, int64_t n) {
+                               const float *dt_bias, const float *A_log, float beta_scale, float *o,
+                               int64_t o_stride, int64_t n) {
     vf predicted[PREFILL_VECTORS] = {0};
     if (n > 0)
         for (int64_t i = 0; i < DK; ++i) { /* the first token's Sᵀk */
@@ -270,7 +272,7 @@ static void delta_block_prompt(float *S, const float *q_k, const float *v, int64
         /* after the last token `next` is not used: its k stands in for the missing next one */
         const float *q = q_k + t * Cd, *k = q + HK * DK, *k_next = t + 1 < n ? k + Cd : k;
         float decay, beta;
-        head_gates(gate_row + t * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+        head_gates(gate_row + t * row_len, Cd, HV, DV, h, dt_bias, A_log, beta_scale, &decay, &beta);
         vf delta[PREFILL_VECTORS], acc[PREFILL_VECTORS] = {0}, next[PREFILL_VECTORS] = {0};
         for (int u = 0; u < PREFILL_VECTORS; ++u) {
             vf value;
@@ -300,7 +302,7 @@ static void delta_block_prompt(float *S, const float *q_k, const float *v, int64
  * token, walked per (row, value head, block of PREFILL_COLUMNS state columns) so that block stays in cache for the
  * whole prompt: no chunked-scan passes. */
 void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *dt_bias,
-                 const float *A_log, const float *norm_w, float eps, const float *initial_conv,
+                 const float *A_log, float beta_scale, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads) {
     const int64_t Cd = 2 * HK * DK + HV * DV, row_len = Cd + HV * DV + 2 * HV, per_key = HV / HK;
@@ -358,7 +360,7 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
             if (S == block) {
                 const float *first = qkv + bi * l * Cd;
                 delta_block_prompt(S, first + kh * DK, first + 2 * HK * DK + h * DV + j0, Cd, HK, DK,
-                                   proj + bi * l * row_len, row_len, HV, DV, h, dt_bias, A_log,
+                                   proj + bi * l * row_len, row_len, HV, DV, h, dt_bias, A_log, beta_scale,
                                    out + bi * l * HV * DV + h * DV + j0, HV * DV, n);
             }
             for (int64_t t = S == block ? n : 0; t < l; ++t) {
@@ -369,7 +371,7 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
                 }
                 const float *row = qkv + (bi * l + t) * Cd;
                 float decay, beta;
-                head_gates(proj + (bi * l + t) * row_len, Cd, HV, DV, h, dt_bias, A_log, &decay, &beta);
+                head_gates(proj + (bi * l + t) * row_len, Cd, HV, DV, h, dt_bias, A_log, beta_scale, &decay, &beta);
                 const float *q = row + kh * DK, *k = row + HK * DK + kh * DK, *v = row + 2 * HK * DK + h * DV + j0;
                 delta_head_step(S, stride, q, k, v, decay, beta, o, delta, DK, NC);
             }

@@ -45,16 +45,16 @@ void mamba2_keep(const float *proj, float *conv_state, const float *conv_w, cons
                  float *ssm_state, float *xbc, const int64_t *accepted, int64_t b, int64_t l, int64_t H, int64_t P,
                  int64_t G, int64_t N, int64_t W, int num_threads);
 void gdn_decode_step(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias,
-                     const float *A_log, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
+                     const float *A_log, float beta_scale, float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                      int64_t b, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
 void gdn_verify(const float *proj, const float *conv_state, const float *conv_w, const float *dt_bias,
-                const float *A_log, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
+                const float *A_log, float beta_scale, const float *delta_state, const float *norm_w, float eps, float *qkv, float *out,
                 int64_t b, int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
 void gdn_keep(const float *proj, float *conv_state, const float *conv_w, const float *dt_bias, const float *A_log,
-              float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
+              float beta_scale, float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l, int64_t HK, int64_t HV,
               int64_t DK, int64_t DV, int64_t W, int num_threads);
 void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *dt_bias,
-                 const float *A_log, const float *norm_w, float eps, const float *initial_conv,
+                 const float *A_log, float beta_scale, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
 void kda_decode_step(const float *proj, const float *f, const float *gate, float *conv_state, const float *conv_w,
@@ -77,6 +77,39 @@ void mla_attention(const float *q, const float *kv, const float *norm_w, float e
 void kda_plan_step(const int64_t *a, const double *f, int verify, int num_threads);
 int64_t kda_plan_shift(const int64_t *a, const int64_t *accepted, int num_threads);
 int64_t mla_plan_step(const int64_t *a, const double *f, int num_threads);
+void mamba1_conv(const float *proj, float *conv_state, const float *conv_w, const float *conv_b, float *xc, int64_t b,
+                 int64_t l, int64_t I, int64_t W, int64_t advance, int num_threads);
+void mamba1_norms(float *xdbc, const float *dt_w, const float *b_w, const float *c_w, float eps, float *dt_in,
+                  int64_t rows, int64_t R, int64_t N, int num_threads);
+void mamba1_ssm(const float *proj, const float *xc, const float *xdbc, const float *dt_raw, const float *A,
+                const float *D, float *ssm_state, float *y, int64_t b, int64_t l, int64_t I, int64_t R, int64_t N,
+                int64_t in_place, int num_threads);
+void mamba1_keep(const float *proj, float *conv_state, const float *conv_w, const float *conv_b, const float *xdbc,
+                 const float *dt_raw, const float *A, float *ssm_state, float *xc, const int64_t *accepted, int64_t b,
+                 int64_t l, int64_t I, int64_t R, int64_t N, int64_t W, int num_threads);
+void mamba1_prefill_conv(const float *proj, const int64_t *num_tokens, const float *conv_w, const float *conv_b,
+                         const float *initial_conv, float *conv_state, float *xc, int64_t b, int64_t l, int64_t I,
+                         int64_t W, int num_threads);
+void mamba1_prefill_scan(const float *proj, const int64_t *num_tokens, const float *xc, const float *xdbc,
+                         const float *dt_raw, const float *A, const float *D, const float *initial_ssm,
+                         float *ssm_state, float *dt_out, float *y, int64_t b, int64_t l, int64_t I, int64_t R,
+                         int64_t N, int num_threads);
+void mamba1_state_after(const float *x, const float *dt, const float *B, const float *A, float *ssm_state,
+                        const int64_t *num_tokens, int64_t b, int64_t l, int64_t I, int64_t N, int num_threads);
+void short_conv_step(const float *proj, float *window, const float *conv_w, const float *conv_b, float *u,
+                     float *out, int64_t b, int64_t d, int64_t W, int num_threads);
+void short_conv_verify(const float *proj, const float *window, const float *conv_w, const float *conv_b, float *u,
+                       float *out, int64_t b, int64_t l, int64_t d, int64_t W, int num_threads);
+void short_conv_keep(const float *proj, float *window, const float *conv_w, const float *conv_b, float *u,
+                     const int64_t *accepted, int64_t b, int64_t l, int64_t d, int64_t W, int num_threads);
+void short_conv_prefill(const float *proj, const int64_t *num_tokens, const float *conv_wt, const float *conv_b,
+                        const float *initial, float *u, float *out, float *window, int64_t b, int64_t l, int64_t d,
+                        int64_t W, int num_threads);
+void attention_verify_window(const float *q, const float *k_new, const float *v_new, float *key_cache,
+                             float *value_cache, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
+                             int64_t cache_tokens, const int64_t *slot_ids, const int64_t *positions, float scale,
+                             float *out, int64_t b, int64_t l, int64_t H, int64_t KV, int64_t d, int64_t window,
+                             int num_threads);
 void attention_decode(const float *q, const float *k_new, const float *v_new, float *key_cache, float *value_cache,
                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t cache_tokens,
                       const int64_t *slot_ids, const int64_t *positions, float scale, float *out, int64_t b,
@@ -99,5 +132,7 @@ void moe_combine(const float *routed, const float *shared, const float *gate, fl
 int64_t linear_panel_width(void);
 const char *kernel_isa(void);
 void flush_denormals_on_threads(int num_threads);
+void gelu_mul(const float *h, float *out, int64_t rows, int64_t n, int num_threads);
+void add_rows(const float *x, const float *y, float *out, int64_t n, int num_threads);
 
 #endif

@@ -1,8 +1,9 @@
 """Gated DeltaNet decode step and post-verification state shift in Triton (NOTES.md §8).
 
 Step, per row: conv step (SiLU, no bias) over q, k, v → per (value head, block of d_v columns): l2norm q and k of
-key head j // r, q · d_k^-0.5, g = −exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b), then S ← S·exp(g);
-S += k ⊗ beta·(v − Sᵀk); o = Sᵀq (in place, float32; the d_v columns of S are independent) → per-head gated norm.
+key head j // r, q · d_k^-0.5, g = −exp(A_log) · softplus(a + dt_bias), beta = beta_scale · sigmoid(b) (OLMo-Hybrid's
+2, else 1), then S ← S·exp(g); S += k ⊗ beta·(v − Sᵀk); o = Sᵀq (in place, float32; the d_v columns of S are
+independent) → per-head gated norm.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _delta_step_kernel(
     num_value_heads,
     repeats,
     scale,
+    beta_scale,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,7 +66,7 @@ def _delta_step_kernel(
     k = _l2norm(tl.load(qkv + key_dim + key_head * DK + kk, mask=mask_k, other=0.0).to(tl.float32))
     v = tl.load(qkv + 2 * key_dim + head * DV + vv, mask=mask_v, other=0.0).to(tl.float32)
     gates = proj_ptr + row * proj_stride + gates_offset
-    beta = tl.sigmoid(tl.load(gates + head).to(tl.float32))
+    beta = tl.sigmoid(tl.load(gates + head).to(tl.float32)) * beta_scale
     a = tl.load(gates + num_value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
     g = -tl.exp(tl.load(A_log_ptr + head)) * _softplus(a)
     tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
@@ -84,10 +86,12 @@ def gdn_decode_step(
     norm_weight: torch.Tensor,
     eps: float,
     num_key_heads: int,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """One token per row: proj [b, conv_dim + value_dim + 2·h_v] (in_proj output, `[q | k | v | z | b | a]`) → the
-    out_proj input [b, value_dim] in proj's dtype. conv_state [b, conv_dim, W-1] and state [b, h_v, d_k, d_v]
-    (float32, unit stride along d_v) are updated in place — what `GatedDeltaNetMixer`'s in-place decode computes."""
+    out_proj input [b, value_dim] in proj's dtype; beta = beta_scale · sigmoid(b) (OLMo-Hybrid: 2). conv_state
+    [b, conv_dim, W-1] and state [b, h_v, d_k, d_v] (float32, unit stride along d_v) are updated in place — what
+    `GatedDeltaNetMixer`'s in-place decode computes."""
     b, num_value_heads, key_head_dim, value_head_dim = state.shape
     conv_dim, value_dim = conv_weight.shape[0], num_value_heads * value_head_dim
     key_dim = num_key_heads * key_head_dim
@@ -111,6 +115,7 @@ def gdn_decode_step(
         num_value_heads,
         num_value_heads // num_key_heads,
         key_head_dim**-0.5,
+        beta_scale,
         DK=key_head_dim,
         DV=value_head_dim,
         BLOCK_K=triton.next_power_of_2(key_head_dim),

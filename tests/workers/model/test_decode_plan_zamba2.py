@@ -1,0 +1,244 @@
+"""Zamba2's shared transformer blocks in a decode plan: steps, verification and keep equal the native module path
+bit for bit (both layouts, and the checkpoint layout with a copy of the shared weights under every use); forced
+acceptance patterns leave every slot as a fresh prefill of its kept tokens; greedy generation and greedy speculation
+(n-gram, draft, hybrid draft) through plans equal plain greedy decoding. Transformers checks the outputs themselves
+in test_family_zamba2.py, whose runners use the plan."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.tiny_models import engine_config
+from tests.workers.model.test_decode_plan import _clone, _random_pool
+from tests.workers.model.test_decode_plan_gdn import _module_step
+from tests.workers.spec_decode.test_state_shifting import (
+    PARAMS,
+    ScriptedProposer,
+    _assert_slot_matches,
+    _prompts,
+    _requests,
+)
+from tests.zamba2_models import build_zamba2, copy_shared_weights_to_every_use
+from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers.model import load_checkpoint
+from workers.model.checkpoint.config import SHARED_ATTENTION
+from workers.model.kernels import native
+from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
+from workers.model.steps.plan_records import Op
+from workers.scheduler import Scheduler
+
+LAYOUTS = ["zamba2_abab", "zamba2_lora", "zamba2_lora_copies"]
+PROMPTS = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]  # 4 prompts, 3 slots
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """layout → checkpoint directory; "zamba2_lora_copies" stores the shared weights under every use."""
+    built = {name: build_zamba2(name, tmp_path_factory.mktemp(name)) for name in LAYOUTS[:2]}
+    copies = shutil.copytree(built["zamba2_lora"], tmp_path_factory.mktemp("copies") / "zamba2_lora_copies")
+    copy_shared_weights_to_every_use(copies / "model.safetensors")
+    return {**built, "zamba2_lora_copies": copies}
+
+
+def _uses(model) -> list:
+    return [block.mixer for block in model.blocks if block.kind == SHARED_ATTENTION]
+
+
+def _gelu_mul(lib, h: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) · up for h [rows, 2n] through the library `lib` (one instruction-set variant's build)."""
+    rows, n = h.shape[0], h.shape[1] // 2
+    out = torch.empty(rows, n)
+    lib.gelu_mul(h.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return out
+
+
+@pytest.mark.parametrize("isa", native.cpu_isas() if native.available() else [])
+def test_native_gelu_mul_is_the_erf_gelu_and_independent_of_the_row_count(isa):
+    """gelu(gate) · up against torch's erf-form F.gelu and a float64 reference, into both tails, on every
+    instruction-set variant this CPU runs; a row's result does not depend on how many rows a call has (a plan's
+    verification runs more rows than a module step)."""
+    lib = native.load(isa)
+    g = torch.Generator().manual_seed(0)
+    for rows, n in [(1, 64), (3, 37), (200, 512)]:  # widths off every vector width; the last on the thread pool
+        fused = torch.randn(rows, 2 * n, generator=g) * 6
+        gate, up = fused.chunk(2, dim=-1)
+        got = _gelu_mul(lib, fused)
+        reference = F.gelu(gate) * up
+        torch.testing.assert_close(got, reference)
+        exact = F.gelu(gate.double()) * up.double()  # about as far from it as torch's own float32 result
+        assert (got.double() - exact).abs().max() <= 1.5 * (reference.double() - exact).abs().max()
+        assert torch.equal(torch.cat([_gelu_mul(lib, row[None]) for row in fused]), got)
+    x = torch.linspace(-20, 20, 40001)  # the whole curve: both tails, erfc past float32's range, every lane
+    got, exact = _gelu_mul(lib, torch.cat([x, torch.ones_like(x)])[None])[0], F.gelu(x.double())
+    assert (got.double() - exact).abs().max() <= (F.gelu(x).double() - exact).abs().max()
+    assert torch.equal(got[x < -14], torch.zeros_like(got[x < -14]))  # -0.0 == 0.0: gelu underflows to zero
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_use_records_the_shared_blocks_packed_panels(paths, name):
+    """The linears of uses of one shared block are one packed module, and the records of every use point at it:
+    as many distinct q_proj / down_proj panels among the records as there are shared blocks."""
+    model = load_checkpoint(str(paths[name])).model
+    assert unsupported_reason(model) is None
+    uses, num_blocks = _uses(model), model.config.shared_block.num_blocks
+    assert uses[0].attention.q_proj.base is uses[2].attention.q_proj.base is not uses[1].attention.q_proj.base
+    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    records = plan.records(2, 1)
+    panels = {int(r[2]) for r in records if int(r[0]) == Op.LINEAR}  # word 2: a LINEAR record's weight panels
+    for shared in ("q_proj", "k_proj", "v_proj", "gate_up_proj"):
+        bases = [getattr(use.attention if shared != "gate_up_proj" else use, shared).base for use in uses]
+        assert len({base.panels.data_ptr() for base in bases}) == num_blocks
+        assert {base.panels.data_ptr() for base in bases} <= panels
+    assert {use.down_proj.panels.data_ptr() for use in uses} <= panels
+    assert len({use.down_proj.panels.data_ptr() for use in uses}) == num_blocks
+    assert {use.linear.panels.data_ptr() for use in uses} <= panels  # each use's own projection
+    assert int(records[:, 0].eq(Op.GELU_MUL).sum()) == len(uses)
+
+
+def test_shared_blocks_outside_the_native_kernels_say_why_and_bad_input_is_refused(paths):
+    path = str(paths["zamba2_lora"])
+    torch_steps = load_checkpoint(path, decode_kernel="torch").model
+    assert unsupported_reason(torch_steps) == "Zamba2's shared blocks do not run through the native kernels"
+    torch_linears = load_checkpoint(path, linear_backend="torch").model
+    assert unsupported_reason(torch_linears) == "a Zamba2 shared block has linears outside the native kernel"
+    model = load_checkpoint(path).model
+    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    with pytest.raises(ValueError, match="position outside the KV cache"):  # refused by the first use's attention
+        plan.run([1, 2], [3, 8])
+    with pytest.raises(ValueError, match=r"token id outside \[0, "):
+        plan.run([model.config.vocab_size], [0])
+    model.config = replace(model.config, residual_multiplier=0.5)
+    assert "residual multiplier" in unsupported_reason(model)
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        *((name, {}) for name in LAYOUTS),
+        ("zamba2_lora", {"quantization": "int8"}),
+        ("zamba2_abab", {"dtype": "bfloat16"}),
+    ],
+)  # int8 and bfloat16 panels: every shared linear and adapter records the kernel its module calls
+def test_plan_steps_equal_the_module_path_bit_for_bit(paths, name, options):
+    model = load_checkpoint(str(paths[name]), **options).model
+    assert unsupported_reason(model) is None
+    reference = _random_pool(model, slots=4, capacity=24, seed=0)
+    reference.ssm.mul_(0.3)
+    planned = _clone(reference)
+    plan = DecodePlan(model, planned)
+    g = torch.Generator().manual_seed(1)
+    # Batch sizes change between steps (requests finish); rows sit at unrelated positions; slots are reused.
+    for step, b in enumerate([3, 3, 4, 2, 1, 4, 4]):
+        token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
+        positions = torch.randint(0, 24, (b,), generator=g).tolist()
+        positions[0] = min(step + 17, 23)  # past the first KV block of 16 positions
+        expected, hidden = _module_step(model, reference, token_ids, positions)
+        assert torch.equal(plan.run(token_ids, positions), expected), f"logits of step {step}"
+        assert torch.equal(plan.last_hidden()[:, 0], hidden), f"final hidden states of step {step}"
+        for buffer in ("conv", "ssm", "key", "value"):  # every use's own KV layer included
+            assert torch.equal(getattr(planned, buffer), getattr(reference, buffer)), f"{buffer} after step {step}"
+
+
+@pytest.mark.parametrize("accepted", [[1, 1, 1], [4, 4, 4], [2, 4, 1]], ids=["none", "all", "mixed"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_verification_and_keep_leave_the_states_of_plain_module_steps(paths, name, accepted):
+    """num_accepted_tokens per row: 1 (every draft rejected), 4 (all three accepted), or a mix across rows."""
+    model = load_checkpoint(str(paths[name])).model
+    stepped = _random_pool(model, slots=3, capacity=16, seed=2)
+    stepped.ssm.mul_(0.3)
+    verified = _clone(stepped)
+    plan = DecodePlan(model, verified, tokens_per_row=4)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()  # [x_last, d_1, d_2, d_3]
+    positions = [5, 0, 11]
+    steps, snapshots = [], [(stepped.conv.clone(), stepped.ssm.clone())]
+    for t in range(4):
+        steps.append(_module_step(model, stepped, [row[t] for row in tokens], [p + t for p in positions]))
+        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
+    logits = plan.verify(tokens, positions)
+    for t, (step_logits, step_hidden) in enumerate(steps):
+        assert torch.equal(logits[:, t], step_logits), f"logits of token {t}"
+        assert torch.equal(plan.last_hidden()[:, t], step_hidden), f"final hidden states of token {t}"
+    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
+    assert torch.equal(verified.conv, snapshots[0][0]) and torch.equal(verified.ssm, snapshots[0][1])
+    plan.keep(accepted)
+    for row, n in enumerate(accepted):  # the state after input n − 1: the snapshot after n plain steps
+        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
+        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+
+
+def test_sixteen_ragged_rows_verify_and_keep_each_its_own_count(paths):
+    """16 rows of 5 tokens from unrelated positions (crossing KV blocks), every count 1 … 5 among them."""
+    model = load_checkpoint(str(paths["zamba2_lora"])).model
+    stepped = _random_pool(model, slots=16, capacity=24, seed=4)
+    stepped.ssm.mul_(0.3)
+    verified = _clone(stepped)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, verified, tokens_per_row=5)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
+    positions = torch.randint(0, 18, (16,), generator=g).tolist()
+    snapshots, step_logits = [(stepped.conv.clone(), stepped.ssm.clone())], []
+    for t in range(5):
+        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
+        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
+    logits = verify_plan.verify(tokens, positions)
+    for t in range(5):
+        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
+    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
+    accepted = [1 + i % 5 for i in range(16)]
+    verify_plan.keep(accepted)
+    for row, n in enumerate(accepted):
+        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
+        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+
+
+@pytest.mark.parametrize("name", LAYOUTS[:2])
+def test_forced_acceptance_patterns_through_the_plan_keep_prefill_states(paths, name):
+    """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
+    the plan: after every step each slot holds the recurrent states and every use's KV entries of a fresh prefill
+    of its kept tokens, and the output is plain greedy decoding's."""
+    runner = ModelRunner.from_pretrained(str(paths[name]), max_num_seqs=4, decode_plan=False)
+    prompts = _prompts()
+    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
+    proposer = ScriptedProposer(reference, runner.config.vocab_size)
+    scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)
+    assert isinstance(scheduler.plan, DecodePlan)
+    while scheduler.has_work():
+        scheduler.step()
+        for request in scheduler.running:  # the slot covers every token but the newest
+            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1])
+    assert all(accepted == expected for accepted, expected in proposer.seen)
+    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
+    assert {r.index: r.output for r in scheduler.finished} == reference
+
+
+@pytest.mark.parametrize("name", LAYOUTS[:2])
+def test_greedy_generation_and_speculation_through_plans_equal_plain(paths, checkpoint_dir, name):
+    """Plain, n-gram, draft (the other Zamba2 layout, itself planned) and hybrid draft (a Bamba model)."""
+    path = str(paths[name])
+    expected = [
+        r.token_ids
+        for r in ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False).generate(PROMPTS, GREEDY)
+    ]
+    plain = ModelRunner.from_pretrained(path, max_num_seqs=3)
+    assert [r.token_ids for r in plain.generate(PROMPTS, GREEDY)] == expected
+    assert isinstance(plain._scheduler.workspace.plan, DecodePlan)
+    other = "zamba2_lora" if name == "zamba2_abab" else "zamba2_abab"
+    methods = [
+        SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2, policy="fixed"),
+        SpeculativeConfig("draft", 3, draft_model=str(paths[other]), policy="fixed"),
+        SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir("draft_hybrid")), policy="fixed"),
+    ]
+    for speculative in methods:
+        spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=speculative)
+        for _ in range(2):  # the second call reuses the first one's slots and plan
+            assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected, speculative.method
+        plan = spec._scheduler.workspace.plan
+        assert isinstance(plan, DecodePlan) and plan.tokens_per_row == 4
+        assert spec.spec_stats()["num_draft_tokens"] > 0

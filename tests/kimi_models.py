@@ -5,6 +5,10 @@ which every family-wide test runs).
 [3]), a dense first layer then MoE layers with one shared expert and grouped sigmoid routing (2 groups, best 1).
 `kimi_linear_qlora`: MLA first and last, with a low-rank query (`q_lora_rank`), and MoE from layer 2 on.
 `kimi_linear_dense`: one KDA and one MLA layer with dense MLPs only.
+`kimi_linear_odd`: odd shapes — KDA head_dim 12 (not a multiple of 16) over 3 heads, a 5-wide conv; MLA with
+3 heads, no rope part (qk_rope_head_dim 0), odd latent and head widths, a low-rank query.
+`kimi_linear_wide`: KDA head_dim 80 (a full 64-column block of the native kernels plus a partial one), MLA latent
+72 + rope 16 (the hub checkpoint's 512 + 64 in small), dense MLPs.
 """
 
 from __future__ import annotations
@@ -52,6 +56,17 @@ KIMI_FAMILIES = {
     "kimi_linear_dense": lambda: KimiLinearForCausalLM(KimiLinearConfig(
         **_KIMI, q_lora_rank=None, num_hidden_layers=2, mlp_layer_types=["dense", "dense"],
         linear_attn_config=dict(**_LINEAR, kda_layers=[1], full_attn_layers=[2]))),
+    "kimi_linear_odd": lambda: KimiLinearForCausalLM(KimiLinearConfig(
+        **{**_KIMI, "num_attention_heads": 3, "num_key_value_heads": 3, "kv_lora_rank": 19, "qk_rope_head_dim": 0,
+           "qk_nope_head_dim": 10, "v_head_dim": 7},
+        q_lora_rank=11, num_hidden_layers=3, mlp_layer_types=["dense"] * 3,
+        linear_attn_config=dict(head_dim=12, num_heads=3, short_conv_kernel_size=5, kda_layers=[1, 3],
+                                full_attn_layers=[2]))),
+    "kimi_linear_wide": lambda: KimiLinearForCausalLM(KimiLinearConfig(
+        **{**_KIMI, "kv_lora_rank": 72, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32},
+        q_lora_rank=None, num_hidden_layers=2, mlp_layer_types=["dense"] * 2,
+        linear_attn_config=dict(head_dim=80, num_heads=2, short_conv_kernel_size=4, kda_layers=[1],
+                                full_attn_layers=[2]))),
 }  # fmt: skip
 
 

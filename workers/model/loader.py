@@ -24,6 +24,7 @@ from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import check_quantization, prepare_linears
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
 from workers.model.layers.shared_block import SharedBlockUse
@@ -227,11 +228,12 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
 
     "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
     at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
-    Mamba2 and Gated DeltaNet steps, the attention decode step and the per-token elementwise work around them
-    (RMSNorm fused with the residual add, the MLP's silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused
-    Triton kernels of `workers/model/kernels/triton_kernels` for the Mamba2, Gated DeltaNet, Mamba1, Kimi Delta
-    Attention and short conv decode steps and their state shifts after verification (CUDA; CPU only under
-    TRITON_INTERPRET=1). "auto": native where it applies and builds, triton on CUDA where triton imports, else torch.
+    Mamba2, Gated DeltaNet and Kimi Delta Attention steps (KDA prompts too), the attention and latent attention
+    decode steps and the per-token elementwise work around them (RMSNorm fused with the residual add, the MLP's
+    silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused Triton kernels of
+    `workers/model/kernels/triton_kernels` for the Mamba2, Gated DeltaNet, Mamba1, Kimi Delta Attention and short conv
+    decode steps and their state shifts after verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native
+    where it applies and builds, triton on CUDA where triton imports, else torch.
     """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
@@ -256,11 +258,13 @@ def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.dev
             module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
         elif isinstance(module, GatedDeltaNetMixer):
             module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
+        elif isinstance(module, KimiDeltaAttentionMixer):  # native (C, CPU float32), triton (below) or torch
+            module.decode_kernel = "native" if kernel == "native" else "torch"
         elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32), triton (below) or the torch reference
             module.decode_kernel = "native" if kernel == "native" else "torch"
         elif isinstance(module, ShortConvMixer):
             module.decode_kernel = "native" if kernel == "native" else "torch"  # "triton": set below
-        elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse)):
+        elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse, MultiHeadLatentAttention)):
             module.native = kernel == "native"  # the per-token elementwise work goes native along with it
         if kernel == "triton" and isinstance(module, TRITON_STEP_MIXERS):
             module.decode_kernel = "triton"  # their one-token steps and state shifts (kernels/triton_kernels)

@@ -158,6 +158,7 @@ KERNEL_TEST_FILES = [
     "test_w8a8.py",
     "test_gdn_native.py",
     "test_gdn_prefill_native.py",
+    "test_kimi_native.py",
     "test_decode_plan.py",
 ]
 

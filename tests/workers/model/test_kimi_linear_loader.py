@@ -126,11 +126,13 @@ def test_config_with_an_unsupported_feature_fails_preflight(checkpoint, tmp_path
         check_model(str(path))
 
 
-def test_decode_plan_declines_with_a_reason(checkpoint):
+def test_decode_plan_covers_kimi_linear_where_the_native_kernels_run(checkpoint):
     reason = unsupported_reason(load_checkpoint(str(checkpoint)).model)
-    assert reason is not None
     if native.available():
-        assert "Kimi Delta Attention" in reason
+        assert reason is None  # KDA, latent attention and the MoE blocks all record native kernels
+    else:
+        assert "native kernels are off" in reason
+    assert "native kernels are off" in unsupported_reason(load_checkpoint(str(checkpoint), decode_kernel="torch").model)
 
 
 def test_bfloat16_weights_run_close_to_float32(checkpoint):

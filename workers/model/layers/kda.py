@@ -6,23 +6,44 @@ gated RMSNorm (weight · rmsnorm(o) · sigmoid(g_b(g_a(x)))) → o_proj.
 Our `in_proj` holds every projection of the input as one matrix with rows `[q | k | v | f_a | g_a | b]` and
 `conv1d` the three short convs stacked `[q | k | v]` (the loader concatenates them). State comes in as a
 `RecurrentState` (conv window [3·h·d, W-1], delta-rule state [h, d, d]) and the new one is returned.
+With `decode_kernel == "native"` (CPU float32, set at load) decode steps and prompts run everything between the
+projections and o_proj in C (`kernels/native_kimi.py` over `csrc/kda_decode.c`); f_b_proj and g_b_proj stay linears
+on in_proj's f_a / g_a parts, as the decode plan records them. Other kernels (Triton) would dispatch beside it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.kernels import native_kimi
 from workers.model.kernels.gated_delta import l2norm
 from workers.model.kernels.kimi_delta import chunked_kda, kda_scan, kda_state_after, kda_step_
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
 from workers.model.state import DeltaScanInputs, RecurrentState
 
 # Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
-# rule runs token by token; longer inputs (prompts) take the chunked form.
+# rule runs token by token; longer inputs (prompts) take the chunked form, or with the native kernel the native
+# prefill (csrc/kda_decode.c: conv to gated norm token by token in C) at any length from the zero state.
 RECURRENT_MAX_TOKENS = 8
+
+
+def _contiguous(state: RecurrentState) -> bool:
+    return state.conv.is_contiguous() and state.ssm.is_contiguous()
+
+
+@dataclass
+class KdaKeptInputs:
+    """What a native verification keeps for `state_after`: the kernels' inputs (a keep re-runs the accepted tokens
+    from them with the decode step's arithmetic), batch-major like every scan input (a graph plan stores them by
+    row): views of the token-major buffers the kernels wrote."""
+
+    proj: torch.Tensor  # [b, l, 3·h·d + 2·d + h] in_proj output
+    f: torch.Tensor  # [b, l, h·d] f_b_proj(f_a)
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -58,7 +79,8 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(k.num_heads))
         self.o_norm = SigmoidGatedRMSNorm(d, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
-        self.decode_kernel = "torch"  # one-token steps and state shifts: "torch" or "triton" (set at load)
+        # One-token steps and state shifts: "native" (C, CPU float32; prompts too), "triton" or "torch" (set at load).
+        self.decode_kernel = "torch"
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""
@@ -81,14 +103,23 @@ class KimiDeltaAttentionMixer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
-    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs]:
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | KdaKeptInputs | None]:
         """hidden [b, l, hidden] → (out [b, l, hidden], state after each row's last valid token, the scan's inputs).
 
         `state` None: every row starts its sequence here (zero state). `in_place` (with a state, one token per
-        row): write the new state into `state`'s tensors and return them (the decode loop's pool views).
+        row): write the new state into `state`'s tensors and return them (the decode loop's pool views). The native
+        kernels return no scan inputs for an in-place step or a prompt from the zero state (nothing shifts a state it
+        did not start from).
         """
         k = self.config
         b, length, _ = hidden.shape
+        if self.decode_kernel == "native":
+            if in_place and length == 1 and state is not None and _contiguous(state):
+                return self._native_decode(hidden, state), state, None
+            if state is None or length > RECURRENT_MAX_TOKENS:
+                return self._native_prefill(hidden, num_tokens, state)
+            if _contiguous(state):
+                return self._native_verify(hidden, state, num_tokens)
         # 1. Projections.
         conv_in, f_low, g_low, b_raw = self.in_proj(hidden).split([k.conv_dim, k.head_dim, k.head_dim, k.num_heads], -1)
         in_place = in_place and state is not None and length == 1 and state.ssm.is_contiguous()
@@ -138,8 +169,83 @@ class KimiDeltaAttentionMixer(nn.Module):
         )
         return self.o_proj(y)[:, None]
 
+    def _native_projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj's output [..., 3·h·d + 2·d + h] (contiguous), and f = f_b_proj(f_a), gate = g_b_proj(g_a)
+        [..., h·d]: the kernels' inputs, as the decode plan records them."""
+        k = self.config
+        proj = self.in_proj(hidden).contiguous()
+        f_low, g_low = proj[..., k.conv_dim : k.conv_dim + 2 * k.head_dim].split(k.head_dim, dim=-1)
+        return proj, self.f_b_proj(f_low).contiguous(), self.g_b_proj(g_low).contiguous()
+
+    def _native_decode(self, hidden: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One token per row through `csrc/kda_decode.c`, updating `state` in place; hidden [b, 1, hidden]."""
+        proj, f, gate = self._native_projections(hidden[:, 0])
+        out = native_kimi.kda_decode_step(
+            proj,
+            f,
+            gate,
+            state.conv,
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            state.ssm,
+            self.o_norm.weight,
+            self.o_norm.eps,
+        )
+        return self.o_proj(out)[:, None]
+
+    def _native_verify(
+        self, hidden: torch.Tensor, state: RecurrentState, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, RecurrentState, KdaKeptInputs]:
+        """A few tokens per row from a kept state (verification, draft steps, a prompt's short last chunk) through
+        `csrc/kda_decode.c`: outputs bit for bit those of decode steps, `state` left as it was, the new state the
+        keep of each row's valid tokens. Returns what `forward` returns."""
+        proj, f, gate = self._native_projections(hidden.transpose(0, 1))  # token-major [l, b, ·]
+        weight = self.conv1d.weight.squeeze(1)
+        out = native_kimi.kda_verify(
+            proj, f, gate, state.conv, weight, self.dt_bias, self.A_log, state.ssm, self.o_norm.weight, self.o_norm.eps
+        )
+        kept = KdaKeptInputs(proj.transpose(0, 1), f.transpose(0, 1))
+        return self.o_proj(out).transpose(0, 1).contiguous(), self.state_after(state, kept, num_tokens), kept
+
+    def _native_prefill(
+        self, hidden: torch.Tensor, num_tokens: torch.Tensor, state: RecurrentState | None
+    ) -> tuple[torch.Tensor, RecurrentState, DeltaScanInputs | None]:
+        """Prompts (from the zero state: no scan inputs) or the next chunk of one (from `state`, with its scan
+        inputs, as every forward from a kept state returns them) through `csrc/kda_decode.c`. Returns what
+        `forward` returns."""
+        k = self.config
+        b, length, _ = hidden.shape
+        proj, f, gate = self._native_projections(hidden)
+        out, conv, delta_state, qkv = native_kimi.kda_prefill(
+            proj,
+            f,
+            gate,
+            num_tokens.contiguous(),
+            self.conv1d.weight.squeeze(1),
+            self.dt_bias,
+            self.A_log,
+            self.o_norm.weight,
+            self.o_norm.eps,
+            k.num_heads,
+            None if state is None else (state.conv, state.ssm),
+        )
+        out = self.o_proj(out)
+        if state is None:
+            return out, RecurrentState(conv, delta_state), None
+        key, v = (x.reshape(b, length, k.num_heads, k.head_dim) for x in qkv[..., k.qkv_dim :].split(k.qkv_dim, -1))
+        decay, beta = self._gates(
+            proj[..., k.conv_dim : k.conv_dim + k.head_dim], proj[..., -k.num_heads :], num_tokens
+        )
+        scan = DeltaScanInputs(proj[..., : k.conv_dim], key, v, decay, beta)
+        return out, RecurrentState(conv, delta_state), scan
+
     def state_after(
-        self, state: RecurrentState, scan: DeltaScanInputs, num_tokens: torch.Tensor, static_shapes: bool = False
+        self,
+        state: RecurrentState,
+        scan: DeltaScanInputs | KdaKeptInputs,
+        num_tokens: torch.Tensor,
+        static_shapes: bool = False,
     ) -> RecurrentState:
         """The state after each row's first `num_tokens` inputs of a forward that started from `state`: the conv
         window is a gather, the delta-rule state re-runs the accepted prefix (≤ k + 1 steps) from the step's start
@@ -150,6 +256,12 @@ class KimiDeltaAttentionMixer(nn.Module):
 
             new = RecurrentState(state.conv.clone(), state.ssm.clone())
             kda_shift_(new.conv, new.ssm, scan.conv_in, scan.k, scan.v, scan.g, scan.beta, num_tokens)
+            return new
+        if isinstance(scan, KdaKeptInputs):  # from a native verification: the keep kernel, from copies
+            new = RecurrentState(*(t.clone(memory_format=torch.contiguous_format) for t in (state.conv, state.ssm)))
+            weight = self.conv1d.weight.squeeze(1)
+            proj, f = (t.transpose(0, 1).contiguous() for t in (scan.proj, scan.f))  # token-major again (no copy)
+            native_kimi.kda_keep(proj, f, new.conv, weight, self.dt_bias, self.A_log, new.ssm, num_tokens)
             return new
         num_steps = scan.k.shape[1] if static_shapes else None
         return RecurrentState(

@@ -10,7 +10,9 @@ k_r = kv_a(x)[L:] — one cache "key" head `[c | k_r]` of width L + R and no val
 - expanded (prompts): up-project the span's latents to per-head keys and values once and attend as usual, cheaper
   when the queries are as many as the keys.
 Scores use scale (nope + rope)^-0.5 in both. Scores are computed for blocks of queries so that no [h, l, span]
-matrix exceeds `MAX_SCORES` entries.
+matrix exceeds `MAX_SCORES` entries. With `native` (CPU float32, set at load) a step of up to `NATIVE_MAX_TOKENS`
+query tokens per row — every row's tokens valid — runs the absorbed form in one C call (`csrc/mla_attention.c`: the latent norm, the cache
+write and the attention), the call the decode plan records; the einsum path stays the reference.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig, MlaConfig
+from workers.model.kernels import native, native_kimi
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
 
 LATENT_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm: transformers and the hub code leave them at the default
 ABSORB_MAX_TOKENS = 64  # query tokens per row up to which attention runs absorbed (see the module docstring)
 MAX_SCORES = 1 << 22  # entries of one block's score matrix [b, h, queries, span]
+# Query tokens per row up to which the native kernel runs a step (decode, verification, draft steps): it scores
+# each query against the cache with vector dot products, where a prompt's many queries are faster as the
+# matrix products of the einsum path.
+NATIVE_MAX_TOKENS = 16
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -47,12 +54,51 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b = nn.Parameter(torch.zeros(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank))
         self.o_proj = nn.Linear(h * m.v_head_dim, d, bias=m.bias)
         self.absorb_max_tokens = ABSORB_MAX_TOKENS
+        self.native = False  # decode and verification steps through the native kernel (set at load)
+
+    def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] → q [..., h · (nope + rope)]: q_proj, or q_a_proj → q_a_layernorm → q_b_proj."""
+        if self.config.q_lora_rank is None:
+            return self.q_proj(hidden)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+    def _native_fits(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> bool:
+        """Whether this forward runs through the native kernel: few query tokens, all valid, float32 on CPU."""
+        length = hidden.shape[1]
+        return (
+            self.native
+            and length <= min(NATIVE_MAX_TOKENS, self.absorb_max_tokens)
+            and native.fits(self.kv_b, cache.key)
+            and hidden.dtype == torch.float32
+            and bool((batch.num_tokens == length).all())
+        )
+
+    def _native_forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """`forward` through `csrc/mla_attention.c`, token-major as the decode plan runs it."""
+        m, b, length = self.config, hidden.shape[0], hidden.shape[1]
+        q = self._queries(hidden).view(b, length, m.num_heads, m.qk_head_dim).transpose(0, 1).contiguous()
+        kv = self.kv_a_proj_with_mqa(hidden).transpose(0, 1).contiguous()  # [l, b, L + R]
+        out = native_kimi.mla_attention(
+            q,
+            kv,
+            self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps,
+            cache.key,
+            cache.blocks.tables,
+            cache.blocks.block_size,
+            batch.slot_ids,
+            batch.cache_lens,
+            self.kv_b,
+            self.scale,
+            m.qk_rope_head_dim,
+        )
+        return self.o_proj(out.transpose(0, 1))
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [b, l, d] → (q [b, h, l, nope + rope], cache entries [b, l, L + R] = [rmsnorm(latent) | k_rope])."""
         m = self.config
         b, length, _ = hidden.shape
-        q = self.q_proj(hidden) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = self._queries(hidden)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         entries = torch.cat([self.kv_a_layernorm(latent.contiguous()), k_rope], dim=-1)
         return q.view(b, length, m.num_heads, m.qk_head_dim).transpose(1, 2), entries
@@ -89,6 +135,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """hidden [b, l, d] → [b, l, d]; writes the new tokens' latents into their slots."""
+        if self._native_fits(hidden, batch, cache):
+            return self._native_forward(hidden, batch, cache)
         length = hidden.shape[1]
         offsets = torch.arange(length, device=hidden.device)
         positions = batch.cache_lens[:, None] + offsets  # [b, l]

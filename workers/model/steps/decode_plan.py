@@ -14,7 +14,8 @@ Falcon-H1's parallel blocks record their Mamba2 branch and their attention branc
 MoE blocks record the calls `MoE.forward` makes on the native path (`feed_forward_records.py`), Zamba2's shared-block
 uses those of `SharedBlockUse.forward` (`shared_block_records.py`). LFM2 / LFM3's short convs, sandwich norms,
 per-head output gates and sliding windows, and OLMo-Hybrid's post-norm blocks (with their whole-width q/k norms and
-beta = 2·sigmoid(b) Gated DeltaNets) have theirs in `lfm_olmo_records.py`. Anything else
+beta = 2·sigmoid(b) Gated DeltaNets) have theirs in `lfm_olmo_records.py`, Kimi-Linear's Kimi Delta Attention and latent attention
+blocks in `kimi_records.py`. Anything else
 (other dtypes, the torch kernels) keeps the module path; `unsupported_reason` says why.
 """
 
@@ -45,6 +46,7 @@ from workers.model.layers.norm import PassThroughNorm
 from workers.model.state import StatePool
 from workers.model.steps.decode_records import DecodeRecords, branches, kept_width
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason
+from workers.model.steps.kimi_records import KimiScratch, kimi_unsupported_reason
 from workers.model.steps.lfm_olmo_records import HeadGateScratch, post_norm_unsupported_reason
 from workers.model.steps.mamba1_records import Mamba1Scratch
 from workers.model.steps.plan_records import RECORD_WORDS
@@ -76,7 +78,9 @@ def unsupported_reason(model: HybridModel) -> str | None:
     for block in model.blocks:
         mixer = block.mixer
         if block.kind == KDA or isinstance(mixer, MultiHeadLatentAttention):
-            return "Kimi Delta Attention and latent attention run module by module (no native step for them yet)"
+            if (reason := kimi_unsupported_reason(mixer)) is not None:
+                return reason
+            continue
         if block.kind == SHARED_ATTENTION:  # checked by shared_block_unsupported_reason
             continue
         if block.kind not in (MAMBA, GDN, MAMBA1, SHORT_CONV, ATTENTION, MLP, MOE, PARALLEL):
@@ -143,13 +147,14 @@ class DecodePlan(DecodeRecords):
         self.xbc = torch.empty(
             tokens, max((m.conv1d.weight.shape[0] for m in recurrent), default=1)
         )  # conv output (a short conv: its input)
-        # Verification keeps each recurrent layer's in_proj outputs (Mamba1: x_proj and dt_proj outputs too): `keep`
+        # Verification keeps each recurrent layer's in_proj outputs (Mamba1: x_proj and dt_proj outputs too; KDA: f): `keep`
         # advances the states by the accepted tokens from them.
         kept = pool.conv.shape[0] if tokens_per_row > 1 else 0
         self.kept_proj = torch.empty(kept, tokens * max((kept_width(m) for m in recurrent), default=0) if kept else 0)
         self.mamba1_scratch = Mamba1Scratch([m for m in recurrent if isinstance(m, Mamba1Mixer)], tokens)
         a = config.attention
-        attention = any(kind in ATTENTION_KINDS for kind in config.block_kinds)
+        # Latent attention (config.mla) projects into `kimi_scratch` instead.
+        attention = config.mla is None and any(kind in ATTENTION_KINDS for kind in config.block_kinds)
         kv_width = a.num_kv_heads * a.head_dim if attention else 1
         self.keys, self.values = torch.empty(tokens, kv_width), torch.empty(tokens, kv_width)
         gated = attention and a.output_gate  # q_proj rows [q_h | gate_h] are split into these two
@@ -162,6 +167,7 @@ class DecodePlan(DecodeRecords):
         self.shared_scratch = SharedBlockScratch(model, tokens)  # Zamba2's shared-block uses
         self.head_gates = HeadGateScratch(model, tokens)
         self.moe_scratch = MoeScratch([b.mixer for b in model.blocks if b.kind == MOE], tokens, d)
+        self.kimi_scratch = KimiScratch(model, tokens)
         self._records: dict[tuple[int, int], torch.Tensor] = {}
         self._shift_records: dict[tuple[int, int], torch.Tensor] = {}
         self._verified: tuple[int, int] | None = None  # (b, l) of the last verification, until `keep`

@@ -5,7 +5,8 @@ point into — `hidden`, `normed`, `mixed`, the `wide` / `narrow` scratch, the k
 them). Recurrent layers (Mamba2, Gated DeltaNet), attention, Falcon-H1's parallel blocks and the feed-forward blocks
 (`feed_forward_records.py`) each have their records here, Zamba2's shared-block uses in `shared_block_records.py`;
 the state shift after a verification too. LFM's short convs, head gates and norms after the mixer (LFM3's sandwich
-norms, OLMo's post-norm blocks) are in `lfm_olmo_records.py`, Jamba's Mamba1 mixers in `mamba1_records.py`.
+norms, OLMo's post-norm blocks) are in `lfm_olmo_records.py`, Jamba's Mamba1 mixers in `mamba1_records.py`,
+Kimi-Linear's Kimi Delta Attention and latent attention in `kimi_records.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from workers.model.checkpoint.config import (
     ATTENTION,
     GDN,
+    KDA,
     MAMBA,
     MAMBA1,
     MOE,
@@ -25,10 +27,13 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.layers.attention import Attention, inverse_frequencies
 from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.layers.mamba2 import Mamba2Mixer
+from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.short_conv import ShortConvMixer
 from workers.model.steps.feed_forward_records import record_mlp, record_moe
+from workers.model.steps.kimi_records import kda_kept_width, record_kda, record_kda_shift, record_mla
 from workers.model.steps.lfm_olmo_records import (
     record_first_norm,
     record_head_gate,
@@ -54,7 +59,9 @@ def branches(block: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.M
 
 def kept_width(mixer: torch.nn.Module) -> int:
     """Floats per token a verification keeps of a recurrent layer for the keep: its in_proj outputs (Mamba1: its
-    x_proj and dt_proj outputs too)."""
+    x_proj and dt_proj outputs too; KDA: f_b_proj's)."""
+    if isinstance(mixer, KimiDeltaAttentionMixer):
+        return kda_kept_width(mixer)
     return mamba1_kept_width(mixer) if isinstance(mixer, Mamba1Mixer) else mixer.in_proj.out_features
 
 
@@ -81,6 +88,11 @@ class DecodeRecords:
                 self._record_mamba(rec, block.mixer, recurrent_layer)
             elif block.kind == GDN:
                 self._record_gdn(rec, block.mixer, recurrent_layer)
+            elif block.kind == KDA:
+                record_kda(rec, self, block.mixer, recurrent_layer)
+            elif isinstance(block.mixer, MultiHeadLatentAttention):
+                record_mla(rec, self, block.mixer, attention_layer)
+                attention_layer += 1
             elif block.kind == MAMBA1:
                 record_mamba1(rec, block.mixer, recurrent_layer, self)
             elif block.kind == SHORT_CONV:
@@ -172,6 +184,9 @@ class DecodeRecords:
         rec = Recorder(b, length)
         mixers = [branches(block)[0] for block in self.model.blocks if block.kind in RECURRENT_KINDS]
         for layer, mixer in enumerate(mixers):
+            if isinstance(mixer, KimiDeltaAttentionMixer):
+                record_kda_shift(rec, self, mixer, layer)
+                continue
             if isinstance(mixer, Mamba1Mixer):
                 record_mamba1_shift(rec, mixer, layer, self)
                 continue

@@ -57,6 +57,10 @@ class Op(enum.IntEnum):
     SHORT_CONV_SHIFT = 72
     REPEAT_HEADS = 73  # LFM3's per-head output gate over each head's channels
     RESIDUAL_ADD = 77  # OLMo: the residual add before a post-norm block, copied into `normed` (no norm)
+    KDA = 57  # Kimi Delta Attention (kimi_records.py)
+    KDA_VERIFY = 58
+    KDA_SHIFT = 59
+    MLA = 64  # latent attention over the cached latent (kimi_records.py)
 
 
 NUM_INTS, NUM_FLOATS = 27, 4  # a record: code, 27 integers or pointers, 4 floats stored as doubles

@@ -58,6 +58,10 @@ enum {
     OP_SHORT_CONV_SHIFT = 72,
     OP_REPEAT_HEADS = 73, /* LFM3's per-head output gate, repeated over each head's channels */
     OP_RESIDUAL_ADD = 77, /* OLMo's residual add before a post-norm block (no norm after it) */
+    OP_KDA = 57, /* Kimi Delta Attention (kda_decode.c) */
+    OP_KDA_VERIFY = 58,
+    OP_KDA_SHIFT = 59,
+    OP_MLA = 64, /* latent attention (mla_attention.c) */
 };
 
 typedef struct {
@@ -265,6 +269,13 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_ATTENTION_PADDED: /* a: as OP_ATTENTION; rows at position -1 are padding */
             if (attention_padded(op, num_threads)) return i + 1;
             break;
+        case OP_KDA:
+        case OP_KDA_VERIFY: /* a, f: kda_plan_step's (kda_decode.c) */
+            kda_plan_step(op->a, op->f, op->code == OP_KDA_VERIFY, num_threads);
+            break;
+        case OP_MLA: /* a, f: mla_plan_step's (mla_attention.c); refuses a position without a block */
+            if (mla_plan_step(op->a, op->f, num_threads)) return i + 1;
+            break;
         case OP_MAMBA1_CONV: /* a: proj [l, b, 2I], conv windows, conv weight, conv bias, xc out, b, l, I, W, advance */
             mamba1_conv(F32(0), F32(1), F32(2), F32(3), F32(4), op->a[5], op->a[6], op->a[7], op->a[8], op->a[9],
                         num_threads);
@@ -312,6 +323,10 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
 int64_t decode_plan_shift(const plan_op *ops, int64_t n, const int64_t *accepted, int num_threads) {
     for (int64_t i = 0; i < n; ++i) {
         const plan_op *op = ops + i;
+        if (op->code == OP_KDA_SHIFT) { /* a: kda_plan_shift's (kda_decode.c) */
+            if (kda_plan_shift(op->a, accepted, num_threads)) return i + 1;
+            continue;
+        }
         if (op->code == OP_MAMBA1_SHIFT) { /* a: proj, conv windows, conv w, conv b, xdbc, dt_raw, A, SSM states, xc
                                             * scratch, b, l, I, R, N, W (mamba1_keep's arguments) */
             for (int64_t r = 0; r < op->a[9]; ++r)

@@ -57,6 +57,26 @@ void gdn_prefill(const float *proj, const int64_t *num_tokens, const float *conv
                  const float *A_log, float beta_scale, const float *norm_w, float eps, const float *initial_conv,
                  const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
                  int64_t l, int64_t HK, int64_t HV, int64_t DK, int64_t DV, int64_t W, int num_threads);
+void kda_decode_step(const float *proj, const float *f, const float *gate, float *conv_state, const float *conv_w,
+                     const float *dt_bias, const float *A_log, float *delta_state, const float *norm_w, float eps,
+                     float *qkv, float *out, int64_t b, int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_verify(const float *proj, const float *f, const float *gate, const float *conv_state, const float *conv_w,
+                const float *dt_bias, const float *A_log, const float *delta_state, const float *norm_w, float eps,
+                float *qkv, float *out, int64_t b, int64_t l, int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_keep(const float *proj, const float *f, float *conv_state, const float *conv_w, const float *dt_bias,
+              const float *A_log, float *delta_state, float *qkv, const int64_t *accepted, int64_t b, int64_t l,
+              int64_t H, int64_t D, int64_t W, int num_threads);
+void kda_prefill(const float *proj, const float *f, const float *gate, const int64_t *num_tokens, const float *conv_w,
+                 const float *dt_bias, const float *A_log, const float *norm_w, float eps, const float *initial_conv,
+                 const float *initial_delta, float *qkv, float *conv_state, float *delta_state, float *out, int64_t b,
+                 int64_t l, int64_t H, int64_t D, int64_t W, int num_threads);
+void mla_attention(const float *q, const float *kv, const float *norm_w, float eps, float *cache,
+                   const int64_t *block_tables, int64_t max_blocks, int64_t block_size, const int64_t *slot_ids,
+                   const int64_t *positions, const float *kv_b, float scale, float *out, int64_t b, int64_t l,
+                   int64_t H, int64_t NOPE, int64_t R, int64_t L, int64_t V, int num_threads);
+void kda_plan_step(const int64_t *a, const double *f, int verify, int num_threads);
+int64_t kda_plan_shift(const int64_t *a, const int64_t *accepted, int num_threads);
+int64_t mla_plan_step(const int64_t *a, const double *f, int num_threads);
 void mamba1_conv(const float *proj, float *conv_state, const float *conv_w, const float *conv_b, float *xc, int64_t b,
                  int64_t l, int64_t I, int64_t W, int64_t advance, int num_threads);
 void mamba1_norms(float *xdbc, const float *dt_w, const float *b_w, const float *c_w, float eps, float *dt_in,

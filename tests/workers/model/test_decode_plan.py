@@ -7,8 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.workers.model.plan_checks import (
+    GREEDY,
+    PROMPTS,
+    assert_plan_steps_equal_module_steps,
+    assert_verification_and_keep_equal_plan_steps,
+    clone,
+    generate,
+    random_pool,
+)
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.model import ForwardBatch, StatePool, load_checkpoint
+from workers.model import StatePool, load_checkpoint
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 
 # NoPE and partial-RoPE attention, SwiGLU and relu² MLPs, μP multipliers ≠ 1 (granite_dense); attention-only
@@ -19,46 +28,15 @@ MOE_PLANNED = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]
 PLANNED = ["granite_dense", "nemotron_dense", "bamba", "qwen2", "qwen3", *MOE_PLANNED]
 
 
-def _random_pool(model, slots: int, capacity: int, seed: int) -> StatePool:
-    pool = StatePool(model.config, slots, capacity, torch.device("cpu"), torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    for buffer in (pool.conv, pool.ssm, pool.key, pool.value):
-        buffer.copy_(torch.randn(buffer.shape, generator=g))
-    return pool
-
-
-def _clone(pool: StatePool) -> StatePool:
-    copy = StatePool.__new__(StatePool)
-    copy.__dict__.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in pool.__dict__.items()})
-    return copy
-
-
-def _module_step(model, pool: StatePool, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-    b = len(token_ids)
-    slots, cache_lens = torch.arange(b), torch.tensor(positions)
-    batch = ForwardBatch(slots, cache_lens, torch.ones_like(cache_lens), slots_are_prefix=True, one_token_each=True)
-    with torch.inference_mode():
-        out = model(torch.tensor(token_ids)[:, None], batch, pool.prefix(b), pool.kv_caches(), in_place=True)
-        return model.logits(out.hidden[:, 0])
-
-
 @pytest.mark.parametrize("family", PLANNED)
 def test_plan_steps_equal_the_module_path_bit_for_bit(checkpoint_dir, family):
     model = load_checkpoint(str(checkpoint_dir(family))).model
     assert unsupported_reason(model) is None
-    reference = _random_pool(model, slots=4, capacity=12, seed=0)
-    planned = _clone(reference)
-    plan = DecodePlan(model, planned)
-    g = torch.Generator().manual_seed(1)
+    reference = random_pool(model, slots=4, capacity=12, seed=0)
     # Batch sizes change between steps (requests finish): each size gets its own records over the same buffers.
-    for step, b in enumerate([3, 3, 4, 2, 1, 4]):
-        token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-        positions = torch.randint(0, 12, (b,), generator=g).tolist()
-        positions[0] = min(step + 5, 11)
-        expected = _module_step(model, reference, token_ids, positions)
-        assert torch.equal(plan.run(token_ids, positions), expected), f"step {step}"
-        for name in ("conv", "ssm", "key", "value"):
-            assert torch.equal(getattr(planned, name), getattr(reference, name)), f"{name} after step {step}"
+    assert_plan_steps_equal_module_steps(
+        model, reference, [3, 3, 4, 2, 1, 4], 12, first_position=lambda step: min(step + 5, 11), hidden=False
+    )
 
 
 @pytest.mark.parametrize("family", PLANNED)
@@ -87,7 +65,7 @@ def test_models_outside_the_plan_say_why_and_generate_on_the_module_path(checkpo
 
 def test_plan_refuses_bad_input_before_it_can_corrupt_memory(checkpoint_dir):
     model = load_checkpoint(str(checkpoint_dir("granite_dense"))).model
-    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    plan = DecodePlan(model, random_pool(model, slots=2, capacity=8, seed=0))
     vocab = model.config.vocab_size
     with pytest.raises(ValueError, match=rf"token id outside \[0, {vocab}\)"):
         plan.run([vocab], [0])
@@ -102,27 +80,12 @@ def test_plan_refuses_bad_input_before_it_can_corrupt_memory(checkpoint_dir):
 @pytest.mark.parametrize("family", PLANNED)
 def test_verification_and_keep_equal_plain_plan_steps_bit_for_bit(checkpoint_dir, family):
     model = load_checkpoint(str(checkpoint_dir(family))).model
-    stepped = _random_pool(model, slots=3, capacity=16, seed=2)
-    verified = _clone(stepped)
-    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, verified, tokens_per_row=4)
+    stepped = random_pool(model, slots=3, capacity=16, seed=2)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, clone(stepped), tokens_per_row=4)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()  # [x_last, d_1, d_2, d_3]
-    positions = [5, 0, 11]
-    # The reference: four plain steps, with every state along the way.
-    step_logits, snapshots = [], [(stepped.conv.clone(), stepped.ssm.clone())]
-    for t in range(4):
-        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
-        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    logits = verify_plan.verify(tokens, positions)
-    for t in range(4):
-        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
-    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
-    accepted = [2, 4, 1]  # num_accepted_tokens per row: keep the state after input n − 1
-    verify_plan.keep(accepted)
-    for row, n in enumerate(accepted):
-        conv, ssm = snapshots[n]
-        assert torch.equal(verified.conv[:, row], conv[:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], ssm[:, row]), f"SSM state of row {row}"
+    positions, accepted = [5, 0, 11], [2, 4, 1]  # num_accepted_tokens per row: keep the state after input n − 1
+    assert_verification_and_keep_equal_plan_steps(step_plan, verify_plan, tokens, positions, accepted)
     with pytest.raises(RuntimeError, match="needs a verification"):
         verify_plan.keep(accepted)
     verify_plan.verify(tokens, positions)
@@ -136,26 +99,13 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
     steps, reads the recurrent states (conv windows, SSM or delta-rule states) and leaves them as they were; keep then
     gives each row the state of its own number of plain steps."""
     model = load_checkpoint(str(checkpoint_dir(family))).model
-    stepped = _random_pool(model, slots=16, capacity=24, seed=4)
-    verified = _clone(stepped)
-    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, verified, tokens_per_row=5)
+    stepped = random_pool(model, slots=16, capacity=24, seed=4)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, clone(stepped), tokens_per_row=5)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
     positions = torch.randint(0, 18, (16,), generator=g).tolist()
-    snapshots, step_logits = [(stepped.conv.clone(), stepped.ssm.clone())], []
-    for t in range(5):
-        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
-        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    logits = verify_plan.verify(tokens, positions)
-    for t in range(5):  # attention over KV blocks of 16 positions: rows cross block boundaries within their 5 tokens
-        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
-    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
-    assert torch.equal(verified.conv, snapshots[0][0]) and torch.equal(verified.ssm, snapshots[0][1])
     accepted = [1 + i % 5 for i in range(16)]
-    verify_plan.keep(accepted)
-    for row, n in enumerate(accepted):
-        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+    assert_verification_and_keep_equal_plan_steps(step_plan, verify_plan, tokens, positions, accepted)
 
 
 @pytest.mark.parametrize(
@@ -171,15 +121,12 @@ def test_verification_leaves_the_states_and_keep_advances_every_row_by_its_own_c
 def test_speculative_greedy_through_plans_equals_plain_greedy(checkpoint_dir, family, method, draft_family):
     path = str(checkpoint_dir(family))
     draft = str(checkpoint_dir(draft_family)) if draft_family else None
-    prompts = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    plain = ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False)
-    expected = [r.token_ids for r in plain.generate(prompts, params)]
+    expected, _ = generate(path, decode_plan=False)
     spec = ModelRunner.from_pretrained(
         path, max_num_seqs=3, speculative=SpeculativeConfig(method, 3, draft_model=draft, policy="fixed")
     )
     for _ in range(2):  # the second call reuses the first one's slots and plan
-        assert [r.token_ids for r in spec.generate(prompts, params)] == expected
+        assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected
     assert spec._scheduler.workspace.plan is not None and spec._scheduler.workspace.plan.tokens_per_row == 4
     stats = spec.spec_stats()
     drafted, accepted = stats["num_draft_tokens"], stats["num_accepted_draft_tokens"]

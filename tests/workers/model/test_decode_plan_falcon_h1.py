@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tests.falcon_h1_models import build_falcon_h1
-from tests.workers.model.test_decode_plan import _clone, _module_step, _random_pool
+from tests.workers.model.plan_checks import (
+    assert_plan_steps_equal_module_steps,
+    assert_verification_and_keep_equal_plan_steps,
+    clone,
+    random_pool,
+)
 from workers.model import load_checkpoint
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 
@@ -21,34 +26,13 @@ def paths(tmp_path_factory):
 def test_plan_steps_verification_and_keep_equal_the_module_path(paths):
     model = load_checkpoint(str(paths["falcon_h1"])).model
     assert unsupported_reason(model) is None
-    reference = _random_pool(model, slots=4, capacity=16, seed=0)
-    planned = _clone(reference)
-    plan = DecodePlan(model, planned)
-    g = torch.Generator().manual_seed(1)
-    for step, b in enumerate([3, 4, 1, 4]):  # batch sizes change between steps: records per size
-        token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-        positions = torch.randint(0, 12, (b,), generator=g).tolist()
-        assert torch.equal(plan.run(token_ids, positions), _module_step(model, reference, token_ids, positions))
-        for name in ("conv", "ssm", "key", "value"):
-            assert torch.equal(getattr(planned, name), getattr(reference, name)), f"{name} after step {step}"
+    reference = random_pool(model, slots=4, capacity=16, seed=0)
+    # Batch sizes change between steps: records per size.
+    plan, planned = assert_plan_steps_equal_module_steps(model, reference, [3, 4, 1, 4], 12, hidden=False)
     # Verification of [x_last, d_1, d_2, d_3] per row == four plain steps; keep(n) == the state after n steps.
-    verified = _clone(planned)
-    verify_plan = DecodePlan(model, verified, tokens_per_row=4)
-    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()
-    positions = [5, 0, 11]
-    step_logits, snapshots = [], [(planned.conv.clone(), planned.ssm.clone())]
-    for t in range(4):
-        step_logits.append(plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
-        snapshots.append((planned.conv.clone(), planned.ssm.clone()))
-    logits = verify_plan.verify(tokens, positions)
-    for t in range(4):
-        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
-    assert torch.equal(verified.key, planned.key) and torch.equal(verified.value, planned.value)
-    accepted = [2, 4, 1]
-    verify_plan.keep(accepted)
-    for row, n in enumerate(accepted):
-        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+    verify_plan = DecodePlan(model, clone(planned), tokens_per_row=4)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2)).tolist()
+    assert_verification_and_keep_equal_plan_steps(plan, verify_plan, tokens, [5, 0, 11], [2, 4, 1])
 
 
 def test_mixer_norm_variants_without_a_native_kernel_say_why(paths):

@@ -9,30 +9,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
-from tests.tiny_models import engine_config
 from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
-from tests.workers.model.test_decode_plan import _clone, _random_pool
-from tests.workers.model.test_decode_plan_gdn import _module_step, _recording
-from tests.workers.spec_decode.test_state_shifting import (
-    PARAMS,
-    ScriptedProposer,
-    _assert_slot_matches,
-    _prompts,
-    _requests,
+from tests.workers.model.plan_checks import (
+    NGRAM,
+    assert_forced_acceptance_keeps_prefill_states,
+    assert_plan_steps_equal_module_steps,
+    assert_speculation_equals,
+    assert_verification_and_keep_equal_module_steps,
+    generate,
+    random_pool,
+    recording,
 )
-from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers import SpeculativeConfig
 from workers.model import load_checkpoint
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
-from workers.scheduler import Scheduler
 
 LFM = ["lfm2", "lfm2_untied", "lfm2_moe", "lfm3"]
 OLMO = ["olmo_hybrid", "olmo_hybrid_rope"]
 FAMILIES = LFM + OLMO
-PROMPTS = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]  # 4 prompts, 3 slots
-GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +44,6 @@ def family_dir(lfm_checkpoint, tmp_path_factory):  # noqa: F811
         return built[family]
 
     return get
-
-
-def _generate(path: Path, **options) -> tuple[list[list[int]], ModelRunner]:
-    runner = ModelRunner.from_pretrained(str(path), max_num_seqs=3, **options)
-    return [r.token_ids for r in runner.generate(PROMPTS, GREEDY)], runner
 
 
 def test_the_families_are_covered_and_the_torch_kernels_say_why(family_dir):
@@ -74,21 +65,11 @@ def test_the_families_are_covered_and_the_torch_kernels_say_why(family_dir):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_steps_equal_the_module_path_bit_for_bit(family_dir, family):
     model = load_checkpoint(str(family_dir(family))).model
-    reference = _random_pool(model, slots=4, capacity=40, seed=0)
-    reference.ssm.mul_(0.3)  # delta-rule states of the size decoding leaves (LFM: empty)
-    planned = _clone(reference)
-    plan = DecodePlan(model, planned)
-    g = torch.Generator().manual_seed(1)
+    reference = random_pool(model, slots=4, capacity=40, seed=0, ssm_scale=0.3)  # LFM: an empty ssm buffer
     # Batch sizes change between steps; positions run from inside LFM3's window of 8 to far past it.
-    for step, b in enumerate([3, 3, 4, 2, 1, 4, 4]):
-        token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-        positions = torch.randint(0, 40, (b,), generator=g).tolist()
-        positions[0] = min(step * 6 + 2, 39)
-        expected, hidden = _module_step(model, reference, token_ids, positions)
-        assert torch.equal(plan.run(token_ids, positions), expected), f"logits of step {step}"
-        assert torch.equal(plan.last_hidden()[:, 0], hidden), f"final hidden states of step {step}"
-        for name in ("conv", "ssm", "key", "value"):
-            assert torch.equal(getattr(planned, name), getattr(reference, name)), f"{name} after step {step}"
+    assert_plan_steps_equal_module_steps(
+        model, reference, [3, 3, 4, 2, 1, 4, 4], 40, lambda step: min(step * 6 + 2, 39)
+    )
 
 
 @pytest.mark.parametrize("accepted", [[1, 1, 1], [4, 4, 4], [2, 4, 1]], ids=["none", "all", "mixed"])
@@ -97,27 +78,8 @@ def test_verification_and_keep_leave_the_states_of_plain_module_steps(family_dir
     """num_accepted_tokens per row: 1 (every draft rejected), 4 (all three accepted), or a mix across rows; one
     row's tokens cross LFM3's sliding window."""
     model = load_checkpoint(str(family_dir(family))).model
-    stepped = _random_pool(model, slots=3, capacity=40, seed=2)
-    stepped.ssm.mul_(0.3)
-    verified = _clone(stepped)
-    plan = DecodePlan(model, verified, tokens_per_row=4)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()  # [x_last, d_1, d_2, d_3]
-    positions = [5, 0, 30]
-    steps, snapshots = [], [(stepped.conv.clone(), stepped.ssm.clone())]
-    for t in range(4):
-        steps.append(_module_step(model, stepped, [row[t] for row in tokens], [p + t for p in positions]))
-        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    logits = plan.verify(tokens, positions)
-    for t, (step_logits, step_hidden) in enumerate(steps):
-        assert torch.equal(logits[:, t], step_logits), f"logits of token {t}"
-        assert torch.equal(plan.last_hidden()[:, t], step_hidden), f"final hidden states of token {t}"
-    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
-    plan.keep(accepted)
-    for row, n in enumerate(accepted):  # the state after input n − 1: the snapshot after n plain steps
-        conv, ssm = snapshots[n]
-        assert torch.equal(verified.conv[:, row], conv[:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], ssm[:, row]), f"recurrent state of row {row}"
+    stepped = random_pool(model, slots=3, capacity=40, seed=2, ssm_scale=0.3)
+    assert_verification_and_keep_equal_module_steps(model, stepped, accepted, [5, 0, 30])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -125,34 +87,16 @@ def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(family_di
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
     the plan: the accepted counts are the scripted ones, every slot holds the states and KV entries of a fresh
     prefill of its kept tokens, and the output is plain greedy decoding's."""
-    runner = ModelRunner.from_pretrained(str(family_dir(family)), max_num_seqs=4, decode_plan=False)
-    prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
-    proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)
-    assert isinstance(scheduler.plan, DecodePlan)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest (vs one prefill: TOL)
-            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1])
-    assert all(accepted == expected for accepted, expected in proposer.seen)
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_keeps_prefill_states(family_dir(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_through_plans_equals_the_module_path(family_dir, family):
     path = family_dir(family)
-    expected, _ = _generate(path, decode_plan=False)
-    plain, runner = _generate(path)
+    expected, _ = generate(path, decode_plan=False)
+    plain, runner = generate(path)
     assert plain == expected and isinstance(runner._scheduler.workspace.plan, DecodePlan)
-    ngram = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2, policy="fixed")
-    spec = ModelRunner.from_pretrained(str(path), max_num_seqs=3, speculative=ngram)
-    for _ in range(2):  # the second call reuses the first one's slots and plan
-        assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected
-    plan = spec._scheduler.workspace.plan
-    assert isinstance(plan, DecodePlan) and plan.tokens_per_row == 4
-    assert spec.spec_stats()["num_draft_tokens"] > 0
+    assert_speculation_equals(path, NGRAM, expected)
 
 
 @pytest.mark.parametrize(
@@ -164,12 +108,10 @@ def test_draft_model_speculation_through_plans_equals_plain(family_dir, checkpoi
     the target's and the draft's steps run through plans; greedy output is plain greedy's."""
     path = family_dir(family)
     draft_path = family_dir(draft) if draft in FAMILIES else checkpoint_dir(draft)
-    expected, _ = _generate(path, decode_plan=False)
+    expected, _ = generate(path, decode_plan=False)
     plans: list[DecodePlan] = []
-    monkeypatch.setattr(DecodePlan, "__init__", _recording(DecodePlan.__init__, plans))
-    got, runner = _generate(
-        path, speculative=SpeculativeConfig("draft", 3, draft_model=str(draft_path), policy="fixed")
-    )
+    monkeypatch.setattr(DecodePlan, "__init__", recording(DecodePlan.__init__, plans))
+    got, runner = generate(path, speculative=SpeculativeConfig("draft", 3, draft_model=str(draft_path), policy="fixed"))
     assert got == expected and runner.spec_stats()["num_draft_tokens"] > 0
     assert isinstance(runner._scheduler.workspace.plan, DecodePlan)
     draft_type = load_checkpoint(str(draft_path)).config.model_type

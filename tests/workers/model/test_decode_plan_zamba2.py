@@ -13,28 +13,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_models import engine_config
-from tests.workers.model.test_decode_plan import _clone, _random_pool
-from tests.workers.model.test_decode_plan_gdn import _module_step
-from tests.workers.spec_decode.test_state_shifting import (
-    PARAMS,
-    ScriptedProposer,
-    _assert_slot_matches,
-    _prompts,
-    _requests,
+from tests.workers.model.plan_checks import (
+    NGRAM,
+    assert_forced_acceptance_keeps_prefill_states,
+    assert_plan_steps_equal_module_steps,
+    assert_speculation_equals,
+    assert_verification_and_keep_equal_module_steps,
+    assert_verification_and_keep_equal_plan_steps,
+    clone,
+    generate,
+    random_pool,
 )
 from tests.zamba2_models import build_zamba2, copy_shared_weights_to_every_use
-from workers import ModelRunner, SamplingParams, SpeculativeConfig
+from workers import SpeculativeConfig
 from workers.model import load_checkpoint
 from workers.model.checkpoint.config import SHARED_ATTENTION
 from workers.model.kernels import native
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 from workers.model.steps.plan_records import Op
-from workers.scheduler import Scheduler
 
 LAYOUTS = ["zamba2_abab", "zamba2_lora", "zamba2_lora_copies"]
-PROMPTS = [[5, 9, 30, 5, 9, 30, 5, 9], [8, 8, 8, 8], [100, 3, 17, 100, 3, 17, 100], [7]]  # 4 prompts, 3 slots
-GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +86,7 @@ def test_every_use_records_the_shared_blocks_packed_panels(paths, name):
     assert unsupported_reason(model) is None
     uses, num_blocks = _uses(model), model.config.shared_block.num_blocks
     assert uses[0].attention.q_proj.base is uses[2].attention.q_proj.base is not uses[1].attention.q_proj.base
-    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    plan = DecodePlan(model, random_pool(model, slots=2, capacity=8, seed=0))
     records = plan.records(2, 1)
     panels = {int(r[2]) for r in records if int(r[0]) == Op.LINEAR}  # word 2: a LINEAR record's weight panels
     for shared in ("q_proj", "k_proj", "v_proj", "gate_up_proj"):
@@ -108,7 +106,7 @@ def test_shared_blocks_outside_the_native_kernels_say_why_and_bad_input_is_refus
     torch_linears = load_checkpoint(path, linear_backend="torch").model
     assert unsupported_reason(torch_linears) == "a Zamba2 shared block has linears outside the native kernel"
     model = load_checkpoint(path).model
-    plan = DecodePlan(model, _random_pool(model, slots=2, capacity=8, seed=0))
+    plan = DecodePlan(model, random_pool(model, slots=2, capacity=8, seed=0))
     with pytest.raises(ValueError, match="position outside the KV cache"):  # refused by the first use's attention
         plan.run([1, 2], [3, 8])
     with pytest.raises(ValueError, match=r"token id outside \[0, "):
@@ -128,21 +126,10 @@ def test_shared_blocks_outside_the_native_kernels_say_why_and_bad_input_is_refus
 def test_plan_steps_equal_the_module_path_bit_for_bit(paths, name, options):
     model = load_checkpoint(str(paths[name]), **options).model
     assert unsupported_reason(model) is None
-    reference = _random_pool(model, slots=4, capacity=24, seed=0)
-    reference.ssm.mul_(0.3)
-    planned = _clone(reference)
-    plan = DecodePlan(model, planned)
-    g = torch.Generator().manual_seed(1)
-    # Batch sizes change between steps (requests finish); rows sit at unrelated positions; slots are reused.
-    for step, b in enumerate([3, 3, 4, 2, 1, 4, 4]):
-        token_ids = torch.randint(0, model.config.vocab_size, (b,), generator=g).tolist()
-        positions = torch.randint(0, 24, (b,), generator=g).tolist()
-        positions[0] = min(step + 17, 23)  # past the first KV block of 16 positions
-        expected, hidden = _module_step(model, reference, token_ids, positions)
-        assert torch.equal(plan.run(token_ids, positions), expected), f"logits of step {step}"
-        assert torch.equal(plan.last_hidden()[:, 0], hidden), f"final hidden states of step {step}"
-        for buffer in ("conv", "ssm", "key", "value"):  # every use's own KV layer included
-            assert torch.equal(getattr(planned, buffer), getattr(reference, buffer)), f"{buffer} after step {step}"
+    reference = random_pool(model, slots=4, capacity=24, seed=0, ssm_scale=0.3)
+    # Batch sizes change between steps (requests finish); rows sit at unrelated positions, row 0 past the first KV
+    # block of 16 positions; slots are reused; every use's own KV layer is compared.
+    assert_plan_steps_equal_module_steps(model, reference, [3, 3, 4, 2, 1, 4, 4], 24, lambda step: min(step + 17, 23))
 
 
 @pytest.mark.parametrize("accepted", [[1, 1, 1], [4, 4, 4], [2, 4, 1]], ids=["none", "all", "mixed"])
@@ -150,52 +137,20 @@ def test_plan_steps_equal_the_module_path_bit_for_bit(paths, name, options):
 def test_verification_and_keep_leave_the_states_of_plain_module_steps(paths, name, accepted):
     """num_accepted_tokens per row: 1 (every draft rejected), 4 (all three accepted), or a mix across rows."""
     model = load_checkpoint(str(paths[name])).model
-    stepped = _random_pool(model, slots=3, capacity=16, seed=2)
-    stepped.ssm.mul_(0.3)
-    verified = _clone(stepped)
-    plan = DecodePlan(model, verified, tokens_per_row=4)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, model.config.vocab_size, (3, 4), generator=g).tolist()  # [x_last, d_1, d_2, d_3]
-    positions = [5, 0, 11]
-    steps, snapshots = [], [(stepped.conv.clone(), stepped.ssm.clone())]
-    for t in range(4):
-        steps.append(_module_step(model, stepped, [row[t] for row in tokens], [p + t for p in positions]))
-        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    logits = plan.verify(tokens, positions)
-    for t, (step_logits, step_hidden) in enumerate(steps):
-        assert torch.equal(logits[:, t], step_logits), f"logits of token {t}"
-        assert torch.equal(plan.last_hidden()[:, t], step_hidden), f"final hidden states of token {t}"
-    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
-    assert torch.equal(verified.conv, snapshots[0][0]) and torch.equal(verified.ssm, snapshots[0][1])
-    plan.keep(accepted)
-    for row, n in enumerate(accepted):  # the state after input n − 1: the snapshot after n plain steps
-        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+    stepped = random_pool(model, slots=3, capacity=16, seed=2, ssm_scale=0.3)
+    assert_verification_and_keep_equal_module_steps(model, stepped, accepted, [5, 0, 11])
 
 
 def test_sixteen_ragged_rows_verify_and_keep_each_its_own_count(paths):
     """16 rows of 5 tokens from unrelated positions (crossing KV blocks), every count 1 … 5 among them."""
     model = load_checkpoint(str(paths["zamba2_lora"])).model
-    stepped = _random_pool(model, slots=16, capacity=24, seed=4)
-    stepped.ssm.mul_(0.3)
-    verified = _clone(stepped)
-    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, verified, tokens_per_row=5)
+    stepped = random_pool(model, slots=16, capacity=24, seed=4, ssm_scale=0.3)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, clone(stepped), tokens_per_row=5)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
     positions = torch.randint(0, 18, (16,), generator=g).tolist()
-    snapshots, step_logits = [(stepped.conv.clone(), stepped.ssm.clone())], []
-    for t in range(5):
-        step_logits.append(step_plan.run([row[t] for row in tokens], [p + t for p in positions]).clone())
-        snapshots.append((stepped.conv.clone(), stepped.ssm.clone()))
-    logits = verify_plan.verify(tokens, positions)
-    for t in range(5):
-        assert torch.equal(logits[:, t], step_logits[t]), f"token {t}"
-    assert torch.equal(verified.key, stepped.key) and torch.equal(verified.value, stepped.value)
     accepted = [1 + i % 5 for i in range(16)]
-    verify_plan.keep(accepted)
-    for row, n in enumerate(accepted):
-        assert torch.equal(verified.conv[:, row], snapshots[n][0][:, row]), f"conv window of row {row}"
-        assert torch.equal(verified.ssm[:, row], snapshots[n][1][:, row]), f"SSM state of row {row}"
+    assert_verification_and_keep_equal_plan_steps(step_plan, verify_plan, tokens, positions, accepted)
 
 
 @pytest.mark.parametrize("name", LAYOUTS[:2])
@@ -203,42 +158,21 @@ def test_forced_acceptance_patterns_through_the_plan_keep_prefill_states(paths, 
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
     the plan: after every step each slot holds the recurrent states and every use's KV entries of a fresh prefill
     of its kept tokens, and the output is plain greedy decoding's."""
-    runner = ModelRunner.from_pretrained(str(paths[name]), max_num_seqs=4, decode_plan=False)
-    prompts = _prompts()
-    reference = {i: r.token_ids for i, r in enumerate(runner.generate(prompts, PARAMS))}
-    proposer = ScriptedProposer(reference, runner.config.vocab_size)
-    scheduler = Scheduler(runner.model, engine_config(4, 4, decode_plan=True), _requests(prompts), proposer)
-    assert isinstance(scheduler.plan, DecodePlan)
-    while scheduler.has_work():
-        scheduler.step()
-        for request in scheduler.running:  # the slot covers every token but the newest
-            _assert_slot_matches(scheduler.pool, request.slot, runner.model, (request.prompt + request.output)[:-1])
-    assert all(accepted == expected for accepted, expected in proposer.seen)
-    assert {n for accepted, _ in proposer.seen for n in accepted} >= {1, 2, 3, 5}
-    assert {r.index: r.output for r in scheduler.finished} == reference
+    assert_forced_acceptance_keeps_prefill_states(paths[name])
 
 
 @pytest.mark.parametrize("name", LAYOUTS[:2])
 def test_greedy_generation_and_speculation_through_plans_equal_plain(paths, checkpoint_dir, name):
     """Plain, n-gram, draft (the other Zamba2 layout, itself planned) and hybrid draft (a Bamba model)."""
     path = str(paths[name])
-    expected = [
-        r.token_ids
-        for r in ModelRunner.from_pretrained(path, max_num_seqs=3, decode_plan=False).generate(PROMPTS, GREEDY)
-    ]
-    plain = ModelRunner.from_pretrained(path, max_num_seqs=3)
-    assert [r.token_ids for r in plain.generate(PROMPTS, GREEDY)] == expected
-    assert isinstance(plain._scheduler.workspace.plan, DecodePlan)
+    expected, _ = generate(path, decode_plan=False)
+    plain, runner = generate(path)
+    assert plain == expected and isinstance(runner._scheduler.workspace.plan, DecodePlan)
     other = "zamba2_lora" if name == "zamba2_abab" else "zamba2_abab"
     methods = [
-        SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2, policy="fixed"),
+        NGRAM,
         SpeculativeConfig("draft", 3, draft_model=str(paths[other]), policy="fixed"),
         SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir("draft_hybrid")), policy="fixed"),
     ]
     for speculative in methods:
-        spec = ModelRunner.from_pretrained(path, max_num_seqs=3, speculative=speculative)
-        for _ in range(2):  # the second call reuses the first one's slots and plan
-            assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == expected, speculative.method
-        plan = spec._scheduler.workspace.plan
-        assert isinstance(plan, DecodePlan) and plan.tokens_per_row == 4
-        assert spec.spec_stats()["num_draft_tokens"] > 0
+        assert_speculation_equals(path, speculative, expected)

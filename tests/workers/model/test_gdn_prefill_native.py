@@ -85,6 +85,7 @@ def _native_prefill(
         g.num_key_heads,
         g.num_value_heads,
         None if state is None else (state.conv, state.ssm),
+        g.beta_scale,
     )
 
 

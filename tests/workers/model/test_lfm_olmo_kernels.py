@@ -11,10 +11,9 @@ import torch
 
 from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
 from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
-from tests.workers.model.test_decode_plan import _clone, _random_pool
-from tests.workers.model.test_decode_plan_gdn import _module_step
+from tests.workers.model.plan_checks import clone, module_step, random_pool
+from tests.workers.model.test_gdn_prefill_native import _native_prefill
 from workers.model import load_checkpoint
-from workers.model.kernels import native_recurrent
 from workers.model.kernels.gated_delta import delta_rule_scan
 from workers.model.kernels.short_conv import (
     native_short_conv_prefill,
@@ -119,14 +118,14 @@ def test_native_decode_steps_equal_the_torch_module_path(lfm_checkpoint, olmo_di
     models = {kernel: load_checkpoint(path, decode_kernel=kernel).model for kernel in ("torch", "native")}
     kinds = {m.decode_kernel for m in models["native"].modules() if isinstance(m, ShortConvMixer | GatedDeltaNetMixer)}
     assert kinds == {"native"}
-    pools = {"torch": _random_pool(models["torch"], slots=3, capacity=40, seed=0)}
+    pools = {"torch": random_pool(models["torch"], slots=3, capacity=40, seed=0)}
     pools["torch"].ssm.mul_(0.3)
-    pools["native"] = _clone(pools["torch"])
+    pools["native"] = clone(pools["torch"])
     g = torch.Generator().manual_seed(1)
     for step in range(6):
         token_ids = torch.randint(0, models["torch"].config.vocab_size, (3,), generator=g).tolist()
         positions = [step, 9 + step, 30 + step]  # inside, at and past the sliding window
-        logits = {k: _module_step(models[k], pools[k], token_ids, positions)[0] for k in models}
+        logits = {k: module_step(models[k], pools[k], token_ids, positions)[0] for k in models}
         torch.testing.assert_close(logits["native"], logits["torch"], atol=1e-4, rtol=1e-4)
     for name in ("conv", "ssm", "key", "value"):
         torch.testing.assert_close(getattr(pools["native"], name), getattr(pools["torch"], name), atol=1e-4, rtol=1e-4)
@@ -174,19 +173,7 @@ def test_olmo_native_prefill_equals_the_token_by_token_reference(olmo_dir, lengt
     with torch.no_grad():
         proj = mixer.in_proj(hidden)
     expected_out, expected_conv, expected_state = _token_by_token(mixer, proj, num_tokens, state)
-    out, conv, delta_state, _ = native_recurrent.gdn_prefill(
-        proj.contiguous(),
-        num_tokens,
-        mixer.conv1d.weight.squeeze(1),
-        mixer.dt_bias,
-        mixer.A_log,
-        mixer.norm.weight,
-        mixer.norm.eps,
-        g.num_key_heads,
-        g.num_value_heads,
-        (state.conv, state.ssm) if from_state else None,
-        g.beta_scale,
-    )
+    out, conv, delta_state, _ = _native_prefill(mixer, proj, num_tokens, state if from_state else None)
     valid = (torch.arange(length)[None, :] < num_tokens[:, None])[..., None]
     torch.testing.assert_close(out * valid, expected_out * valid, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(conv, expected_conv, atol=ATOL, rtol=RTOL)

@@ -200,16 +200,16 @@ def test_invalid_groupings_are_refused():
 def test_a_rows_logits_through_the_plan_do_not_depend_on_the_batch(checkpoint_dir, family, weights):
     """Row 0 (same token, position and states) alone and among 4, 15 and 32 other rows: the same logits, bit for
     bit, through every layer (the other rows' tokens route to other experts)."""
-    from tests.workers.model.test_decode_plan import _clone, _random_pool
+    from tests.workers.model.plan_checks import clone, random_pool
     from workers.model import load_checkpoint
     from workers.model.steps.decode_plan import DecodePlan
 
     model = load_checkpoint(str(checkpoint_dir(family)), **weights).model
-    pool = _random_pool(model, slots=33, capacity=12, seed=11)
+    pool = random_pool(model, slots=33, capacity=12, seed=11)
     tokens = torch.randint(0, model.config.vocab_size, (33,), generator=torch.Generator().manual_seed(12)).tolist()
     logits = {}
     for b in (1, 5, 16, 33):
-        plan = DecodePlan(model, _clone(pool))
+        plan = DecodePlan(model, clone(pool))
         logits[b] = plan.run(tokens[:b], [7] + [3] * (b - 1))[0].clone()
     assert all(torch.equal(logits[b], logits[1]) for b in (5, 16, 33))
 
@@ -217,7 +217,7 @@ def test_a_rows_logits_through_the_plan_do_not_depend_on_the_batch(checkpoint_di
 def test_latent_moe_matches_transformers_and_its_plan_equals_its_module_path(checkpoint_dir, hf_model):
     """Nemotron 3's latent MoE (experts on a 24-wide projection of x): scores as transformers computes them, and
     the decode plan's latent records give the module path's logits bit for bit."""
-    from tests.workers.model.test_decode_plan import _clone, _module_step, _random_pool
+    from tests.workers.model.plan_checks import clone, module_step, random_pool
     from tests.workers.test_oracle import _hf_logprobs, _prompts
     from workers import ModelRunner
     from workers.model import load_checkpoint
@@ -231,11 +231,11 @@ def test_latent_moe_matches_transformers_and_its_plan_equals_its_module_path(che
     model = load_checkpoint(str(path)).model
     assert unsupported_reason(model) is None
     assert next(block for block in model.blocks if block.kind == "moe").mixer.latent_in is not None
-    reference_pool = _random_pool(model, slots=3, capacity=12, seed=0)
-    plan = DecodePlan(model, planned := _clone(reference_pool))
+    reference_pool = random_pool(model, slots=3, capacity=12, seed=0)
+    plan = DecodePlan(model, planned := clone(reference_pool))
     for step, b in enumerate([3, 1, 2]):
         token_ids, positions = [5 + step, 17, 99][:b], [4 + step, 2, 7][:b]
-        expected = _module_step(model, reference_pool, token_ids, positions)
+        expected, _ = module_step(model, reference_pool, token_ids, positions)
         assert torch.equal(plan.run(token_ids, positions), expected), step
     assert torch.equal(planned.ssm, reference_pool.ssm)
 

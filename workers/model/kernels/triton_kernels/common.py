@@ -13,6 +13,19 @@ CONV_BLOCK = 256  # channels per program
 
 
 @triton.jit
+def window_taps_(acc, column, w_sw, weight_row, mask, new, W: tl.constexpr):
+    """acc + Σ_{j < W-1} weight[c, j] · window[c, j], oldest column first (float32); the window (`column`: channel
+    c's first entry, w_sw apart) drops its oldest column and gains `new`, in the window's dtype."""
+    for j in tl.static_range(W - 1):  # load column j, then move it to j - 1 (column j - 1 is already read)
+        old = tl.load(column + j * w_sw, mask=mask, other=0.0)
+        acc += tl.load(weight_row + j, mask=mask, other=0.0).to(tl.float32) * old.to(tl.float32)
+        if j > 0:
+            tl.store(column + (j - 1) * w_sw, old, mask=mask)
+    tl.store(column + (W - 2) * w_sw, new.to(column.dtype.element_ty), mask=mask)
+    return acc
+
+
+@triton.jit
 def _conv_step_kernel(
     x_ptr,
     x_stride,
@@ -35,13 +48,7 @@ def _conv_step_kernel(
     mask = c < channels
     new = tl.load(x_ptr + row * x_stride + c, mask=mask, other=0.0)
     acc = tl.load(weight_ptr + c * W + (W - 1), mask=mask, other=0.0).to(tl.float32) * new.to(tl.float32)
-    column = window_ptr + row * w_sb + c * w_sc
-    for j in tl.static_range(W - 1):  # load column j, then move it to j - 1 (column j - 1 is already read)
-        old = tl.load(column + j * w_sw, mask=mask, other=0.0)
-        acc += tl.load(weight_ptr + c * W + j, mask=mask, other=0.0).to(tl.float32) * old.to(tl.float32)
-        if j > 0:
-            tl.store(column + (j - 1) * w_sw, old, mask=mask)
-    tl.store(column + (W - 2) * w_sw, new.to(window_ptr.dtype.element_ty), mask=mask)
+    acc = window_taps_(acc, window_ptr + row * w_sb + c * w_sc, w_sw, weight_ptr + c * W, mask, new, W)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
     out = acc * tl.sigmoid(acc)

@@ -25,7 +25,8 @@ def _l2norm(x):
 
 @triton.jit
 def _delta_step(S, k, v, g, beta):
-    """S [d_k, block of d_v]: decay, then write beta · (v − Sᵀk) along k."""
+    """S [d_k, block of d_v]: decay by exp(g) (a head's scalar, or KDA's per key channel g [d_k, 1]), then write
+    beta · (v − Sᵀk) along k."""
     S = S * tl.exp(g)
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
     return S + k[:, None] * delta[None, :]
@@ -134,9 +135,11 @@ def _delta_shift_kernel(
     v_sb,
     v_sl,
     g_ptr,
+    g_sb,
+    g_sl,
     beta_ptr,
-    gb_sb,
-    gb_sl,
+    beta_sb,
+    beta_sl,
     state_ptr,
     s_sb,
     s_sh,
@@ -147,7 +150,10 @@ def _delta_shift_kernel(
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PER_CHANNEL_G: tl.constexpr,
 ):
+    """One (row, head, block of d_v columns): replay the row's accepted inputs. g is a head's scalar (GDN) or, with
+    PER_CHANNEL_G, one decay per key channel (KDA)."""
     row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kk = tl.arange(0, BLOCK_K)
     vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -158,8 +164,12 @@ def _delta_shift_kernel(
     S = tl.load(tile, mask=mask, other=0.0)
     for t in range(length):  # steps past a row's count have g = beta = 0: exact no-ops
         valid = t < accepted
-        g = tl.where(valid, tl.load(g_ptr + row * gb_sb + t * gb_sl + head), 0.0)
-        beta = tl.where(valid, tl.load(beta_ptr + row * gb_sb + t * gb_sl + head), 0.0)
+        g_row = g_ptr + row * g_sb + t * g_sl
+        if PER_CHANNEL_G:
+            g = tl.where(valid, tl.load(g_row + head * DK + kk, mask=mask_k, other=0.0), 0.0)[:, None]
+        else:
+            g = tl.where(valid, tl.load(g_row + head), 0.0)
+        beta = tl.where(valid, tl.load(beta_ptr + row * beta_sb + t * beta_sl + head), 0.0)
         k = tl.load(k_ptr + row * k_sb + t * k_sl + head * DK + kk, mask=mask_k, other=0.0)
         v = tl.load(v_ptr + row * v_sb + t * v_sl + head * DV + vv, mask=mask_v, other=0.0)
         S = _delta_step(S, k, v, g, beta)
@@ -179,8 +189,9 @@ def gdn_shift_(
     """In place: the states a verification started from become those after input num_accepted_tokens − 1.
 
     conv_state [b, conv_dim, W-1], state [b, h_v, d_k, d_v] float32; the verification's scan inputs conv_in
-    [b, l, conv_dim], k [b, l, h_v, d_k], v [b, l, h_v, d_v], g, beta [b, l, h_v] (float32); num_accepted_tokens [b]
-    in 1 … l, on the device. Same result as `GatedDeltaNetMixer.state_after`.
+    [b, l, conv_dim], k [b, l, h_v, d_k], v [b, l, h_v, d_v], g [b, l, h_v] (or [b, l, h_v, d_k]: a decay per key
+    channel, as Kimi Delta Attention's), beta [b, l, h_v] (float32); num_accepted_tokens [b] in 1 … l, on the device.
+    Same result as `GatedDeltaNetMixer.state_after` (`KimiDeltaAttentionMixer.state_after` with per-channel g).
     """
     b, length, num_value_heads, key_head_dim = k.shape
     value_head_dim = v.shape[-1]
@@ -197,9 +208,11 @@ def gdn_shift_(
         v.stride(0),
         v.stride(1),
         g,
-        beta,
         g.stride(0),
         g.stride(1),
+        beta,
+        beta.stride(0),
+        beta.stride(1),
         state,
         *state.stride()[:3],
         accepted,
@@ -208,4 +221,5 @@ def gdn_shift_(
         DV=value_head_dim,
         BLOCK_K=triton.next_power_of_2(key_head_dim),
         BLOCK_V=block_v,
+        PER_CHANNEL_G=g.dim() == 4,
     )

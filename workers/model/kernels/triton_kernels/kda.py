@@ -2,9 +2,9 @@
 
 Step, per row (the conv step is `common.conv_step_`; f_b_proj and g_b_proj are GEMMs before it): per (head, block
 of d_v columns) l2norm q and k, q · d^-0.5, a decay per key channel g = −exp(A_log[h]) · softplus(f + dt_bias),
-beta = sigmoid(b), then S ← S · exp(g)[:, None]; S += k ⊗ beta · (v − Sᵀk); o = Sᵀq (in place, float32; the d_v
+beta = sigmoid(b), then S ← S · exp(g)[:, None]; S += k ⊗ beta · (v − Sᵀk) (`gdn._delta_step`); o = Sᵀq (in place, float32; the d_v
 columns of S are independent) → per head weight · rmsnorm(o) · sigmoid(gate). Shift: re-run the accepted inputs'
-delta rule from the state verification started from (g = beta = 0 past a row's count: exact no-ops).
+delta rule from the state verification started from: `gdn.gdn_shift_` with per-channel g.
 """
 
 from __future__ import annotations
@@ -13,17 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model.kernels.triton_kernels.common import conv_shift_, conv_step_
-from workers.model.kernels.triton_kernels.gdn import VALUE_BLOCK, _l2norm
+from workers.model.kernels.triton_kernels.common import conv_step_
+from workers.model.kernels.triton_kernels.gdn import VALUE_BLOCK, _delta_step, _l2norm, gdn_shift_
 from workers.model.kernels.triton_kernels.mamba2 import _softplus
-
-
-@triton.jit
-def _kda_update(S, k, v, g, beta):
-    """S [d_k, block of d_v]: decay each key channel by exp(g), then write beta · (v − Sᵀk) along k."""
-    S = S * tl.exp(g)[:, None]
-    delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
-    return S + k[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -62,7 +54,7 @@ def _kda_step_kernel(
     beta = tl.sigmoid(tl.load(b_ptr + row * b_stride + head).to(tl.float32))
     tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
     mask = mask_k[:, None] & mask_v[None, :]
-    S = _kda_update(tl.load(tile, mask=mask, other=0.0), k, v, g, beta)
+    S = _delta_step(tl.load(tile, mask=mask, other=0.0), k, v, g[:, None], beta)
     tl.store(tile, S, mask=mask)
     tl.store(o_ptr + row * o_stride + head * D + vv, tl.sum(S * q[:, None], axis=0), mask=mask_v)
 
@@ -132,48 +124,6 @@ def kda_decode_step(
     return out
 
 
-@triton.jit
-def _kda_shift_kernel(
-    k_ptr,
-    k_sb,
-    k_sl,
-    v_ptr,
-    v_sb,
-    v_sl,
-    g_ptr,
-    g_sb,
-    g_sl,
-    beta_ptr,
-    beta_sb,
-    beta_sl,
-    state_ptr,
-    s_sb,
-    s_sh,
-    s_sk,
-    accepted_ptr,
-    length,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kk = tl.arange(0, BLOCK_D)
-    vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = kk < D, vv < D
-    mask = mask_k[:, None] & mask_v[None, :]
-    accepted = tl.load(accepted_ptr + row)
-    tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
-    S = tl.load(tile, mask=mask, other=0.0)
-    for t in range(length):  # steps past a row's count have g = beta = 0: exact no-ops
-        valid = t < accepted
-        g = tl.where(valid, tl.load(g_ptr + row * g_sb + t * g_sl + head * D + kk, mask=mask_k, other=0.0), 0.0)
-        beta = tl.where(valid, tl.load(beta_ptr + row * beta_sb + t * beta_sl + head), 0.0)
-        k = tl.load(k_ptr + row * k_sb + t * k_sl + head * D + kk, mask=mask_k, other=0.0)
-        v = tl.load(v_ptr + row * v_sb + t * v_sl + head * D + vv, mask=mask_v, other=0.0)
-        S = _kda_update(S, k, v, g, beta)
-    tl.store(tile, S, mask=mask)
-
-
 def kda_shift_(
     conv_state: torch.Tensor,
     state: torch.Tensor,
@@ -188,32 +138,8 @@ def kda_shift_(
 
     conv_state [b, 3·h·d, W-1], state [b, h, d, d] float32; the verification's scan inputs conv_in [b, l, 3·h·d],
     k, v, g [b, l, h, d], beta [b, l, h] (float32); num_accepted_tokens [b] in 1 … l, on the device. Same result
-    as `KimiDeltaAttentionMixer.state_after`.
+    as `KimiDeltaAttentionMixer.state_after`: Gated DeltaNet's shift with a decay per key channel.
     """
-    b, length, num_heads, head_dim = k.shape
-    k, v, g, beta = (t.float().contiguous() for t in (k, v, g, beta))
-    assert state.stride(3) == 1 and state.dtype == torch.float32
-    conv_shift_(conv_state, conv_in, num_accepted_tokens)
-    accepted = num_accepted_tokens.to(device=state.device, dtype=torch.int32)
-    block_v = min(VALUE_BLOCK, triton.next_power_of_2(head_dim))
-    _kda_shift_kernel[(b, num_heads, triton.cdiv(head_dim, block_v))](
-        k,
-        k.stride(0),
-        k.stride(1),
-        v,
-        v.stride(0),
-        v.stride(1),
-        g,
-        g.stride(0),
-        g.stride(1),
-        beta,
-        beta.stride(0),
-        beta.stride(1),
-        state,
-        *state.stride()[:3],
-        accepted,
-        length,
-        D=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_V=block_v,
-    )
+    if g.dim() != 4:
+        raise ValueError(f"KDA's decay g must be [b, l, h, d] (one per key channel), got shape {tuple(g.shape)}")
+    gdn_shift_(conv_state, state, conv_in, k, v, g, beta, num_accepted_tokens)

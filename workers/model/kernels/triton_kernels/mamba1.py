@@ -19,6 +19,26 @@ CHANNEL_BLOCK = 32  # channels per program: [32, n] state tiles
 
 
 @triton.jit
+def _channel_tile(
+    A_log_ptr, row_state_ptr, s_si, channels, N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """This program's block of channels (program id 1): c, n, their masks, the [c, n] mask, A = −exp(A_log) [c, n]
+    (float32) and the row's state tile pointers [c, n]."""
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = tl.arange(0, BLOCK_N)
+    mask_c, mask_n = c < channels, n < N
+    mask = mask_c[:, None] & mask_n[None, :]
+    A = -tl.exp(tl.load(A_log_ptr + c[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32))
+    return c, n, mask_c, mask_n, mask, A, row_state_ptr + c[:, None] * s_si + n[None, :]
+
+
+@triton.jit
+def _selective_update(h, A, dt, x, B):
+    """h [c, n] ← h · exp(dt · A) + (dt · x) ⊗ B, dt and x per channel (dt = 0: h unchanged)."""
+    return h * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * B[None, :]
+
+
+@triton.jit
 def _selective_step_kernel(
     x_ptr,
     x_stride,
@@ -42,18 +62,15 @@ def _selective_step_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row, block = tl.program_id(0), tl.program_id(1)
-    c = block * BLOCK_C + tl.arange(0, BLOCK_C)
-    n = tl.arange(0, BLOCK_N)
-    mask_c, mask_n = c < channels, n < N
-    mask = mask_c[:, None] & mask_n[None, :]
+    row = tl.program_id(0)
+    c, n, mask_c, mask_n, mask, A, tile = _channel_tile(
+        A_log_ptr, state_ptr + row * s_sb, s_si, channels, N, BLOCK_C, BLOCK_N
+    )
     x = tl.load(x_ptr + row * x_stride + c, mask=mask_c, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * dt_stride + c, mask=mask_c, other=0.0).to(tl.float32)
     B = tl.load(B_ptr + row * B_stride + n, mask=mask_n, other=0.0).to(tl.float32)
     C = tl.load(C_ptr + row * C_stride + n, mask=mask_n, other=0.0).to(tl.float32)
-    A = -tl.exp(tl.load(A_log_ptr + c[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32))
-    tile = state_ptr + row * s_sb + c[:, None] * s_si + n[None, :]
-    h = tl.load(tile, mask=mask, other=0.0) * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * B[None, :]
+    h = _selective_update(tl.load(tile, mask=mask, other=0.0), A, dt, x, B)
     tl.store(tile, h, mask=mask)
     y = tl.sum(h * C[None, :], axis=1) + tl.load(D_ptr + c, mask=mask_c, other=0.0).to(tl.float32) * x
     z = tl.load(z_ptr + row * z_stride + c, mask=mask_c, other=0.0).to(tl.float32)
@@ -127,21 +144,18 @@ def _selective_shift_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row, block = tl.program_id(0), tl.program_id(1)
-    c = block * BLOCK_C + tl.arange(0, BLOCK_C)
-    n = tl.arange(0, BLOCK_N)
-    mask_c, mask_n = c < channels, n < N
-    mask = mask_c[:, None] & mask_n[None, :]
-    A = -tl.exp(tl.load(A_log_ptr + c[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32))
+    row = tl.program_id(0)
+    c, n, mask_c, mask_n, mask, A, tile = _channel_tile(
+        A_log_ptr, state_ptr + row * s_sb, s_si, channels, N, BLOCK_C, BLOCK_N
+    )
     accepted = tl.load(accepted_ptr + row)
-    tile = state_ptr + row * s_sb + c[:, None] * s_si + n[None, :]
     h = tl.load(tile, mask=mask, other=0.0)
     for t in range(length):  # every row runs `length` steps; those past its count have dt = 0 (no-ops)
         dt = tl.load(dt_ptr + row * dt_sb + t * dt_sl + c, mask=mask_c, other=0.0).to(tl.float32)
         dt = tl.where(t < accepted, dt, 0.0)
         x = tl.load(x_ptr + row * x_sb + t * x_sl + c, mask=mask_c, other=0.0).to(tl.float32)
         B = tl.load(B_ptr + row * B_sb + t * B_sl + n, mask=mask_n, other=0.0).to(tl.float32)
-        h = h * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * B[None, :]
+        h = _selective_update(h, A, dt, x, B)
     tl.store(tile, h, mask=mask)
 
 

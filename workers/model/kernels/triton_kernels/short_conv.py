@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model.kernels.triton_kernels.common import CONV_BLOCK
+from workers.model.kernels.triton_kernels.common import CONV_BLOCK, window_taps_
 
 
 @triton.jit
@@ -39,14 +39,9 @@ def _short_conv_step_kernel(
     gate_c = tl.load(proj + channels + c, mask=mask, other=0.0)
     x = tl.load(proj + 2 * channels + c, mask=mask, other=0.0)
     u = (gate_b.to(tl.float32) * x.to(tl.float32)).to(proj_ptr.dtype.element_ty)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    column = window_ptr + row * w_sb + c * w_sc
-    for j in tl.static_range(W - 1):  # load column j, then move it to j - 1 (column j - 1 is already read)
-        old = tl.load(column + j * w_sw, mask=mask, other=0.0)
-        acc += tl.load(weight_ptr + c * W + j, mask=mask, other=0.0).to(tl.float32) * old.to(tl.float32)
-        if j > 0:
-            tl.store(column + (j - 1) * w_sw, old, mask=mask)
-    tl.store(column + (W - 2) * w_sw, u.to(window_ptr.dtype.element_ty), mask=mask)
+    acc = window_taps_(
+        tl.zeros([BLOCK], dtype=tl.float32), window_ptr + row * w_sb + c * w_sc, w_sw, weight_ptr + c * W, mask, u, W
+    )
     # The newest tap last: the torch step's order of summation (oldest column first).
     acc += tl.load(weight_ptr + c * W + (W - 1), mask=mask, other=0.0).to(tl.float32) * u.to(tl.float32)
     if HAS_BIAS:

@@ -25,7 +25,7 @@ from workers.model.checkpoint.config import (
     SHARED_ATTENTION,
     SHORT_CONV,
 )
-from workers.model.layers.attention import Attention, inverse_frequencies
+from workers.model.layers.attention import Attention
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.mamba1 import Mamba1Mixer
@@ -43,7 +43,7 @@ from workers.model.steps.lfm_olmo_records import (
 )
 from workers.model.steps.mamba1_records import kept_width as mamba1_kept_width
 from workers.model.steps.mamba1_records import record_mamba1, record_mamba1_shift
-from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, scratch_rows
+from workers.model.steps.plan_records import Op, Recorder, record_attention_inputs, record_rope_attention, scratch_rows
 from workers.model.steps.shared_block_records import (
     record_embeddings_copy,
     record_shared_block,
@@ -247,45 +247,10 @@ class DecodeRecords:
         self, rec: Recorder, attention: Attention, layer: int, into: torch.Tensor | None = None
     ) -> None:
         """An attention block's records; its o_proj writes `into` (default: `mixed`)."""
-        a, b, length, n = attention.config, rec.rows, rec.length, rec.rows * rec.length
+        a, n = attention.config, rec.rows * rec.length
         width = a.num_heads * a.head_dim
         q, keys, values, out = record_attention_inputs(rec, attention, self)
-        inv_freq = None
-        if a.rope_theta is not None:
-            inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"), a.rope_pairs)
-            self._referenced.append(inv_freq)
-        if inv_freq is not None:
-            for t in range(length):
-                positions = self.positions[t, :b]
-                rec.emit(Op.ROPE, [q[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
-                rec.emit(Op.ROPE, [keys[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
-        # All l tokens at once (each attends causally up to its own position), the cache read once for them.
-        blocks = self.pool.blocks
-        rec.emit(
-            Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
-            [
-                q,
-                keys,
-                values,
-                self.pool.key[layer],
-                self.pool.value[layer],
-                self.slot_ids,
-                self.positions[0, :b],
-                blocks.tables,
-                out,
-                b,
-                a.num_heads,
-                a.num_kv_heads,
-                a.head_dim,
-                self.pool.capacity,
-                blocks.max_blocks_per_slot,
-                blocks.block_size,
-                self.pool.key.shape[2],
-                length,
-                a.sliding_window or 0,
-            ],
-            (a.scale,),
-        )
+        record_rope_attention(rec, self, a, layer, q, keys, values, out)
         if a.output_gate:  # out · sigmoid(gate), the kernel `Attention._output` calls on the native path
             rec.emit(Op.SIGMOID_MUL, [out, self.gate[:n], out, n, width])
         if attention.g_proj is not None:  # LFM3's one gate per head

@@ -13,6 +13,7 @@ import struct
 import torch
 
 from workers.model.kernels import native, native_bf16
+from workers.model.layers.attention import inverse_frequencies
 from workers.model.layers.linear import NativeLinear
 
 
@@ -186,3 +187,55 @@ def record_attention_inputs(rec: Recorder, attention: torch.nn.Module, scratch: 
             head_rows = x.reshape(n * heads, a.head_dim)
             rec.emit(Op.RMS_NORM, [head_rows, norm.weight, head_rows, n * heads, a.head_dim], (norm.eps,))
     return q, keys, values, out
+
+
+def record_rope_attention(
+    rec: Recorder,
+    plan: object,
+    config: object,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """RoPE (when the attention `config` has it) on each token's q and new keys, then attention of the l tokens of
+    each row (each causally up to its own position, the cache read once for them) over the plan's cache layer
+    `layer`. q, keys, values, out are token-major ([l, b, ·] or [l · b, ·]: token t of row r at row t · b + r).
+    `plan` has `pool`, `slot_ids`, `positions` [l, rows] and `_referenced` (tensors the records point at)."""
+    a, b, length = config, rec.rows, rec.length
+    if a.rope_theta is not None:
+        inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"), a.rope_pairs)
+        plan._referenced.append(inv_freq)
+        for t in range(length):
+            positions = plan.positions[t, :b]
+            rec.emit(Op.ROPE, [q.view(length, b, -1)[t], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
+            rec.emit(
+                Op.ROPE, [keys.view(length, b, -1)[t], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim]
+            )
+    pool, blocks = plan.pool, plan.pool.blocks
+    rec.emit(
+        Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
+        [
+            q,
+            keys,
+            values,
+            pool.key[layer],
+            pool.value[layer],
+            plan.slot_ids,
+            plan.positions[0, :b],
+            blocks.tables,
+            out,
+            b,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            pool.capacity,
+            blocks.max_blocks_per_slot,
+            blocks.block_size,
+            pool.key.shape[2],
+            length,
+            a.sliding_window or 0,
+        ],
+        (a.scale,),
+    )

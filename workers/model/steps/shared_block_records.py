@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 
 from workers.model.checkpoint.config import SHARED_ATTENTION
-from workers.model.layers.attention import inverse_frequencies
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.norm import PassThroughNorm, RMSNorm
 from workers.model.layers.shared_block import AdaptedLinear, SharedBlockUse
-from workers.model.steps.plan_records import Op, Recorder, scratch_rows
+from workers.model.steps.plan_records import Op, Recorder, record_rope_attention, scratch_rows
 
 
 class SharedBlockScratch:
@@ -111,7 +110,7 @@ def record_shared_block(rec: Recorder, plan: object, use: SharedBlockUse, layer:
     for projection, out in ((use.attention.q_proj, q), (use.attention.k_proj, keys), (use.attention.v_proj, values)):
         _record_adapted(rec, projection, x2, out, s)
     attended = scratch_rows(plan.narrow, n, a.num_heads * a.head_dim)
-    _record_attend(rec, plan, use, layer, q, keys, values, attended)
+    record_rope_attention(rec, plan, a, layer, q, keys, values, attended)
     rec.linear(use.attention.o_proj, attended, plan.mixed[:n])
     # 3. The gated-GELU MLP on pre_ff_norm(attention output), then the use's own projection.
     eps = use.pre_ff_norm.eps
@@ -141,50 +140,3 @@ def _record_adapted(
     rec.linear(layer.adapter.down, x, low)
     rec.linear(layer.adapter.up, low, adapted)
     rec.emit(Op.ADD, [out, adapted, out, out.numel()])
-
-
-def _record_attend(
-    rec: Recorder,
-    plan: object,
-    use: SharedBlockUse,
-    layer: int,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """RoPE (when the config has it) on q and the new keys, then attention of the l tokens of each row over the
-    use's cache layer; q, keys, values, out are [n, ·] token-major (token t of row r is row t · b + r)."""
-    a, b, length = use.attention.config, rec.rows, rec.length
-    if a.rope_theta is not None:
-        inv_freq = inverse_frequencies(a.rope_theta, a.rotary_dim, torch.device("cpu"), a.rope_pairs)
-        plan._referenced.append(inv_freq)
-        for t in range(length):
-            rows, positions = slice(t * b, (t + 1) * b), plan.positions[t, :b]
-            rec.emit(Op.ROPE, [q[rows], positions, inv_freq, b, a.num_heads, a.head_dim, a.rotary_dim])
-            rec.emit(Op.ROPE, [keys[rows], positions, inv_freq, b, a.num_kv_heads, a.head_dim, a.rotary_dim])
-    blocks = plan.pool.blocks
-    rec.emit(
-        Op.ATTENTION if length == 1 else Op.ATTENTION_VERIFY,
-        [
-            q,
-            keys,
-            values,
-            plan.pool.key[layer],
-            plan.pool.value[layer],
-            plan.slot_ids,
-            plan.positions[0, :b],
-            blocks.tables,
-            out,
-            b,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            plan.pool.capacity,
-            blocks.max_blocks_per_slot,
-            blocks.block_size,
-            plan.pool.key.shape[2],
-            length,
-        ],
-        (a.scale,),
-    )

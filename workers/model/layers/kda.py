@@ -252,10 +252,10 @@ class KimiDeltaAttentionMixer(nn.Module):
         state over the kept k, v, g, beta (as `GatedDeltaNetMixer.state_after` does). `static_shapes`: re-run all l
         steps (those past a row's count are exact no-ops) instead of reading the largest count on the host."""
         if self.decode_kernel == "triton":
-            from workers.model.kernels.triton_kernels.kda import kda_shift_
+            from workers.model.kernels.triton_kernels.gdn import gdn_shift_  # g per key channel: KDA's decay
 
             new = RecurrentState(state.conv.clone(), state.ssm.clone())
-            kda_shift_(new.conv, new.ssm, scan.conv_in, scan.k, scan.v, scan.g, scan.beta, num_tokens)
+            gdn_shift_(new.conv, new.ssm, scan.conv_in, scan.k, scan.v, scan.g, scan.beta, num_tokens)
             return new
         if isinstance(scan, KdaKeptInputs):  # from a native verification: the keep kernel, from copies
             new = RecurrentState(*(t.clone(memory_format=torch.contiguous_format) for t in (state.conv, state.ssm)))

@@ -33,6 +33,18 @@ def _delta_step(S, k, v, g, beta):
 
 
 @triton.jit
+def _state_tile(state_ptr, s_sb, s_sh, s_sk, DK, DV, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's (row, head, block of d_v columns) from its ids: row, head, key indices kk, value columns vv,
+    their masks, the [d_k, block] mask and the state tile's pointers."""
+    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kk = tl.arange(0, BLOCK_K)
+    vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = kk < DK, vv < DV
+    tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
+    return row, head, kk, vv, mask_k, mask_v, mask_k[:, None] & mask_v[None, :], tile
+
+
+@triton.jit
 def _delta_step_kernel(
     qkv_ptr,
     qkv_stride,
@@ -57,10 +69,7 @@ def _delta_step_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kk = tl.arange(0, BLOCK_K)
-    vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = kk < DK, vv < DV
+    row, head, kk, vv, mask_k, mask_v, mask, tile = _state_tile(state_ptr, s_sb, s_sh, s_sk, DK, DV, BLOCK_K, BLOCK_V)
     key_head = head // repeats  # value head j reads key head j // r (repeat_interleave)
     qkv = qkv_ptr + row * qkv_stride
     q = _l2norm(tl.load(qkv + key_head * DK + kk, mask=mask_k, other=0.0).to(tl.float32)) * scale
@@ -70,8 +79,6 @@ def _delta_step_kernel(
     beta = tl.sigmoid(tl.load(gates + head).to(tl.float32)) * beta_scale
     a = tl.load(gates + num_value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
     g = -tl.exp(tl.load(A_log_ptr + head)) * _softplus(a)
-    tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
-    mask = mask_k[:, None] & mask_v[None, :]
     S = _delta_step(tl.load(tile, mask=mask, other=0.0), k, v, g, beta)
     tl.store(tile, S, mask=mask)
     tl.store(o_ptr + row * o_stride + head * DV + vv, tl.sum(S * q[:, None], axis=0), mask=mask_v)
@@ -154,13 +161,8 @@ def _delta_shift_kernel(
 ):
     """One (row, head, block of d_v columns): replay the row's accepted inputs. g is a head's scalar (GDN) or, with
     PER_CHANNEL_G, one decay per key channel (KDA)."""
-    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kk = tl.arange(0, BLOCK_K)
-    vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = kk < DK, vv < DV
-    mask = mask_k[:, None] & mask_v[None, :]
+    row, head, kk, vv, mask_k, mask_v, mask, tile = _state_tile(state_ptr, s_sb, s_sh, s_sk, DK, DV, BLOCK_K, BLOCK_V)
     accepted = tl.load(accepted_ptr + row)
-    tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
     S = tl.load(tile, mask=mask, other=0.0)
     for t in range(length):  # steps past a row's count have g = beta = 0: exact no-ops
         valid = t < accepted

@@ -4,7 +4,7 @@ Step, per row (the conv step is `common.conv_step_`; f_b_proj and g_b_proj are G
 of d_v columns) l2norm q and k, q · d^-0.5, a decay per key channel g = −exp(A_log[h]) · softplus(f + dt_bias),
 beta = sigmoid(b), then S ← S · exp(g)[:, None]; S += k ⊗ beta · (v − Sᵀk) (`gdn._delta_step`); o = Sᵀq (in place, float32; the d_v
 columns of S are independent) → per head weight · rmsnorm(o) · sigmoid(gate). Shift: re-run the accepted inputs'
-delta rule from the state verification started from: `gdn.gdn_shift_` with per-channel g.
+delta rule from the state verification started from: `gdn.gdn_shift_` with per-channel g (no kernel here).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from workers.model.kernels.triton_kernels.common import conv_step_
-from workers.model.kernels.triton_kernels.gdn import VALUE_BLOCK, _delta_step, _l2norm, gdn_shift_
+from workers.model.kernels.triton_kernels.gdn import VALUE_BLOCK, _delta_step, _l2norm, _state_tile
 from workers.model.kernels.triton_kernels.mamba2 import _softplus
 
 
@@ -40,10 +40,7 @@ def _kda_step_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kk = tl.arange(0, BLOCK_D)
-    vv = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k, mask_v = kk < D, vv < D
+    row, head, kk, vv, mask_k, mask_v, mask, tile = _state_tile(state_ptr, s_sb, s_sh, s_sk, D, D, BLOCK_D, BLOCK_V)
     qkv = qkv_ptr + row * qkv_stride + head * D
     q = _l2norm(tl.load(qkv + kk, mask=mask_k, other=0.0).to(tl.float32)) * scale
     k = _l2norm(tl.load(qkv + width + kk, mask=mask_k, other=0.0).to(tl.float32))
@@ -52,8 +49,6 @@ def _kda_step_kernel(
     f += tl.load(dt_bias_ptr + head * D + kk, mask=mask_k, other=0.0).to(tl.float32)
     g = -tl.exp(tl.load(A_log_ptr + head).to(tl.float32)) * _softplus(f)
     beta = tl.sigmoid(tl.load(b_ptr + row * b_stride + head).to(tl.float32))
-    tile = state_ptr + row * s_sb + head * s_sh + kk[:, None] * s_sk + vv[None, :]
-    mask = mask_k[:, None] & mask_v[None, :]
     S = _delta_step(tl.load(tile, mask=mask, other=0.0), k, v, g[:, None], beta)
     tl.store(tile, S, mask=mask)
     tl.store(o_ptr + row * o_stride + head * D + vv, tl.sum(S * q[:, None], axis=0), mask=mask_v)
@@ -122,24 +117,3 @@ def kda_decode_step(
         o, o.stride(0), gate, gate.stride(0), norm_weight, out, out.stride(0), eps, D=head_dim, BLOCK=block
     )
     return out
-
-
-def kda_shift_(
-    conv_state: torch.Tensor,
-    state: torch.Tensor,
-    conv_in: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-) -> None:
-    """In place: the states a verification started from become those after input num_accepted_tokens − 1.
-
-    conv_state [b, 3·h·d, W-1], state [b, h, d, d] float32; the verification's scan inputs conv_in [b, l, 3·h·d],
-    k, v, g [b, l, h, d], beta [b, l, h] (float32); num_accepted_tokens [b] in 1 … l, on the device. Same result
-    as `KimiDeltaAttentionMixer.state_after`: Gated DeltaNet's shift with a decay per key channel.
-    """
-    if g.dim() != 4:
-        raise ValueError(f"KDA's decay g must be [b, l, h, d] (one per key channel), got shape {tuple(g.shape)}")
-    gdn_shift_(conv_state, state, conv_in, k, v, g, beta, num_accepted_tokens)

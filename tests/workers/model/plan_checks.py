@@ -156,6 +156,18 @@ def assert_verification_and_keep_equal_plan_steps(
     assert_kept(verified, snapshots, accepted)
 
 
+def assert_sixteen_rows_keep_their_own_counts(model, ssm_scale: float | None = None) -> None:
+    """16 rows of 5 tokens from random positions (crossing KV blocks of 16), every count 1 … 5 among them: the
+    verification and keep of one plan against 5 plain steps of another over the same random states."""
+    stepped = random_pool(model, slots=16, capacity=24, seed=4, ssm_scale=ssm_scale)
+    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, clone(stepped), tokens_per_row=5)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
+    positions = torch.randint(0, 18, (16,), generator=g).tolist()
+    accepted = [1 + i % 5 for i in range(16)]
+    assert_verification_and_keep_equal_plan_steps(step_plan, verify_plan, tokens, positions, accepted)
+
+
 def assert_forced_acceptance_keeps_prefill_states(path: str | Path) -> None:
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
     the plan: the accepted counts are the scripted ones, after every step each slot holds the states and KV entries

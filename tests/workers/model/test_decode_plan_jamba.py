@@ -16,10 +16,9 @@ from tests.tiny_models import BOS, EOS, make_tokenizer
 from tests.workers.model.plan_checks import (
     assert_forced_acceptance_keeps_prefill_states,
     assert_plan_steps_equal_module_steps,
+    assert_sixteen_rows_keep_their_own_counts,
     assert_speculation_equals,
     assert_verification_and_keep_equal_module_steps,
-    assert_verification_and_keep_equal_plan_steps,
-    clone,
     generate,
     random_pool,
 )
@@ -88,13 +87,7 @@ def test_verification_and_keep_leave_the_states_of_plain_module_steps(paths, lay
 def test_sixteen_rows_keep_each_their_own_count(paths):
     """16 rows of 5 tokens, every count 1 … 5 among them, against 5 plain plan steps (the MoE layout)."""
     model = load_checkpoint(paths("jamba_moe")).model
-    stepped = random_pool(model, slots=16, capacity=24, seed=4)
-    step_plan, verify_plan = DecodePlan(model, stepped), DecodePlan(model, clone(stepped), tokens_per_row=5)
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, model.config.vocab_size, (16, 5), generator=g).tolist()
-    positions = torch.randint(0, 18, (16,), generator=g).tolist()
-    accepted = [1 + i % 5 for i in range(16)]
-    assert_verification_and_keep_equal_plan_steps(step_plan, verify_plan, tokens, positions, accepted)
+    assert_sixteen_rows_keep_their_own_counts(model)
 
 
 @pytest.mark.parametrize("layout", ["jamba_dense", "jamba_odd"])

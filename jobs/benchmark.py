@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_runner(args: argparse.Namespace, path: str) -> ModelRunner:
-    """The runner the flags ask for, sized for the largest batch."""
+    """The runner the flags ask for, sized for the largest batch (the prefix cache off but for --task prefix)."""
     return ModelRunner.from_pretrained(
         path,
         device=args.device,
@@ -244,6 +244,9 @@ def _load_runner(args: argparse.Namespace, path: str) -> ModelRunner:
         decode_plan=not args.no_decode_plan,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
         quantization=args.quantization,
+        # Every measurement repeats the same prompts: with the prefix cache on, the timed runs would restore the
+        # warm-up's states instead of computing them. Only --task prefix measures the cache (its own twins).
+        enable_prefix_caching=args.task == "prefix",
     )
 
 

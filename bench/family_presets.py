@@ -37,29 +37,115 @@ _BENCH = dict(
 _M, _H = "mamba", "hybrid"
 # name → (transformers config class, model class, config keywords)
 FAMILY_PRESETS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "jamba-bench": ("JambaConfig", "JambaForCausalLM", dict(
-        **_BENCH, num_attention_heads=8, num_key_value_heads=4, attn_layer_period=4, attn_layer_offset=3,
-        expert_layer_period=2, expert_layer_offset=1, num_experts=8, num_experts_per_tok=2, mamba_d_state=16,
-        mamba_d_conv=4, mamba_expand=2)),
-    "zamba2-bench": ("Zamba2Config", "Zamba2ForCausalLM", dict(
-        **_BENCH, layers_block_type=[_M, _M, _H, _M, _M, _M, _H, _M], num_attention_heads=8, num_key_value_heads=8,
-        n_mamba_heads=16, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, num_mem_blocks=2,
-        use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=False)),
-    "kimi-bench": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
-        **_BENCH, moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None,
-        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_local_experts=32,
-        num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.446,
-        mlp_layer_types=["dense"] + ["sparse"] * 7, linear_head_dim=128, linear_num_heads=4,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"])),
-    "olmo-bench": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
-        **_BENCH, num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=128, linear_value_head_dim=128, rope_parameters={"rope_theta": None, "rope_type": "default"},
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)),
-    "lfm3-bench": ("Lfm3Config", "Lfm3ForCausalLM", dict(
-        **_BENCH, num_attention_heads=8, num_key_value_heads=4, head_dim=64, conv_L_cache=3, sliding_window=512,
-        layer_types=["conv", "conv", "full_attention", "conv", "sliding_attention", "conv", "full_attention", "conv"])),
-}  # fmt: skip
+    "jamba-bench": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            **_BENCH,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            attn_layer_period=4,
+            attn_layer_offset=3,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        ),
+    ),
+    "zamba2-bench": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            **_BENCH,
+            layers_block_type=[_M, _M, _H, _M, _M, _M, _H, _M],
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            n_mamba_heads=16,
+            mamba_d_state=128,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_ngroups=1,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=128,
+            use_mem_rope=False,
+        ),
+    ),
+    "kimi-bench": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            **_BENCH,
+            moe_intermediate_size=256,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=None,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.446,
+            mlp_layer_types=["dense"] + ["sparse"] * 7,
+            linear_head_dim=128,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        ),
+    ),
+    "olmo-bench": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(
+            **_BENCH,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            rope_parameters={"rope_theta": None, "rope_type": "default"},
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        ),
+    ),
+    "lfm3-bench": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            **_BENCH,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            conv_L_cache=3,
+            sliding_window=512,
+            layer_types=[
+                "conv",
+                "conv",
+                "full_attention",
+                "conv",
+                "sliding_attention",
+                "conv",
+                "full_attention",
+                "conv",
+            ],
+        ),
+    ),
+}
+
+
+def save_random_model(model_class: type, config: Any, directory: Path, dtype: str = "float32") -> Path:
+    """Save `model_class(config)` with seed-0 random weights in `dtype` into `directory` (`save_pretrained`): what
+    every bench preset's checkpoint is."""
+    torch.manual_seed(0)
+    model_class(config).to(getattr(torch, dtype)).save_pretrained(directory)
+    return directory
 
 
 def build_family_preset(name: str, directory: Path) -> Path:
@@ -67,8 +153,6 @@ def build_family_preset(name: str, directory: Path) -> Path:
     import transformers
 
     config_class, model_class, shape = FAMILY_PRESETS[name]
-    config = getattr(transformers, config_class)(**shape)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).to(torch.float32)
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(
+        getattr(transformers, model_class), getattr(transformers, config_class)(**shape), directory
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.family_presets import FAMILY_PRESETS, build_family_preset
+from bench.family_presets import FAMILY_PRESETS, build_family_preset, save_random_model
 
 # Shapes of the runs compared. "bench" is NOTES.md's anchor config; "granite-4.0-h-1b" follows the published
 # Granite 4.0-H-1B config (hidden 1536, 40 layers, 4 of them attention); "tiny" is for smoke tests.
@@ -123,10 +123,7 @@ def build_preset(name: str, directory: Path) -> Path:
         mamba_expand=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(GraniteMoeHybridForCausalLM, config, directory, dtype)
 
 
 def _build_gdn_preset(name: str, directory: Path) -> Path:
@@ -146,10 +143,7 @@ def _build_gdn_preset(name: str, directory: Path) -> Path:
         "full_attention" if i in attention else "linear_attention" for i in range(shape["num_hidden_layers"])
     ]
     config = config_class(**shape, layer_types=layer_types, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = model_class(config).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(model_class, config, directory, dtype)
 
 
 def _build_lfm_preset(name: str, directory: Path) -> Path:
@@ -158,10 +152,7 @@ def _build_lfm_preset(name: str, directory: Path) -> Path:
     shape = dict(LFM_PRESETS[name])
     attention, dtype = shape.pop("attention_layers"), shape.pop("dtype")
     config = Lfm2Config(**shape, full_attn_idxs=attention, block_auto_adjust_ff_dim=False, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Lfm2ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(Lfm2ForCausalLM, config, directory, dtype)
 
 
 def _build_falcon_h1_preset(name: str, directory: Path) -> Path:
@@ -169,10 +160,7 @@ def _build_falcon_h1_preset(name: str, directory: Path) -> Path:
 
     shape = dict(FALCON_H1_PRESETS[name])
     dtype = shape.pop("dtype")
-    torch.manual_seed(0)
-    model = FalconH1ForCausalLM(FalconH1Config(**shape, tie_word_embeddings=True)).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(FalconH1ForCausalLM, FalconH1Config(**shape, tie_word_embeddings=True), directory, dtype)
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -139,11 +139,16 @@ def test_benchmark_resume_bookkeeping_without_a_model(tmp_path, capsys):
     assert "shard bookkeeping (milliseconds)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    ("preset", "model_type"),
-    [("jamba-bench", "jamba"), ("zamba2-bench", "zamba2"), ("kimi-bench", "kimi_linear"),
-     ("olmo-bench", "olmo_hybrid"), ("lfm3-bench", "lfm3")],
-)  # fmt: skip
+FAMILY_PRESET_TYPES = {
+    "jamba-bench": "jamba",
+    "zamba2-bench": "zamba2",
+    "kimi-bench": "kimi_linear",
+    "olmo-bench": "olmo_hybrid",
+    "lfm3-bench": "lfm3",
+}
+
+
+@pytest.mark.parametrize(("preset", "model_type"), FAMILY_PRESET_TYPES.items())
 def test_family_presets_are_their_familys_configs_at_the_bench_size(preset, model_type):
     """Each family preset is a transformers config of that family, 512 wide and 8 layers deep, that hybridgen reads
     (building the full model is left to the benchmark itself: too slow for the suite)."""

@@ -23,8 +23,10 @@ MOE = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe"]  # experts as
 # Families with their own fixture modules (`conftest.other_family_builder`): Falcon-H1 (parallel attention + Mamba2),
 # LFM (short conv, sandwich norms, sliding window), Jamba (Mamba1), Kimi-Linear (KDA, latent attention), Zamba2
 # (shared blocks, adapters), OLMo-Hybrid (post-norm attention, full-width q/k norm, beta · 2).
-OTHER_DENSE = ["falcon_h1", "lfm2", "lfm3", "jamba_dense", "zamba2_abab", "zamba2_lora", "olmo_hybrid"]
-OTHER_DENSE += ["olmo_hybrid_rope"]
+OTHER_DENSE = [
+    *("falcon_h1", "lfm2", "lfm3", "jamba_dense"),
+    *("zamba2_abab", "zamba2_lora", "olmo_hybrid", "olmo_hybrid_rope"),
+]
 OTHER_MOE = ["lfm2_moe", "jamba_moe", "kimi_linear", "kimi_linear_qlora"]
 OTHER = OTHER_DENSE + OTHER_MOE
 FAMILIES = MAMBA2 + GDN + MOE + ["qwen3"] + OTHER  # qwen3: attention only, no recurrent layer

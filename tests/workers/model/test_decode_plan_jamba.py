@@ -28,9 +28,11 @@ from workers.model.layers.mamba1 import Mamba1Mixer
 from workers.model.steps.decode_plan import DecodePlan, unsupported_reason
 
 LAYOUTS = ["jamba_moe", "jamba_dense", "jamba_odd"]
-ODD = dict(hidden_size=35, num_attention_heads=5, num_key_value_heads=1, mamba_expand=1, mamba_d_state=5,
-           mamba_dt_rank=3, mamba_d_conv=2, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
-           expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=1)  # fmt: skip
+# An odd Jamba layout: width 35, d_inner 35 (expand 1), state 5, dt_rank 3, a 2-tap conv, a 2-expert MoE.
+MIXER = dict(mamba_expand=1, mamba_d_state=5, mamba_dt_rank=3, mamba_d_conv=2)
+LAYERS = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2)
+EXPERTS = dict(expert_layer_offset=1, num_experts=2, num_experts_per_tok=1)
+ODD = dict(hidden_size=35, num_attention_heads=5, num_key_value_heads=1, **MIXER, **LAYERS, **EXPERTS)
 
 
 def _build_odd(directory):

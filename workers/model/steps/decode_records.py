@@ -65,6 +65,11 @@ def kept_width(mixer: torch.nn.Module) -> int:
     return mamba1_kept_width(mixer) if isinstance(mixer, Mamba1Mixer) else mixer.in_proj.out_features
 
 
+def _mamba2_sizes(m: object) -> list[int]:
+    """A Mamba2 record's sizes after the row count: heads, head dim, groups, state size, conv taps."""
+    return [m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel]
+
+
 class DecodeRecords:
     """The records of a decode plan's steps, over the buffers the plan allocated (see the module docstring)."""
 
@@ -134,28 +139,24 @@ class DecodeRecords:
             Op.MAMBA2 if length == 1 else Op.MAMBA2_VERIFY,
             [
                 proj,
-                self.pool.conv[layer],
-                mixer.conv1d.weight,
-                mixer.conv1d.bias,
-                mixer.dt_bias,
-                mixer.A_log,
-                mixer.D,
-                self.pool.ssm[layer],
+                *self._mamba2_arguments(mixer, layer),
                 mixer.norm.weight,
                 mixer.norm.num_groups,
                 self.xbc[:n],
                 y,
                 b,
-                m.num_heads,
-                m.head_dim,
-                m.num_groups,
-                m.state_size,
-                m.conv_kernel,
+                *_mamba2_sizes(m),
                 length,
             ],
             (m.dt_min, m.dt_max, mixer.norm.eps),
         )
         rec.linear(mixer.out_proj, y.view(n, m.intermediate_size), self.mixed[:n])
+
+    def _mamba2_arguments(self, mixer: Mamba2Mixer, layer: int) -> list[torch.Tensor | None]:
+        """OP_MAMBA2's / OP_MAMBA2_SHIFT's arguments from the conv window to the SSM states (what
+        `Mamba2Mixer._native_decode` hands `mamba2_decode_step`)."""
+        conv, ssm = self.pool.conv[layer], self.pool.ssm[layer]
+        return [conv, mixer.conv1d.weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log, mixer.D, ssm]
 
     def _gdn_arguments(self, mixer: GatedDeltaNetMixer, layer: int) -> list[torch.Tensor]:
         """OP_GDN's arguments from the conv window to the delta-rule states: what
@@ -206,24 +207,7 @@ class DecodeRecords:
             m = mixer.config
             rec.emit(
                 Op.MAMBA2_SHIFT,
-                [
-                    kept,
-                    self.pool.conv[layer],
-                    mixer.conv1d.weight,
-                    mixer.conv1d.bias,
-                    mixer.dt_bias,
-                    mixer.A_log,
-                    mixer.D,
-                    self.pool.ssm[layer],
-                    scratch,
-                    b,
-                    m.num_heads,
-                    m.head_dim,
-                    m.num_groups,
-                    m.state_size,
-                    m.conv_kernel,
-                    length,
-                ],
+                [kept, *self._mamba2_arguments(mixer, layer), scratch, b, *_mamba2_sizes(m), length],
                 (m.dt_min, m.dt_max),
             )
         return rec.tensor()

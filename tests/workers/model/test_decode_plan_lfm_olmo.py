@@ -6,12 +6,8 @@ patterns, greedy generation plain and speculative (n-gram, attention draft, hybr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
-from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
 from tests.workers.model.plan_checks import (
     NGRAM,
     assert_forced_acceptance_keeps_prefill_states,
@@ -31,40 +27,25 @@ OLMO = ["olmo_hybrid", "olmo_hybrid_rope"]
 FAMILIES = LFM + OLMO
 
 
-@pytest.fixture(scope="module")
-def family_dir(lfm_checkpoint, tmp_path_factory):  # noqa: F811
-    """family → its tiny checkpoint directory (the LFM ones from tests/lfm_models.py, OLMo's built here once)."""
-    built: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family in LFM:
-            return lfm_checkpoint(family)
-        if family not in built:
-            built[family] = build_olmo_hybrid(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
-
-
-def test_the_families_are_covered_and_the_torch_kernels_say_why(family_dir):
+def test_the_families_are_covered_and_the_torch_kernels_say_why(checkpoint_dir):
     for family in FAMILIES:
-        model = load_checkpoint(str(family_dir(family))).model
+        model = load_checkpoint(str(checkpoint_dir(family))).model
         assert unsupported_reason(model) is None, family
-    lfm3 = load_checkpoint(str(family_dir("lfm3"))).model
+    lfm3 = load_checkpoint(str(checkpoint_dir("lfm3"))).model
     windows = {block.mixer.config.sliding_window for block in lfm3.blocks if block.kind == "attention"}
     assert windows == {None, 8} and lfm3.config.sandwich_norms  # the layouts these tests rely on
-    olmo = load_checkpoint(str(family_dir("olmo_hybrid"))).model
+    olmo = load_checkpoint(str(checkpoint_dir("olmo_hybrid"))).model
     assert olmo.config.gdn.beta_scale == 2.0 and olmo.config.post_norm_blocks
     assert all(m.decode_kernel == "native" for m in olmo.modules() if hasattr(m, "decode_kernel"))
     lfm3.blocks[0].mixer.decode_kernel = "torch"
     assert unsupported_reason(lfm3) == "short-conv decode steps do not run through the native kernel"
-    torch_model = load_checkpoint(str(family_dir("olmo_hybrid")), decode_kernel="torch").model
+    torch_model = load_checkpoint(str(checkpoint_dir("olmo_hybrid")), decode_kernel="torch").model
     assert "native kernels are off" in unsupported_reason(torch_model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plan_steps_equal_the_module_path_bit_for_bit(family_dir, family):
-    model = load_checkpoint(str(family_dir(family))).model
+def test_plan_steps_equal_the_module_path_bit_for_bit(checkpoint_dir, family):
+    model = load_checkpoint(str(checkpoint_dir(family))).model
     reference = random_pool(model, slots=4, capacity=40, seed=0, ssm_scale=0.3)  # LFM: an empty ssm buffer
     # Batch sizes change between steps; positions run from inside LFM3's window of 8 to far past it.
     assert_plan_steps_equal_module_steps(
@@ -74,25 +55,25 @@ def test_plan_steps_equal_the_module_path_bit_for_bit(family_dir, family):
 
 @pytest.mark.parametrize("accepted", [[1, 1, 1], [4, 4, 4], [2, 4, 1]], ids=["none", "all", "mixed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_verification_and_keep_leave_the_states_of_plain_module_steps(family_dir, family, accepted):
+def test_verification_and_keep_leave_the_states_of_plain_module_steps(checkpoint_dir, family, accepted):
     """num_accepted_tokens per row: 1 (every draft rejected), 4 (all three accepted), or a mix across rows; one
     row's tokens cross LFM3's sliding window."""
-    model = load_checkpoint(str(family_dir(family))).model
+    model = load_checkpoint(str(checkpoint_dir(family))).model
     stepped = random_pool(model, slots=3, capacity=40, seed=2, ssm_scale=0.3)
     assert_verification_and_keep_equal_module_steps(model, stepped, accepted, [5, 0, 30])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(family_dir, family):
+def test_forced_acceptance_patterns_through_the_plan_keep_plain_states(checkpoint_dir, family):
     """Scripted drafts (0 drafts, none, all or some accepted, mixed across rows and steps) verified and shifted by
     the plan: the accepted counts are the scripted ones, every slot holds the states and KV entries of a fresh
     prefill of its kept tokens, and the output is plain greedy decoding's."""
-    assert_forced_acceptance_keeps_prefill_states(family_dir(family))
+    assert_forced_acceptance_keeps_prefill_states(checkpoint_dir(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_through_plans_equals_the_module_path(family_dir, family):
-    path = family_dir(family)
+def test_greedy_generation_through_plans_equals_the_module_path(checkpoint_dir, family):
+    path = checkpoint_dir(family)
     expected, _ = generate(path, decode_plan=False)
     plain, runner = generate(path)
     assert plain == expected and isinstance(runner._scheduler.workspace.plan, DecodePlan)
@@ -103,11 +84,11 @@ def test_greedy_generation_through_plans_equals_the_module_path(family_dir, fami
     ("family", "draft"),
     [("lfm3", "draft_attention"), ("olmo_hybrid", "draft_hybrid"), ("lfm2_moe", "lfm2"), ("olmo_hybrid_rope", "lfm3")],
 )
-def test_draft_model_speculation_through_plans_equals_plain(family_dir, checkpoint_dir, monkeypatch, family, draft):
+def test_draft_model_speculation_through_plans_equals_plain(checkpoint_dir, monkeypatch, family, draft):
     """An attention-only draft, a Mamba2 hybrid draft, and LFM drafts (short convs shifted on the draft's side too):
     the target's and the draft's steps run through plans; greedy output is plain greedy's."""
-    path = family_dir(family)
-    draft_path = family_dir(draft) if draft in FAMILIES else checkpoint_dir(draft)
+    path = checkpoint_dir(family)
+    draft_path = checkpoint_dir(draft) if draft in FAMILIES else checkpoint_dir(draft)
     expected, _ = generate(path, decode_plan=False)
     plans: list[DecodePlan] = []
     monkeypatch.setattr(DecodePlan, "__init__", recording(DecodePlan.__init__, plans))

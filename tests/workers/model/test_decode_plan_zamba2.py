@@ -23,7 +23,7 @@ from tests.workers.model.plan_checks import (
     generate,
     random_pool,
 )
-from tests.zamba2_models import build_zamba2, copy_shared_weights_to_every_use
+from tests.zamba2_models import copy_shared_weights_to_every_use
 from workers import SpeculativeConfig
 from workers.model import load_checkpoint
 from workers.model.checkpoint.config import SHARED_ATTENTION
@@ -35,9 +35,9 @@ LAYOUTS = ["zamba2_abab", "zamba2_lora", "zamba2_lora_copies"]
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
+def paths(checkpoint_dir, tmp_path_factory):
     """layout → checkpoint directory; "zamba2_lora_copies" stores the shared weights under every use."""
-    built = {name: build_zamba2(name, tmp_path_factory.mktemp(name)) for name in LAYOUTS[:2]}
+    built = {name: checkpoint_dir(name) for name in LAYOUTS[:2]}
     copies = shutil.copytree(built["zamba2_lora"], tmp_path_factory.mktemp("copies") / "zamba2_lora_copies")
     copy_shared_weights_to_every_use(copies / "model.safetensors")
     return {**built, "zamba2_lora_copies": copies}

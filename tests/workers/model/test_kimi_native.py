@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import KimiLinearForCausalLM
 
-from tests.kimi_models import build_kimi_checkpoint
 from workers import ModelRunner
 from workers.model import ForwardBatch, StatePool, load_checkpoint
 from workers.model.checkpoint.config import KDA
@@ -26,13 +25,13 @@ FAMILIES = ["kimi_linear", "kimi_linear_odd"]
 
 
 @pytest.fixture(scope="module")
-def kimi_model(tmp_path_factory):
-    """layout → (checkpoint path, our model on the native path), built on first use."""
+def kimi_model(checkpoint_dir):
+    """layout → (checkpoint path, our model on the native path), loaded on first use."""
     built = {}
 
     def get(family: str):
         if family not in built:
-            path = build_kimi_checkpoint(family, tmp_path_factory.mktemp(family))
+            path = checkpoint_dir(family)
             built[family] = path, load_checkpoint(str(path), decode_kernel="native").model
         return built[family]
 

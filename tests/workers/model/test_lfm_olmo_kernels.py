@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.lfm_models import lfm_checkpoint  # noqa: F401 (a fixture)
-from tests.workers.model.olmo_hybrid_fixtures import build_olmo_hybrid
 from tests.workers.model.plan_checks import clone, module_step, random_pool
 from tests.workers.model.test_gdn_prefill_native import _native_prefill
 from workers.model import load_checkpoint
@@ -27,11 +25,6 @@ from workers.model.layers.short_conv import ShortConvMixer
 from workers.model.state import RecurrentState
 
 ATOL = RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def olmo_dir(tmp_path_factory) -> Path:
-    return build_olmo_hybrid("olmo_hybrid", tmp_path_factory.mktemp("olmo_hybrid"))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -74,9 +67,9 @@ def test_native_short_conv_prefill_equals_the_torch_conv(d, taps, length, from_w
 
 
 @pytest.mark.parametrize("family", ["lfm2", "lfm2_untied"])
-def test_native_short_conv_mixer_forwards_equal_the_torch_mixer(lfm_checkpoint, family):  # noqa: F811
+def test_native_short_conv_mixer_forwards_equal_the_torch_mixer(checkpoint_dir, family):
     """Prompts from zero, chunks continuing a state, and the scan inputs a state shift re-reads."""
-    path = str(lfm_checkpoint(family))
+    path = str(checkpoint_dir(family))
     mixers = {
         kernel: next(
             m for m in load_checkpoint(path, decode_kernel=kernel).model.modules() if isinstance(m, ShortConvMixer)
@@ -111,10 +104,10 @@ def test_native_short_conv_step_checks_shapes():
 
 
 @pytest.mark.parametrize("family", ["lfm2_untied", "lfm3", "olmo_hybrid"])
-def test_native_decode_steps_equal_the_torch_module_path(lfm_checkpoint, olmo_dir, family):  # noqa: F811
+def test_native_decode_steps_equal_the_torch_module_path(checkpoint_dir, family):
     """Whole decode steps with every native kernel (short conv, sliding-window attention at positions past LFM3's
     window of 8, head gates, sandwich and post norms, OLMo's GDN with beta 2) against the torch kernels."""
-    path = str(olmo_dir if family == "olmo_hybrid" else lfm_checkpoint(family))
+    path = str(checkpoint_dir(family))
     models = {kernel: load_checkpoint(path, decode_kernel=kernel).model for kernel in ("torch", "native")}
     kinds = {m.decode_kernel for m in models["native"].modules() if isinstance(m, ShortConvMixer | GatedDeltaNetMixer)}
     assert kinds == {"native"}
@@ -131,8 +124,8 @@ def test_native_decode_steps_equal_the_torch_module_path(lfm_checkpoint, olmo_di
         torch.testing.assert_close(getattr(pools["native"], name), getattr(pools["torch"], name), atol=1e-4, rtol=1e-4)
 
 
-def _olmo_mixer(olmo_dir: Path) -> GatedDeltaNetMixer:
-    model = load_checkpoint(str(olmo_dir), decode_kernel="native").model
+def _olmo_mixer(path: Path) -> GatedDeltaNetMixer:
+    model = load_checkpoint(str(path), decode_kernel="native").model
     mixer = next(m for m in model.modules() if isinstance(m, GatedDeltaNetMixer))
     assert mixer.config.beta_scale == 2.0 and mixer.decode_kernel == "native"
     return mixer
@@ -156,10 +149,10 @@ def _token_by_token(
 
 @pytest.mark.parametrize("from_state", [False, True], ids=["zero", "kept"])
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 2 * 64 + 9])
-def test_olmo_native_prefill_equals_the_token_by_token_reference(olmo_dir, length, from_state):
+def test_olmo_native_prefill_equals_the_token_by_token_reference(checkpoint_dir, length, from_state):
     """Prompt lengths at the chunk size's boundaries (1, chunk − 1, chunk, chunk + 1, two chunks and a tail), ragged
     rows, one without tokens; from the zero state or continuing a kept one."""
-    mixer = _olmo_mixer(olmo_dir)
+    mixer = _olmo_mixer(checkpoint_dir("olmo_hybrid"))
     g, generator = mixer.config, torch.Generator().manual_seed(length)
     assert g.chunk_size == 64
     num_tokens = torch.tensor([length, (length + 1) // 2, 0])
@@ -186,9 +179,9 @@ def test_olmo_native_prefill_equals_the_token_by_token_reference(olmo_dir, lengt
         torch.testing.assert_close(mixer_out * valid, mixer.out_proj(out) * valid, atol=ATOL, rtol=RTOL)
 
 
-def test_olmo_native_decode_steps_equal_the_token_by_token_reference(olmo_dir):
+def test_olmo_native_decode_steps_equal_the_token_by_token_reference(checkpoint_dir):
     """beta = 2·sigmoid(b) in the decode kernel: steps from a random state against the torch reference."""
-    mixer = _olmo_mixer(olmo_dir)
+    mixer = _olmo_mixer(checkpoint_dir("olmo_hybrid"))
     g, generator = mixer.config, torch.Generator().manual_seed(5)
     start = RecurrentState(
         torch.randn(2, g.conv_dim, g.conv_kernel - 1, generator=generator),

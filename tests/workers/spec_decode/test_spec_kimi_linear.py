@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kimi_models import build_kimi_checkpoint
 from tests.tiny_models import engine_config
 from tests.workers.spec_decode.test_greedy_exactness import _prompts as spec_prompts
 from tests.workers.spec_decode.test_state_shifting import (
@@ -23,27 +22,15 @@ from workers.spec_decode.draft_model import DraftModelProposer
 SPEC_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def kimi_dir(tmp_path_factory):
-    built = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = build_kimi_checkpoint(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
+def test_forced_acceptance_patterns_keep_states_exact(checkpoint_dir):
+    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(checkpoint_dir("kimi_linear")), max_num_seqs=4))
 
 
-def test_forced_acceptance_patterns_keep_states_exact(kimi_dir):
-    assert_forced_acceptance_exact(ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=4))
-
-
-def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir, checkpoint_dir):
+def test_kimi_draft_state_is_shifted_to_what_it_has_seen(checkpoint_dir):
     """A Kimi-Linear draft (KDA and latent attention, no experts) for a small attention-only target: after every
     step the draft's states and latent cache equal a fresh prefill of the tokens it has seen."""
     target = ModelRunner.from_pretrained(str(checkpoint_dir("draft_attention")), max_num_seqs=3, linear_backend="torch")
-    draft_runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear_dense")), linear_backend="torch")
+    draft_runner = ModelRunner.from_pretrained(str(checkpoint_dir("kimi_linear_dense")), linear_backend="torch")
     prompts = _prompts(seed=3)[:3]
     proposer = DraftModelProposer(draft_runner.model)
     scheduler = Scheduler(target.model, engine_config(3, 3), _requests(prompts), proposer)
@@ -60,12 +47,12 @@ def test_kimi_draft_state_is_shifted_to_what_it_has_seen(kimi_dir, checkpoint_di
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(kimi_dir):
+def plain_outputs(checkpoint_dir):
     cache: dict[int, list[list[int]]] = {}
 
     def get(batch: int) -> list[list[int]]:
         if batch not in cache:
-            runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=8)
+            runner = ModelRunner.from_pretrained(str(checkpoint_dir("kimi_linear")), max_num_seqs=8)
             cache[batch] = [r.token_ids for r in runner.generate(spec_prompts(batch, batch), SPEC_PARAMS)]
         return cache[batch]
 
@@ -76,14 +63,14 @@ def plain_outputs(kimi_dir):
     ("method", "batch"),
     [("ngram-fixed", 1), ("ngram", 5), ("ngram", 16), ("attention", 5), ("hybrid", 16), ("kimi", 1)],
 )
-def test_greedy_speculative_equals_greedy_plain(method, batch, kimi_dir, checkpoint_dir, plain_outputs):
+def test_greedy_speculative_equals_greedy_plain(method, batch, checkpoint_dir, plain_outputs):
     if method.startswith("ngram"):
         policy = "fixed" if method == "ngram-fixed" else "adaptive"
         speculative = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, policy=policy)
     else:
-        draft = kimi_dir("kimi_linear_qlora") if method == "kimi" else checkpoint_dir(f"draft_{method}")
+        draft = checkpoint_dir("kimi_linear_qlora") if method == "kimi" else checkpoint_dir(f"draft_{method}")
         speculative = SpeculativeConfig("draft", num_speculative_tokens=3, draft_model=str(draft))
-    runner = ModelRunner.from_pretrained(str(kimi_dir("kimi_linear")), max_num_seqs=8, speculative=speculative)
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("kimi_linear")), max_num_seqs=8, speculative=speculative)
     results = runner.generate(spec_prompts(batch, batch), SPEC_PARAMS)
     assert [r.token_ids for r in results] == plain_outputs(batch)
     stats = runner.spec_stats()

@@ -8,7 +8,8 @@ projection plus the use's low-rank adapter up(down(x)) when it has one (LINEAR, 
 pre_ff_norm, gate/up (shared projection plus adapter), GELU_MUL (the kernel the module path calls), down_proj, the
 use's own `linear`; then the next block's norm of hidden + T (ADD into scratch, RMS_NORM: the residual stream is
 not written). The shared weights are the same modules in every use, so every use's records point at the same packed
-panels. A block before a use ends with PassThroughNorm's residual: hidden += out, normed = hidden.
+panels. A block before a use ends with PassThroughNorm's residual, hidden += out and normed = hidden
+(`lfm_olmo_records.record_residual`, as before OLMo's post-norm blocks).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from workers.model.checkpoint.config import SHARED_ATTENTION
 from workers.model.layers.linear import NativeLinear
-from workers.model.layers.norm import PassThroughNorm, RMSNorm
+from workers.model.layers.norm import RMSNorm
 from workers.model.layers.shared_block import AdaptedLinear, SharedBlockUse
 from workers.model.steps.plan_records import Op, Recorder, record_rope_attention, scratch_rows
 
@@ -77,22 +78,6 @@ def record_embeddings_copy(rec: Recorder, plan: object, n: int) -> None:
     if scratch.concat.shape[0]:
         d = plan.model.config.hidden_size
         rec.emit(Op.COPY_ROWS, [scratch.concat.view(-1)[d:], plan.hidden, n, d, 2 * d, d])
-
-
-def record_norm_or_pass_through(rec: Recorder, plan: object, norm: torch.nn.Module, n: int) -> None:
-    """normed = norm(hidden): the first block's norm (a PassThroughNorm gives hidden itself, as the module path)."""
-    d = plan.model.config.hidden_size
-    if isinstance(norm, PassThroughNorm):
-        rec.emit(Op.COPY, [plan.normed, plan.hidden, n * d])
-    else:
-        rec.emit(Op.RMS_NORM, [plan.hidden, norm.weight, plan.normed, n, d], (norm.eps,))
-
-
-def record_pass_through_residual(rec: Recorder, plan: object, n: int) -> None:
-    """PassThroughNorm.add_and_norm after a block (α = 1): hidden += mixed, normed = hidden."""
-    size = n * plan.model.config.hidden_size
-    rec.emit(Op.ADD, [plan.hidden, plan.mixed, plan.hidden, size])
-    rec.emit(Op.COPY, [plan.normed, plan.hidden, size])
 
 
 def record_shared_block(rec: Recorder, plan: object, use: SharedBlockUse, layer: int, next_norm: RMSNorm) -> None:

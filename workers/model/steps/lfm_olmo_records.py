@@ -63,8 +63,9 @@ def record_residual(
     if block.post_norm is not None:
         norm = block.post_norm
         rec.emit(Op.RMS_NORM, [mixed, norm.weight, mixed, n, d], (norm.eps,))
-    if isinstance(next_norm, PassThroughNorm):
-        rec.emit(Op.RESIDUAL_ADD, [hidden, mixed, normed, n * d], (residual_multiplier,))
+    if isinstance(next_norm, PassThroughNorm):  # α is 1 there (`post_norm_unsupported_reason`): an exact add
+        rec.emit(Op.ADD, [hidden, mixed, hidden, n * d])
+        rec.emit(Op.COPY, [normed, hidden, n * d])
     else:
         rec.emit(Op.ADD_RMS_NORM, [hidden, mixed, next_norm.weight, normed, n, d], (residual_multiplier, next_norm.eps))
 

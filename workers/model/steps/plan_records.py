@@ -51,13 +51,13 @@ class Op(enum.IntEnum):
     MAMBA1_NORMS = 51  # the dt / B / C RMS norms of x_proj's output
     MAMBA1_SSM = 52  # softplus(dt), the selective state update, D skip, silu(z) gate (decode or verification)
     MAMBA1_SHIFT = 53  # the keep after a verification (decode_plan_shift)
-    ADD = 80  # out = x + y elementwise (Zamba2: adapters, the residual stream its shared blocks leave unwritten)
+    ADD = 80  # out = x + y elementwise (Zamba2: adapters, the residual stream its shared blocks leave unwritten; the
+    # residual before a post-norm or shared block)
     GELU_MUL = 81  # gelu(gate) · up, the erf form (Zamba2's shared MLP)
     SHORT_CONV = 70  # LFM2's gated short conv (csrc/short_conv.c; lfm_olmo_records.py)
     SHORT_CONV_VERIFY = 71
     SHORT_CONV_SHIFT = 72
     REPEAT_HEADS = 73  # LFM3's per-head output gate over each head's channels
-    RESIDUAL_ADD = 77  # OLMo: the residual add before a post-norm block, copied into `normed` (no norm)
     KDA = 57  # Kimi Delta Attention (kimi_records.py)
     KDA_VERIFY = 58
     KDA_SHIFT = 59

@@ -57,7 +57,6 @@ enum {
     OP_SHORT_CONV_VERIFY = 71,
     OP_SHORT_CONV_SHIFT = 72,
     OP_REPEAT_HEADS = 73, /* LFM3's per-head output gate, repeated over each head's channels */
-    OP_RESIDUAL_ADD = 77, /* OLMo's residual add before a post-norm block (no norm after it) */
     OP_KDA = 57, /* Kimi Delta Attention (kda_decode.c) */
     OP_KDA_VERIFY = 58,
     OP_KDA_SHIFT = 59,
@@ -298,12 +297,6 @@ int64_t decode_plan_run(const plan_op *ops, int64_t n, int num_threads) {
         case OP_REPEAT_HEADS: /* a: per-head values [rows, H], out [rows, H, width], rows · H, width */
             for (int64_t r = 0; r < op->a[2]; ++r)
                 for (int64_t i = 0; i < op->a[3]; ++i) F32(1)[r * op->a[3] + i] = F32(0)[r];
-            break;
-        case OP_RESIDUAL_ADD: /* a: hidden, delta, normed, rows · d; f: alpha (1: an exact add, as torch's) */
-            for (int64_t j = 0; j < op->a[3]; ++j) {
-                F32(0)[j] = op->f[0] == 1.0 ? F32(0)[j] + F32(1)[j] : F32(0)[j] + (float)op->f[0] * F32(1)[j];
-                F32(2)[j] = F32(0)[j];
-            }
             break;
         case OP_ARGMAX: /* a: logits [rows, n], token ids out [rows] (int64), rows, n: torch.argmax's first index */
             argmax_rows(F32(0), I64(1), op->a[2], op->a[3], num_threads);

@@ -5,5 +5,14 @@ from workers.requests import GenerationResult, ScoreResult
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
+from workers.structured_outputs import StructuredOutputsParams
 
-__all__ = ["EngineConfig", "GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult", "SpeculativeConfig"]
+__all__ = [
+    "EngineConfig",
+    "GenerationResult",
+    "ModelRunner",
+    "SamplingParams",
+    "ScoreResult",
+    "SpeculativeConfig",
+    "StructuredOutputsParams",
+]

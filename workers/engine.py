@@ -12,6 +12,7 @@ from workers.scheduler import Scheduler
 from workers.spec_decode import registry
 from workers.spec_decode.proposal import Proposer
 from workers.spec_decode.registry import ProposerContext
+from workers.structured_outputs import GrammarCompilerCache, RequestGrammar
 
 
 class RequestEngine:
@@ -58,11 +59,32 @@ class RequestEngine:
             self._unclaimed.append((request_id, GenerationResult([], "error", problem, None, 0)))
             return
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
+        grammar, problem = self._request_grammar(sampling, stop_ids)
+        if problem:
+            self._unclaimed.append((request_id, GenerationResult([], "error", problem, None, len(prompt_token_ids))))
+            return
         generator = make_generator(sampling, self.device, self._seed_source.getrandbits(63))
         index = next(self._request_counter)  # unique over the runner's life (the policy keys its evidence by it)
         self._request_keys[index] = request_id
         prompt = [int(t) for t in prompt_token_ids]
-        self._engine().add([Request(index, prompt, sampling, stop_ids, generator, self.max_model_len)])
+        request = Request(index, prompt, sampling, stop_ids, generator, self.max_model_len, grammar=grammar)
+        self._engine().add([request])
+
+    def _request_grammar(
+        self, sampling: SamplingParams, stop_ids: frozenset[int]
+    ) -> tuple[RequestGrammar | None, str | None]:
+        """(the request's grammar state, None), or (None, why its constraint cannot run). Constraints compile over
+        the runner's tokenizer, once per distinct constraint (`GrammarCompilerCache`)."""
+        if sampling.structured_outputs is None:
+            return None, None
+        if self.tokenizer is None:
+            return None, "structured_outputs needs the runner's tokenizer (load the model with from_pretrained)"
+        if self._grammars is None:
+            self._grammars = GrammarCompilerCache(self.tokenizer, self.config.vocab_size)
+        try:
+            return self._grammars.request_grammar(sampling.structured_outputs, stop_ids), None
+        except ValueError as error:
+            return None, str(error)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any added request has not been returned by `step` yet (vLLM's name)."""

@@ -9,6 +9,7 @@ import torch
 
 from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, SamplingParams
 from workers.spec_stats import SpecStats
+from workers.structured_outputs import RequestGrammar
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a decode shows for UTF-8 bytes of a character not complete yet
 
@@ -59,6 +60,7 @@ class Request:
     error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
+    grammar: RequestGrammar | None = None  # its structured-outputs matcher (`workers/structured_outputs.py`)
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +84,8 @@ class Request:
     def append(self, token: int, tokenizer: Any | None) -> bool:
         """Add one generated token; return True when the request has finished (and set its reason)."""
         self.output.append(token)
-        if token in self.stop_token_ids:
+        complete = self.grammar is not None and self.grammar.advance(token)  # the grammar follows every token
+        if token in self.stop_token_ids or complete:
             self.finish_reason = "stop"
         elif self.params.stop and tokenizer is not None and self._hit_stop_string(tokenizer):
             self.finish_reason = "stop"
@@ -134,6 +137,6 @@ class Request:
         )
 
 
-def sampling_batch(requests: list[Request]) -> SamplingBatch:
-    """The requests' sampling state, row by row."""
-    return SamplingBatch([r.params for r in requests], [r.generator for r in requests])
+def sampling_batch(requests: list[Request], masks: torch.Tensor | None = None) -> SamplingBatch:
+    """The requests' sampling state, row by row (`masks`: the step's grammar masks, if any row has a constraint)."""
+    return SamplingBatch([r.params for r in requests], [r.generator for r in requests], masks)

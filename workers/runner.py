@@ -24,6 +24,7 @@ from workers.scorer import Scorer
 from workers.spec_decode import SpecStats
 from workers.spec_decode.policy import make_policy
 from workers.spec_decode.proposal import Proposer
+from workers.structured_outputs import GrammarCompilerCache
 from workers.tokenizer import check_same_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class ModelRunner(RequestEngine):
         self._request_keys: dict[int, Hashable] = {}  # Request.index → the caller's request_id
         self._unclaimed: list[tuple[Hashable, GenerationResult]] = []  # results the next `step` returns first
         self._spec_stats = SpecStats()
+        self._grammars: GrammarCompilerCache | None = None  # structured outputs' compiler, made on first use
         proposer_class = (
             type(proposer) if proposer is not None else config.speculative and config.speculative.proposer_class
         )

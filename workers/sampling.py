@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.model.kernels import native
+from workers.structured_outputs import StructuredOutputsParams
 
 # An empty place in a step's output rows: a verification's row holds its valid tokens from column 0, then these.
 PLACEHOLDER_TOKEN_ID = -1
@@ -19,7 +20,8 @@ class SamplingParams:
     temperature 0 means greedy. `seed` (any integer, used modulo 2^64) makes a request's samples reproducible
     whatever else is in the batch; without one, each request draws a fresh seed from the runner's OS-seeded stream.
     Generation stops at `max_tokens`, at any of `stop_token_ids` (plus the model's eos unless `ignore_eos`), or
-    when the text contains one of the `stop` strings (the text is cut before it).
+    when the text contains one of the `stop` strings (the text is cut before it). `structured_outputs` constrains
+    the output to a JSON schema, regex, choice or grammar (`workers/structured_outputs.py`).
     """
 
     max_tokens: int = 256
@@ -30,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +51,11 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids ≥ 0"),
+            (
+                "structured_outputs",
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "a StructuredOutputsParams or None",
+            ),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -102,6 +110,10 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     generators: list[torch.Generator]
+    # xgrammar token bitmasks (int32, a bit per token), one row per position a token is chosen at: [b, words] for a
+    # sampled step, [b, k + 1, words] for a verification; rows without a constraint allow every token. None: no row
+    # of the step has a constraint.
+    masks: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -109,9 +121,25 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
+def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits [b, v] or [b, k + 1, v] with every row's grammar mask applied (disallowed tokens −inf), a copy;
+    the logits themselves when no row has a constraint."""
+    if batch.masks is None:
+        return logits
+    from xgrammar import apply_token_bitmask_inplace  # only steps with a constrained row need it
+
+    vocab_size = logits.shape[-1]
+    masked = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # contiguous, whatever the
+    masked.copy_(logits)  # logits' strides (a plan's verification logits are a view); the raw logits stay as they are
+    masks = batch.masks.to(masked.device, non_blocking=True)
+    apply_token_bitmask_inplace(masked.view(-1, vocab_size), masks.view(-1, masks.shape[-1]), vocab_size=vocab_size)
+    return masked
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-    """One next token per row of logits [b, v]."""
+    """One next token per row of logits [b, v] (grammar masks applied first)."""
     params, generators = batch.params, batch.generators
+    logits = apply_masks(logits, batch)
     if native.loaded() and native.fits(logits) and logits.dim() == 2:
         tokens = native.argmax(logits).tolist()  # one pass per row instead of torch's ~1 ms at 32 × 32k on CPU
     else:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from workers.executors import ModuleExecutor, Verification
+from workers.grammar_masks import MaskBuilder, legal_drafts
 from workers.requests import Request, sampling_batch
-from workers.sampling import PLACEHOLDER_TOKEN_ID, sample
+from workers.sampling import PLACEHOLDER_TOKEN_ID, apply_masks, sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, observe_shadow_drafts
 from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import RejectionSampler, num_accepted_tokens
@@ -32,6 +33,7 @@ class StepApplier:
         self.tokenizer, self.proposer, self.policy = tokenizer, proposer, policy
         self.rejection_sampler = rejection_sampler
         self.drafts_from_hidden = proposer is not None and proposer.drafts_from_hidden
+        self.masks = MaskBuilder()  # structured outputs: the step's grammar masks, built during its forward
 
     def observe(
         self, requests: list[Request], hidden: torch.Tensor | None, cache_lens: list[int], kept: list[int]
@@ -40,9 +42,23 @@ class StepApplier:
         if self.drafts_from_hidden:
             self.proposer.observe_target(requests, hidden, cache_lens, kept)
 
+    def legal_drafts(self, requests: list[Request], proposal: Proposal) -> Proposal:
+        """The proposal cut to the drafts each constrained row's grammar allows (before they are verified)."""
+        return legal_drafts(requests, proposal)
+
+    def start_masks(self, requests: list[Request], proposal: Proposal | None = None) -> None:
+        """Before a step's forward: its grammar masks start building (a verification of `proposal`, or None)."""
+        self.masks.start(requests, proposal)
+
+    def decode(self, requests: list[Request], executor: ModuleExecutor) -> None:
+        """A plain decode step, executed and applied (its grammar masks built during the forward)."""
+        self.start_masks(requests)
+        self.decoded(requests, *executor.decode(requests))
+
     def sampled(self, requests: list[Request], logits: torch.Tensor) -> None:
-        """One sampled token appended to every request (logits [b, v])."""
-        tokens = sample(logits, sampling_batch(requests))
+        """One sampled token appended to every request (logits [b, v]), masked by its grammar."""
+        masks = self.masks.take(requests)
+        tokens = sample(logits, sampling_batch(requests, None if masks is None else masks[:, 0]))
         for request, token in zip(requests, tokens):
             request.append(token, self.tokenizer)
 
@@ -57,9 +73,10 @@ class StepApplier:
         """Accept → shift → append for a verification step; returns num_accepted_tokens per request."""
         # 1. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
         drafts = proposal.token_ids.to(executor.device)  # [num_reqs, max_k]
-        batch = sampling_batch(requests)
+        batch = sampling_batch(requests, self.masks.take(requests, proposal))
+        target_logits = apply_masks(verification.logits, batch)  # every position masked by its row's grammar
         output_token_ids = self.rejection_sampler(
-            drafts, verification.logits, proposal.probs, batch.params, batch.generators
+            drafts, target_logits, proposal.probs, batch.params, batch.generators
         )  # [num_reqs, max_k + 1], on the device
         rows = output_token_ids.tolist()
         accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens

@@ -51,12 +51,22 @@ def choose_draft_token(
 ) -> int:
     """The next draft token of a model proposer: argmax for greedy requests, else a sample from q, recorded in
     probs[row, step] for verification. Steps past a request's own budget only keep the batch running; they draw
-    nothing from its generator, so its random stream does not depend on the other requests."""
+    nothing from its generator, so its random stream does not depend on the other requests.
+
+    A constrained request drafts from its grammar's masked logits (q masked too: its drafts are legal and exactly
+    distributed as recorded), its matcher walking through the drafts until they are checked (`legal_drafts`)."""
+    grammar = request.grammar if is_draft else None
+    if grammar is not None:
+        logits = grammar.mask_draft_logits(logits)
     if request.params.greedy or not is_draft:
-        return int(logits.argmax())
-    q = target_probs(logits, request.params)
-    probs[row, step] = q
-    return sample_from(q, request.generator)
+        token = int(logits.argmax())
+    else:
+        q = target_probs(logits, request.params)
+        probs[row, step] = q
+        token = sample_from(q, request.generator)
+    if grammar is not None:
+        grammar.walk_draft(token)
+    return token
 
 
 class Proposer:

@@ -5,6 +5,7 @@ accepted, and sampled rows distributed as the masked target (chi-square)."""
 from __future__ import annotations
 
 import random
+
 import pytest
 import torch
 from scipy.stats import chisquare

@@ -139,6 +139,9 @@ class ModelConfig:
                 _fail("ModelConfig", "max_memory", self.max_memory, "give bytes or a size like 8GB, 8GiB, 512MiB")
 
 
+STRUCTURED_OUTPUT_FLAGS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's constraint fields
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """vLLM's sampling names; validated again by `workers.SamplingParams`."""
@@ -154,6 +157,25 @@ class SamplingConfig:
     )
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
     ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
+    json_schema: str | None = _doc(
+        "structured outputs: every row's output is JSON valid against this schema (a file, or inline JSON)",
+        default=None,
+    )
+    regex: str | None = _doc("structured outputs: every row's output matches this regular expression", default=None)
+    choice: tuple[str, ...] = _doc(
+        "structured outputs: every row's output is one of these strings (repeat the flag for each)", default=()
+    )
+    grammar: str | None = _doc(
+        "structured outputs: every row's output follows this EBNF (GBNF) grammar file (start rule `root`)",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choice", (self.choice,) if isinstance(self.choice, str) else tuple(self.choice))
+        given = [name for name in STRUCTURED_OUTPUT_FLAGS if getattr(self, name)]
+        if len(given) > 1:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"give at most one of --json-schema, --regex, --choice, --grammar (got {flags})")
 
 
 @dataclass(frozen=True)
@@ -334,63 +356,6 @@ class GenerateJobConfig:
             raise ValueError("give exactly one of --prompt-column or --messages-column")
         if self.speculative.speculative == "draft" and not self.speculative.draft_model:
             raise ValueError("--speculative draft needs --draft-model")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready nested dict (for the manifest)."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class ScoreInputConfig:
-    """Where the rows come from and which columns to score."""
-
-    input: str = _doc(
-        "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
-    )
-    split: str = _doc("dataset split to read", default="train")
-    text_column: str | None = _doc("score every token of this text after the first", default=None)
-    prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
-    completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
-    messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc(
-        "column whose values become the output `id` (default: the input's `id` column if it "
-        "has one, else the row index)",
-        default=None,
-    )
-
-    def __post_init__(self) -> None:
-        if not self.input:
-            _fail("ScoreInputConfig", "input", self.input, "give a dataset name, file, directory or glob")
-        modes = [self.text_column is not None, self.messages_column is not None,
-                 self.prompt_column is not None or self.completion_column is not None]  # fmt: skip
-        if sum(modes) != 1 or ((self.prompt_column is None) != (self.completion_column is None)):
-            raise ValueError(
-                "give exactly one of --text-column, --messages-column, or --prompt-column with --completion-column"
-            )
-
-
-@dataclass(frozen=True)
-class ScoreOptions:
-    """How rows are scored."""
-
-    add_bos: bool | None = _doc(
-        "prepend the tokenizer's special tokens (default: the tokenizer's own choice)", default=None
-    )
-    truncate: bool = _doc(
-        "keep the first --max-model-len tokens of longer rows (else the row gets an error)", default=False
-    )
-    token_logprobs: bool = _doc("also write each scored token's log-probability (list<float32>)", default=False)
-
-
-@dataclass(frozen=True)
-class ScoreJobConfig:
-    """Everything `jobs/score.py` needs."""
-
-    input: ScoreInputConfig
-    model: ModelConfig
-    scoring: ScoreOptions = field(default_factory=ScoreOptions)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dict (for the manifest)."""

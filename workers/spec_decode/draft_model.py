@@ -116,7 +116,10 @@ class DraftModelProposer(Proposer):
             and all(r.slot == row for row, r in enumerate(active))
         )
         states_by_step = None
-        if planned and self.native_chain and not sampled:
+        # Constrained rows draft step by step, each draft from the grammar-masked logits: the fused chain's
+        # unmasked drafts, cut at the first illegal one, kept ~3x fewer accepted drafts (docs/speculative-decoding.md).
+        constrained = any(r.grammar is not None for r in active)
+        if planned and self.native_chain and not sampled and not constrained:
             chains = self._greedy_chain(unseen, cache_lens, max(budgets))
         else:
             chains, states_by_step = self._step_by_step(active, rows, budgets, unseen, cache_lens, planned, probs)

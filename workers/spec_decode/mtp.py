@@ -181,7 +181,7 @@ class MtpProposer(Proposer):
             plan.stage_feed(slots, [p.start for p in taken], token_ids, [p.pieces for p in taken])
         else:
             plan.stage_output(slots, self._catch_up(active, taken), [p.start + p.count for p in taken])
-        if all(r.params.greedy for r in active):
+        if all(r.params.greedy and r.grammar is None for r in active):  # constrained rows: masked drafts, below
             return plan.greedy(num_steps).T.tolist()  # [b, k]
         logits = plan.feed()
         chains: list[list[int]] = [[] for _ in active]

@@ -18,7 +18,7 @@ from tests.workers.structured_fixtures import (
     random_regex,
     random_schema,
 )
-from workers import ModelRunner, SamplingParams, StructuredOutputsParams
+from workers import ModelRunner, SamplingParams, SpeculativeConfig, StructuredOutputsParams
 
 NUM_ROWS = 64
 
@@ -66,6 +66,28 @@ def test_every_stopped_row_is_valid(ascii_model, decode_plan):
     assert_valid(results, constraints, min_stops=len(params) // 2)
     lengths = [r for r in results if r.finish_reason == "length"]
     assert all(len(r.token_ids) == 64 for r in lengths)  # `length` only at max_tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cuda_graphs": True},  # the graph plan's eager form on CPU
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 16},  # chunked prefill, shared prefixes
+    ],
+    ids=["graph_plan", "prefix_cache_chunked"],
+)
+def test_other_executors_and_prefill_paths_keep_constrained_greedy_output(ascii_model, options):
+    rng = random.Random(5)
+    prefix = random_prompts(rng, 1)[0] * 3  # a shared prefix longer than a prefill chunk
+    prompts = [prefix + p for p in random_prompts(rng, 16)]
+    constraints = [StructuredOutputsParams(json=random_schema(rng)) for _ in range(8)]
+    constraints += [StructuredOutputsParams(regex=random_regex(rng)) for _ in range(8)]
+    params = [SamplingParams(max_tokens=32, temperature=0, structured_outputs=c) for c in constraints]
+    expected = ModelRunner.from_pretrained(str(ascii_model), max_num_seqs=16).generate(prompts, params)
+    runner = ModelRunner.from_pretrained(str(ascii_model), max_num_seqs=16, **options)
+    results = runner.generate(prompts, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert_valid(results, constraints, min_stops=8)
 
 
 @pytest.mark.slow
@@ -181,12 +203,19 @@ def test_stop_strings_still_stop(ascii_model):
 
 
 @pytest.mark.slow
-def test_trained_demo_model_writes_valid_json():
-    """The shipped trained demo target: its constrained rows are valid, greedy and sampled."""
+@pytest.mark.parametrize("method", [None, "draft", "mtp"])
+def test_trained_demo_models_write_valid_json(method):
+    """The shipped trained demo models: constrained rows are valid, greedy and sampled; with the demo draft model
+    or the demo GDN model's MTP head, greedy rows equal plain greedy."""
     from pathlib import Path
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "models" / "demo-target"
-    runner = ModelRunner.from_pretrained(str(demo), max_num_seqs=32)
+    models = Path(__file__).resolve().parents[2] / "examples" / "models"
+    demo = models / ("demo-gdn" if method == "mtp" else "demo-target")
+    speculative = None
+    if method is not None:
+        draft = str(models / "demo-draft") if method == "draft" else None
+        speculative = SpeculativeConfig(method, 3, draft_model=draft, policy="fixed")
+    runner = ModelRunner.from_pretrained(str(demo), max_num_seqs=32, speculative=speculative)
     rng = random.Random(3)
     texts = ["def parse(line):\n", "config = ", "# settings\n", "import json\n"]
     prompts = [runner.tokenizer.encode(rng.choice(texts)) for _ in range(32)]
@@ -195,4 +224,8 @@ def test_trained_demo_model_writes_valid_json():
         SamplingParams(max_tokens=96, temperature=i % 2, seed=i, structured_outputs=c)
         for i, c in enumerate(constraints)
     ]
-    assert_valid(runner.generate(prompts, params), constraints, min_stops=16)
+    results = runner.generate(prompts, params)
+    assert_valid(results, constraints, min_stops=16)
+    if method is not None:
+        plain = ModelRunner.from_pretrained(str(demo), max_num_seqs=32).generate(prompts, params)
+        assert [r.token_ids for r in results[::2]] == [r.token_ids for r in plain[::2]]  # the greedy rows

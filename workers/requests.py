@@ -26,6 +26,7 @@ class GenerationResult:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache restored (vLLM's name)
+    sample_index: int = 0  # which of its prompt's `SamplingParams.n` samples (vLLM's `CompletionOutput.index`)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Request:
     error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
+    sample_index: int = 0  # which of its prompt's n samples (`workers/samples.py`)
+    group: Any | None = None  # the `SampleGroup` of a prompt with n > 1 samples (None: n = 1)
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +134,7 @@ class Request:
             self.spec.num_draft_tokens,
             self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
+            sample_index=self.sample_index,
         )
 
 

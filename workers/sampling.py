@@ -19,7 +19,9 @@ class SamplingParams:
     temperature 0 means greedy. `seed` (any integer, used modulo 2^64) makes a request's samples reproducible
     whatever else is in the batch; without one, each request draws a fresh seed from the runner's OS-seeded stream.
     Generation stops at `max_tokens`, at any of `stop_token_ids` (plus the model's eos unless `ignore_eos`), or
-    when the text contains one of the `stop` strings (the text is cut before it).
+    when the text contains one of the `stop` strings (the text is cut before it). `n` samples of the prompt are
+    generated (its prompt prefilled once, `workers/samples.py`); sample j > 0 of a seeded request draws from
+    `sample_seed(seed, j)`.
     """
 
     max_tokens: int = 256
@@ -30,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +51,7 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids ≥ 0"),
+            ("n", isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "an integer ≥ 1"),
         ]
         for name, ok, allowed in checks:
             if not ok:

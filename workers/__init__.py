@@ -3,7 +3,16 @@
 from workers.config import EngineConfig
 from workers.requests import GenerationResult, ScoreResult
 from workers.runner import ModelRunner
+from workers.samples import sample_seed
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
-__all__ = ["EngineConfig", "GenerationResult", "ModelRunner", "SamplingParams", "ScoreResult", "SpeculativeConfig"]
+__all__ = [
+    "EngineConfig",
+    "GenerationResult",
+    "ModelRunner",
+    "SamplingParams",
+    "ScoreResult",
+    "sample_seed",
+    "SpeculativeConfig",
+]

@@ -20,6 +20,7 @@ from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
 GENERATE_FIELDS = [
+    pa.field("sample_index", pa.int32()),  # which of the row's `--n` samples (the output has one row per sample)
     pa.field("generated_text", pa.string()),
     pa.field("generated_token_ids", pa.list_(pa.int32())),
     pa.field("num_prompt_tokens", pa.int32()),
@@ -80,9 +81,9 @@ class PromptSource:
         return list(ids)
 
 
-def error_result(error: str) -> GenerationResult:
-    """The result of a row that never ran."""
-    return GenerationResult([], "error", error, None, 0)
+def error_result(error: str, sample_index: int = 0) -> GenerationResult:
+    """The result of a row (one of its samples) that never ran."""
+    return GenerationResult([], "error", error, None, 0, sample_index=sample_index)
 
 
 def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
@@ -90,6 +91,7 @@ def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
     for result in results:
         values = [
+            result.sample_index,
             result.text,
             result.token_ids,
             result.num_prompt_tokens,
@@ -130,10 +132,12 @@ def generate_shard(
     runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: SamplingParams, first_row: int
 ) -> dict[str, list[Any]]:
     """Generate for every row of a shard in one `generate` call (the streaming worker feeds `shard_requests` to
-    its stream instead)."""
+    its stream instead): `sampling.n` output rows per input row, row-major."""
     requests = list(shard_requests(runner.tokenizer, rows, source, sampling, first_row))
     runnable = [(prompt, params) for prompt, params in requests if params is not None]
     generated = iter(runner.generate([p for p, _ in runnable], [s for _, s in runnable]) if runnable else [])
-    return generation_columns(
-        [next(generated) if params is not None else error_result(prompt) for prompt, params in requests]
-    )
+    results = []
+    for prompt, params in requests:
+        for j in range(sampling.n):
+            results.append(next(generated) if params is not None else error_result(prompt, j))
+    return generation_columns(results)

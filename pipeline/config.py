@@ -154,11 +154,7 @@ class SamplingConfig:
     )
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
     ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
-    n: int = _doc(
-        "samples per row: one output row each, told apart by the sample_index column; the prompt is "
-        "prefilled once (sample j > 0 of a seeded row draws from workers.sample_seed(seed + i, j))",
-        default=SamplingParams.n,
-    )
+    n: int = _doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
 
 
 @dataclass(frozen=True)

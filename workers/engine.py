@@ -109,17 +109,20 @@ class RequestEngine:
 
     def scheduler_stats(self) -> dict[str, float]:
         """Steps over the runner's life: `num_steps`, `num_slot_steps` (live requests summed over steps),
-        `mean_occupancy` (live requests per step over `max_num_seqs`) and `prefix_cache_hit_tokens`."""
+        `mean_occupancy` (live requests per step over `max_num_seqs`), `prefix_cache_hit_tokens` and
+        `prefill_tokens` (prompt tokens computed: neither restored from the cache nor forked)."""
         scheduler = self._scheduler
         steps = scheduler.num_steps if scheduler is not None else 0
         slot_steps = scheduler.num_slot_steps if scheduler is not None else 0
         occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
         hits = scheduler.num_prefix_hit_tokens if scheduler is not None else 0
+        prefilled = scheduler.num_prefill_tokens if scheduler is not None else 0
         return {
             "num_steps": steps,
             "num_slot_steps": slot_steps,
             "mean_occupancy": occupancy,
             "prefix_cache_hit_tokens": hits,
+            "prefill_tokens": prefilled,
         }
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:

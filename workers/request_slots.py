@@ -51,6 +51,7 @@ class RequestSlots:
         self.num_steps = 0  # steps run, and slots their live requests filled (occupancy = slot steps / steps)
         self.num_slot_steps = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens restored from the prefix cache
+        self.num_prefill_tokens = 0  # prompt tokens computed (prefill forwards; a fork computes none)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

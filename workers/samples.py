@@ -132,4 +132,3 @@ def leave_group(request: Request, blocks: BlockTable) -> None:
     group.num_live -= 1
     if not group.num_live:
         blocks.release(group.num_shared_reserved)
-

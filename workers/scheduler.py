@@ -108,6 +108,7 @@ class Scheduler(RequestSlots):
         started = time.perf_counter()
         plan = self.schedule()
         if plan.prefill:
+            self.num_prefill_tokens += sum(plan.chunks)
             hidden = self.executor.prefill(plan.prefill, plan.chunks)
             self._apply_prefill(plan.prefill, plan.chunks, hidden)
         outcome = self._run_generating(plan) if plan.generating else None

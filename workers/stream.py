@@ -178,13 +178,15 @@ class ShardStream:
 
     def _finish(self, shard_id: Hashable, row: int, result: GenerationResult) -> None:
         shard = self._shards.get(shard_id)
-        where = row * shard.num_samples + result.sample_index if shard is not None else 0
-        if shard is None or shard.results[where] is not None:  # a sample done before a failed step re-ran its row
+        if shard is None:
             return
         shard.live_samples[row] = shard.live_samples.get(row, 1) - 1
         if shard.live_samples[row] <= 0:
             shard.live.pop(row, None)
             shard.live_samples.pop(row)
+        where = row * shard.num_samples + result.sample_index
+        if shard.results[where] is not None:  # a sample done before a failed step re-ran its row: the first stays
+            return
         shard.results[where] = result
         shard.num_left -= 1
         if shard.num_left == 0:

@@ -4,6 +4,8 @@ prefix caching and chunked prefill, and a group is admitted whole (or fails whol
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -203,3 +205,40 @@ def test_mtp_forks_pair_the_last_prompt_position_with_their_own_token(family, ch
     for j, keys in enumerate(forked):
         (alone,) = head_keys(SamplingParams(**params, seed=sample_seed(5, j)))
         torch.testing.assert_close(keys, alone)
+
+
+def test_a_streaming_worker_writes_each_rows_samples_in_order(checkpoint_dir):
+    """Shards streamed through a worker (two in flight, 5 slots, rows of 2 samples): n results per row, row-major,
+    each sample its row's prompt alone with its seed; a row that cannot run gets an error per sample."""
+    import pyarrow as pa
+
+    from workers.actor import ShardTask, ShardWorker, WorkerSpec
+    from workers.config import EngineConfig
+    from workers.rows import PromptSource
+
+    sampling = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=9, n=2)
+    spec = WorkerSpec(
+        "generate",
+        str(checkpoint_dir("granite_moe")),
+        EngineConfig().replace(max_num_seqs=5),
+        prompt=PromptSource(prompt_column="text"),
+        sampling=sampling,
+    )
+    worker = ShardWorker(spec)
+    texts = [["the cat sat", "a dog ran on the mat", ""], ["the mat", "cat dog cat dog", "a a a"]]
+    shards = [ShardTask(i, 3 * i, pa.table({"text": t})) for i, t in enumerate(texts)]
+    with ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(worker.process, shards))
+    runner = ShardWorker(spec).runner  # the worker's own runner belongs to its stream's thread
+    for shard, output in zip(shards, outputs):
+        columns = output.columns
+        assert columns["sample_index"] == [0, 1] * 3
+        for row, text in enumerate(shard.rows.column("text").to_pylist()):
+            got = columns["generated_token_ids"][2 * row : 2 * row + 2]
+            if not text:
+                assert columns["error"][2 * row : 2 * row + 2] == ["prompt text is empty"] * 2
+                continue
+            seed = 9 + shard.first_row + row
+            for j in range(2):
+                alone = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=sample_seed(seed, j))
+                assert got[j] == runner.generate([runner.tokenizer.encode(text)], alone)[0].token_ids

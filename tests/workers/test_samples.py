@@ -242,3 +242,20 @@ def test_a_streaming_worker_writes_each_rows_samples_in_order(checkpoint_dir):
             for j in range(2):
                 alone = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=sample_seed(seed, j))
                 assert got[j] == runner.generate([runner.tokenizer.encode(text)], alone)[0].token_ids
+
+
+def test_a_group_whose_kv_can_never_fit_fails_each_sample(checkpoint_dir):
+    path = str(checkpoint_dir("granite_moe"))
+    options = dict(max_num_seqs=8, enable_prefix_caching=False)
+    plan = ModelRunner.from_pretrained(path, **options).memory_plan
+    runner = ModelRunner.from_pretrained(path, **options, max_memory=plan.reserved_bytes + 6 * plan.bytes_per_block)
+    # 37 + 10 positions: 3 blocks for sample 0, 1 more for each fork (2 shared): 8 blocks for 6 samples, 4 for 2.
+    assert 4 <= runner.num_kv_blocks - 1 < 8
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    (alone,) = runner.generate([PROMPT], params)
+    assert alone.finish_reason == "length"  # one sample fits
+    results = runner.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=6))
+    assert [(r.finish_reason, r.sample_index) for r in results] == [("error", j) for j in range(6)]
+    assert "for its 6 samples" in results[0].error
+    fits = runner.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2))
+    assert [r.token_ids for r in fits] == [alone.token_ids] * 2  # 3 + 1 blocks: shared prompt blocks counted once

@@ -126,9 +126,11 @@ class RequestSlots:
         """Why a waiting request (with its samples) could never be admitted, or None."""
         num_blocks = self.blocks.blocks_for(need) + num_fork_blocks
         if self.num_kv_blocks is not None and num_blocks > self.num_kv_blocks - 1:
-            samples = f" for its {group_size(request)} samples" if request.group is not None else ""
+            what = f"{need} KV cache positions (prompt + max_tokens + drafts)"
+            if request.group is not None:
+                what = f"{num_blocks} KV blocks for its {group_size(request)} samples of {what} (prompt blocks shared)"
             return (
-                f"needs {need} KV cache positions (prompt + max_tokens + drafts){samples}, more than the KV cache "
+                f"needs {what}, more than the KV cache "
                 f"holds ({(self.num_kv_blocks - 1) * self.blocks.block_size} positions): raise max_memory / "
                 "gpu_memory_utilization, or lower max_tokens"
             )

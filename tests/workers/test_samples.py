@@ -116,7 +116,6 @@ def _runner(name: str, checkpoint_dir) -> ModelRunner:
     return ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=8, **options)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_n_samples_under_every_executor_cache_chunking_and_speculation(name, checkpoint_dir):
     """Greedy samples all equal the n = 1 output; seeded sampled ones equal their row run alone with their seed."""

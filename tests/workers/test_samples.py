@@ -98,6 +98,7 @@ CONFIGS = {  # name → (family, from_pretrained options)
     "ngram": ("granite_moe", dict(speculative=("ngram", None))),
     "draft-hybrid": ("bamba", dict(speculative=("draft", "draft_hybrid"))),
     "draft-module": ("qwen3_next", dict(speculative=("draft", "draft_attention"), decode_plan=False)),
+    "draft-chunked": ("granite_dense", dict(speculative=("draft", "draft_hybrid"), max_num_batched_tokens=16)),
     "mtp-nemotron": ("nemotron_dense", dict(speculative=("mtp", None))),
     "mtp-gdn-cached": ("qwen3_next", dict(speculative=("mtp", None), enable_prefix_caching=True)),
     "mtp-chunked": ("nemotron_moe", dict(speculative=("mtp", None), max_num_batched_tokens=16, decode_plan=False)),

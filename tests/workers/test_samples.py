@@ -59,7 +59,20 @@ def _slot_state(runner: ModelRunner, slot: int) -> list[torch.Tensor]:
     return [pool.conv[:, slot].clone(), pool.ssm[:, slot].clone(), *pool.slot_kv(slot, len(PROMPT))]
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+# Every family: tiny_models' and one of each family kept in a fixture module of its own (conftest builds them all).
+EVERY_FAMILY = [
+    *ALL_FAMILIES,
+    "falcon_h1",
+    "kimi_linear",
+    "lfm2",
+    "lfm2_moe",
+    "jamba_moe",
+    "olmo_hybrid",
+    "zamba2_abab",
+]
+
+
+@pytest.mark.parametrize("family", EVERY_FAMILY)
 def test_forks_equal_a_fresh_prefill_and_sample_j_equals_its_seed_alone(family, checkpoint_dir):
     runner = ModelRunner.from_pretrained(str(checkpoint_dir(family)), max_num_seqs=4, enable_prefix_caching=False)
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -176,7 +176,7 @@ class ShardWorker:
             sampling = self.spec.sampling
             requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row)
             results = self.stream.submit(task.index, requests, task.rows.num_rows).result()
-            columns = generation_columns(results)
+            columns = generation_columns(results, sampling.logprobs)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
 

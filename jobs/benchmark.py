@@ -7,6 +7,7 @@ python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 python jobs/benchmark.py --task prefill --preset jamba-bench --prompt-len 2048 --batch-sizes 4  # long prompts, 1 token
 python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
+python jobs/benchmark.py --task logprobs  # tokens/s with --logprobs 5 against none, same run
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bench.generation import (
     timed,
 )
 from bench.job_throughput import bench_prefix, bench_shards
+from bench.logprobs import bench_logprobs
 from bench.speculative import bench_speculative
 from workers import ModelRunner, SamplingParams
 from workers.model.kernels import native
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.task == "prefill":
         result["prefill"] = bench_prefill(args, str(path), runner)
         print_table(f"prefill: {args.prompt_len}-token prompts, 1 new token (prompt tokens/s)", result["prefill"])
+    elif args.task == "logprobs":
+        result["logprobs"] = bench_logprobs(args, runner)
+        print_table("logprobs: greedy output tokens/s without and with the top 5 per token", result["logprobs"])
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

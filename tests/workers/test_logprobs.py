@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from tests.conftest import ALL_FAMILIES
+from tests.tiny_models import DENSE_FAMILIES
 from workers import ModelRunner, SamplingParams
 from workers.config import EngineConfig
 
-# Every family: the tiny_models ones, one of each family kept in its own fixture module, and a dense model.
-EVERY_FAMILY = [*ALL_FAMILIES, "falcon_h1", "kimi_linear", "lfm2", "jamba_dense", "zamba2_abab", "olmo_hybrid", "llama"]
+# Every family: the tiny_models ones, one of each family kept in its own fixture module, the dense ones.
+OTHER_FAMILIES = ["falcon_h1", "kimi_linear", "lfm2", "jamba_moe", "zamba2_abab", "olmo_hybrid"]
+EVERY_FAMILY = [*ALL_FAMILIES, *OTHER_FAMILIES, *sorted(DENSE_FAMILIES)]
 TOLERANCE = 1e-4
 
 

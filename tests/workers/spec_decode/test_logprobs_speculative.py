@@ -83,6 +83,7 @@ def plain():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_hybrid", "mtp"])
 def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(method, executor, checkpoint_dir, plain):

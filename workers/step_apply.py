@@ -73,7 +73,8 @@ class StepApplier:
         )  # [num_reqs, max_k + 1], on the device
         rows = output_token_ids.tolist()
         accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens
-        # The target's own logprobs at every position, read before the shift (a plan reuses its logits buffer).
+        # The target's own logprobs at every position, read before the shift (a plan's logits are a view of a buffer
+        # its later calls overwrite).
         logprobs = step_logprobs(verification.logits, output_token_ids, batch, self.logprobs_mode)
         # 2. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         counts = num_accepted_tokens(output_token_ids) if verification.old_states is not None else None

@@ -105,9 +105,10 @@ def _path_arguments(p: argparse.ArgumentParser) -> None:
 def _task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
-        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "n"],
+        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "logprobs", "n"],
         default="generate",
-        help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; shards: a job's rows streamed through one worker against one call per "
+        help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; logprobs: tokens/s "
+        "with --logprobs 5 against none; shards: a job's rows streamed through one worker against one call per "
         "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
         "and distinct prompts; resume: the driver's shard bookkeeping, no model; n: --n samples per prompt against "
         "duplicated rows, for each --batch-sizes prompts)",

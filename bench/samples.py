@@ -8,6 +8,7 @@ checkpoints). Prompt tokens computed come from the scheduler's own count of pref
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from typing import Any
@@ -83,3 +84,12 @@ def bench_samples(
     for row in rows:
         row["speedup_vs_duplicated_off"] = baseline / row["wall_s"]
     return rows
+
+
+def bench_samples_per_batch(args: argparse.Namespace, runner: ModelRunner) -> list[dict[str, Any]]:
+    """`bench_samples` for each of `--batch-sizes` prompts, with `--n`, `--prompt-len`, `--new-tokens`, `--repeats`."""
+    return [
+        row
+        for batch in args.batch_sizes
+        for row in bench_samples(runner, batch, args.prompt_len, args.n, args.new_tokens, args.repeats)
+    ]

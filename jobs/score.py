@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 from pipeline.cli import run_job_cli
-from pipeline.config import ModelConfig, OutputConfig, ScalingConfig, ScoreInputConfig, ScoreJobConfig, ScoreOptions
+from pipeline.config import ModelConfig, OutputConfig, ScalingConfig
+from pipeline.score_config import ScoreInputConfig, ScoreJobConfig, ScoreOptions
 
 SECTIONS = {"input": ScoreInputConfig, "model": ModelConfig, "scoring": ScoreOptions, "scaling": ScalingConfig,
             "output": OutputConfig}  # fmt: skip

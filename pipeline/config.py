@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
-from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SchedulerConfig
+from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
-from workers.sampling import SamplingParams
+from workers.logprobs import LOGPROBS_MODES, logprobs_mode_name
+from workers.sampling import MAX_LOGPROBS, SamplingParams
 from workers.spec_decode import SpeculativeConfig, registry
 from workers.spec_decode.policy import POLICIES
 
@@ -154,7 +155,23 @@ class SamplingConfig:
     )
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
     ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
+    logprobs: int | None = _doc(
+        f"write each generated token's log-probability and the K most likely tokens' at its position (0 … "
+        f"{MAX_LOGPROBS}; columns logprobs and top_logprobs), from the target's own distribution, speculation or not",
+        default=SamplingParams.logprobs,
+    )
+    logprobs_mode: str = _doc(
+        "with --logprobs: raw (raw_logprobs: the model's log-softmax) or processed (processed_logprobs: of the "
+        "distribution each row samples from, after temperature, top-k and top-p; tokens it excludes at -inf)",
+        default=SamplerConfig.logprobs_mode,
+    )
     n: int = _doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
+
+    def __post_init__(self) -> None:
+        name = logprobs_mode_name(self.logprobs_mode)
+        if name is None:
+            _fail("SamplingConfig", "logprobs_mode", self.logprobs_mode, f"must be raw, processed or {LOGPROBS_MODES}")
+        object.__setattr__(self, "logprobs_mode", name)  # one spelling in the manifest and the resume fingerprint
 
 
 @dataclass(frozen=True)
@@ -335,63 +352,6 @@ class GenerateJobConfig:
             raise ValueError("give exactly one of --prompt-column or --messages-column")
         if self.speculative.speculative == "draft" and not self.speculative.draft_model:
             raise ValueError("--speculative draft needs --draft-model")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready nested dict (for the manifest)."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class ScoreInputConfig:
-    """Where the rows come from and which columns to score."""
-
-    input: str = _doc(
-        "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
-    )
-    split: str = _doc("dataset split to read", default="train")
-    text_column: str | None = _doc("score every token of this text after the first", default=None)
-    prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
-    completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
-    messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc(
-        "column whose values become the output `id` (default: the input's `id` column if it "
-        "has one, else the row index)",
-        default=None,
-    )
-
-    def __post_init__(self) -> None:
-        if not self.input:
-            _fail("ScoreInputConfig", "input", self.input, "give a dataset name, file, directory or glob")
-        modes = [self.text_column is not None, self.messages_column is not None,
-                 self.prompt_column is not None or self.completion_column is not None]  # fmt: skip
-        if sum(modes) != 1 or ((self.prompt_column is None) != (self.completion_column is None)):
-            raise ValueError(
-                "give exactly one of --text-column, --messages-column, or --prompt-column with --completion-column"
-            )
-
-
-@dataclass(frozen=True)
-class ScoreOptions:
-    """How rows are scored."""
-
-    add_bos: bool | None = _doc(
-        "prepend the tokenizer's special tokens (default: the tokenizer's own choice)", default=None
-    )
-    truncate: bool = _doc(
-        "keep the first --max-model-len tokens of longer rows (else the row gets an error)", default=False
-    )
-    token_logprobs: bool = _doc("also write each scored token's log-probability (list<float32>)", default=False)
-
-
-@dataclass(frozen=True)
-class ScoreJobConfig:
-    """Everything `jobs/score.py` needs."""
-
-    input: ScoreInputConfig
-    model: ModelConfig
-    scoring: ScoreOptions = field(default_factory=ScoreOptions)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dict (for the manifest)."""

@@ -7,7 +7,7 @@ import dataclasses
 from pipeline.config import GenerateJobConfig
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
-from workers.rows import GENERATE_FIELDS, PromptSource
+from workers.rows import GENERATE_FIELDS, LOGPROBS_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
@@ -31,7 +31,9 @@ def speculative_config(config: GenerateJobConfig, draft_revision: str | None = N
 
 def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
-    sampling = SamplingParams(**dataclasses.asdict(config.sampling))  # the same validation the workers apply, now
+    options = dataclasses.asdict(config.sampling)
+    logprobs_mode = options.pop("logprobs_mode")  # the engine's (`SamplerConfig`), not a request's
+    sampling = SamplingParams(**options)  # the same validation the workers apply, now
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
     revision = check_model(
         config.model.model, need_mtp=config.speculative.speculative == "mtp", revision=config.model.revision
@@ -43,8 +45,8 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     speculative = speculative_config(config, draft_revision)
     prompt = PromptSource(columns.prompt_column, columns.messages_column)
     worker = worker_spec("generate", model, revision, speculative, prompt=prompt, sampling=sampling)
+    worker = dataclasses.replace(worker, engine=worker.engine.replace(logprobs_mode=logprobs_mode))
+    fields = GENERATE_FIELDS + (LOGPROBS_FIELDS if sampling.logprobs is not None else [])
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
-    return build_job(
-        "generate", config, (columns.input, columns.split), flags, columns.id_column, worker, GENERATE_FIELDS
-    )
+    return build_job("generate", config, (columns.input, columns.split), flags, columns.id_column, worker, fields)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.config import ScoreJobConfig
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
+from pipeline.score_config import ScoreJobConfig
 from workers.scoring import SCORE_FIELDS, TOKEN_LOGPROBS_FIELD, ScoreSpec
 
 

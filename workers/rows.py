@@ -31,6 +31,12 @@ GENERATE_FIELDS = [
     pa.field("num_draft_tokens", pa.int32()),
     pa.field("num_accepted_draft_tokens", pa.int32()),
 ]
+# With `SamplingParams.logprobs` = k: per generated token its logprob, and the top k at its position in rank order.
+TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
+LOGPROBS_FIELDS = [
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
+]
 
 
 def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
@@ -86,9 +92,12 @@ def error_result(error: str, sample_index: int = 0) -> GenerationResult:
     return GenerationResult([], "error", error, None, 0, sample_index=sample_index)
 
 
-def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
-    """Output columns (GENERATE_FIELDS order), one row per result."""
+def generation_columns(results: list[GenerationResult], num_logprobs: int | None = None) -> dict[str, list[Any]]:
+    """Output columns (GENERATE_FIELDS order, then LOGPROBS_FIELDS when `num_logprobs` is set), one row per
+    result."""
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
+    if num_logprobs is not None:
+        columns.update(logprobs_columns(results, num_logprobs))
     for result in results:
         values = [
             result.sample_index,
@@ -104,6 +113,23 @@ def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
         ]
         for f, value in zip(GENERATE_FIELDS, values):
             columns[f.name].append(value)
+    return columns
+
+
+def logprobs_columns(results: list[GenerationResult], num_logprobs: int) -> dict[str, list[Any]]:
+    """The LOGPROBS_FIELDS columns: each token's logprob, and the first `num_logprobs` entries of its position (the
+    top k, in rank order: `GenerationResult.logprobs`); null for a row without logprobs (an error)."""
+    columns: dict[str, list[Any]] = {f.name: [] for f in LOGPROBS_FIELDS}
+    for result in results:
+        entries = result.logprobs
+        if entries is None:
+            columns["logprobs"].append(None)
+            columns["top_logprobs"].append(None)
+            continue
+        columns["logprobs"].append([entry[token] for token, entry in zip(result.token_ids, entries)])
+        columns["top_logprobs"].append(
+            [[{"token_id": t, "logprob": lp} for t, lp in list(entry.items())[:num_logprobs]] for entry in entries]
+        )
     return columns
 
 
@@ -140,4 +166,4 @@ def generate_shard(
     for prompt, params in requests:
         for j in range(sampling.n):
             results.append(next(generated) if params is not None else error_result(prompt, j))
-    return generation_columns(results)
+    return generation_columns(results, sampling.logprobs)

@@ -59,7 +59,7 @@ class Scheduler(RequestSlots):
         super().__init__(model, config.scheduler, proposer, k, num_kv_blocks, num_prefix_checkpoints)
         self.tokenizer, self.policy = tokenizer, policy
         self.executor_kind = choose_executor(model, execution.decode_plan, bool(execution.cuda_graphs), self.mtp)
-        self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler())
+        self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler(), config.sampler.logprobs_mode)
         self.workspace = workspace
         self.executor: ModuleExecutor | None = None  # set with each workspace
         self.add(requests)

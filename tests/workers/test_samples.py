@@ -272,3 +272,17 @@ def test_a_group_whose_kv_can_never_fit_fails_each_sample(checkpoint_dir):
     assert "for its 6 samples" in results[0].error
     fits = runner.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2))
     assert [r.token_ids for r in fits] == [alone.token_ids] * 2  # 3 + 1 blocks: shared prompt blocks counted once
+
+
+def test_each_sample_has_its_own_logprobs(checkpoint_dir):
+    """Samples and logprobs together: sample j's logprobs (its first position's from the prompt's shared last logits)
+    are those of the prompt run alone with sample j's seed."""
+    runner = ModelRunner.from_pretrained(str(checkpoint_dir("qwen3_next")), max_num_seqs=4)
+    params = dict(temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    results = runner.generate([PROMPT], SamplingParams(**params, seed=4, n=3))
+    for j, result in enumerate(results):
+        (alone,) = runner.generate([PROMPT], SamplingParams(**params, seed=sample_seed(4, j)))
+        assert result.token_ids == alone.token_ids and len(result.logprobs) == 6
+        for got, want in zip(result.logprobs, alone.logprobs):
+            assert list(got) == list(want)
+            assert [got[t] for t in got] == pytest.approx([want[t] for t in want], abs=1e-5)

@@ -105,13 +105,16 @@ def _path_arguments(p: argparse.ArgumentParser) -> None:
 def _task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
-        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "structured"],
+        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "logprobs", "n", "structured"],
         default="generate",
-        help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; shards: a job's rows streamed through one worker against one call per "
+        help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; logprobs: tokens/s "
+        "with --logprobs 5 against none; shards: a job's rows streamed through one worker against one call per "
         "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
-        "and distinct prompts; resume: the driver's shard bookkeeping, no model; structured: JSON-schema constrained vs "
-        "unconstrained tokens/s, plain and with n-gram and draft speculation)",
+        "and distinct prompts; resume: the driver's shard bookkeeping, no model; n: --n samples per prompt against "
+        "duplicated rows, for each --batch-sizes prompts; structured: JSON-schema constrained vs unconstrained "
+        "tokens/s, plain and with n-gram and draft speculation)",
     )
+    p.add_argument("--n", type=int, default=8, help="--task n: samples per prompt")
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
     p.add_argument(
         "--shard-rows",

@@ -7,6 +7,8 @@ python jobs/benchmark.py --model DIR --speculative ngram  # spec decode on copy-
 python jobs/benchmark.py --device cuda --preset granite-4.0-h-1b --batch-sizes 1 16 64 256   # graphs vs eager
 python jobs/benchmark.py --task prefill --preset jamba-bench --prompt-len 2048 --batch-sizes 4  # long prompts, 1 token
 python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookkeeping: plan, resume, finalize
+python jobs/benchmark.py --task logprobs  # tokens/s with --logprobs 5 against none, same run
+python jobs/benchmark.py --task n --n 8 --prompt-len 1500 --batch-sizes 4  # n samples vs duplicated rows
 python jobs/benchmark.py --task structured --model examples/models/demo-target --batch-sizes 32  # JSON schema vs free
 """
 
@@ -36,6 +38,8 @@ from bench.generation import (
     timed,
 )
 from bench.job_throughput import bench_prefix, bench_shards
+from bench.logprobs import bench_logprobs
+from bench.samples import bench_samples_per_batch
 from bench.speculative import bench_speculative
 from bench.structured import bench_structured
 from workers import ModelRunner, SamplingParams
@@ -210,14 +214,18 @@ def main(argv: list[str] | None = None) -> int:
             f"own), {args.num_distinct} distinct prompts of {args.prompt_len}; {args.new_tokens} new tokens",
             result["prefix"],
         )
+    elif args.task == "n":
+        result["n"] = bench_samples_per_batch(args, runner)
+        print_table(f"n={args.n} samples vs duplicated rows; {args.prompt_len}-token prompts", result["n"])
     elif args.task == "prefill":
         result["prefill"] = bench_prefill(args, str(path), runner)
         print_table(f"prefill: {args.prompt_len}-token prompts, 1 new token (prompt tokens/s)", result["prefill"])
+    elif args.task == "logprobs":
+        result["logprobs"] = bench_logprobs(args, runner)
+        print_table("logprobs: greedy output tokens/s without and with the top 5 per token", result["logprobs"])
     elif args.task == "structured":
         result["structured"] = bench_structured(args, str(path), runner)
-        print_table(
-            f"JSON-schema constrained vs unconstrained ({args.new_tokens} new tokens, greedy)", result["structured"]
-        )
+        print_table(f"JSON schema vs unconstrained, {args.new_tokens} greedy tokens (tokens/s)", result["structured"])
     elif args.task == "score":
         result["score"] = bench_score(args, str(path), runner)
         print_table("scoring (tokens/s)", result["score"])

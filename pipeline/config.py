@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
-from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SchedulerConfig
+from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
-from workers.sampling import SamplingParams
+from workers.logprobs import LOGPROBS_MODES, logprobs_mode_name
+from workers.sampling import MAX_LOGPROBS, SamplingParams
 from workers.spec_decode import SpeculativeConfig, registry
 from workers.spec_decode.policy import POLICIES
 
@@ -157,6 +158,17 @@ class SamplingConfig:
     )
     stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
     ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
+    logprobs: int | None = _doc(
+        f"write each generated token's log-probability and the K most likely tokens' at its position (0 … "
+        f"{MAX_LOGPROBS}; columns logprobs and top_logprobs), from the target's own distribution, speculation or not",
+        default=SamplingParams.logprobs,
+    )
+    logprobs_mode: str = _doc(
+        "with --logprobs: raw (raw_logprobs: the model's log-softmax) or processed (processed_logprobs: of the "
+        "distribution each row samples from, after temperature, top-k and top-p; tokens it excludes at -inf)",
+        default=SamplerConfig.logprobs_mode,
+    )
+    n: int = _doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
     json_schema: str | None = _doc(
         "structured outputs: every row's output is JSON valid against this schema (a file, or inline JSON)",
         default=None,
@@ -171,10 +183,14 @@ class SamplingConfig:
     )
 
     def __post_init__(self) -> None:
+        name = logprobs_mode_name(self.logprobs_mode)
+        if name is None:
+            _fail("SamplingConfig", "logprobs_mode", self.logprobs_mode, f"must be raw, processed or {LOGPROBS_MODES}")
+        object.__setattr__(self, "logprobs_mode", name)  # one spelling in the manifest and the resume fingerprint
         object.__setattr__(self, "choice", (self.choice,) if isinstance(self.choice, str) else tuple(self.choice))
-        given = [name for name in STRUCTURED_OUTPUT_FLAGS if getattr(self, name)]
+        given = [flag for flag in STRUCTURED_OUTPUT_FLAGS if getattr(self, flag)]
         if len(given) > 1:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
             raise ValueError(f"give at most one of --json-schema, --regex, --choice, --grammar (got {flags})")
 
 

@@ -160,7 +160,8 @@ class ShardLoop:
         self.in_flight: dict[Any, tuple[str, Any, Shard | None, Any, float]] = {}
         self.retries = RetryPolicy(job.scaling.max_shard_retries)
         max_tokens = job.worker.sampling.max_tokens if job.worker.sampling is not None else 0
-        self.watch = Watch(job.scaling.shard_timeout_s, job.worker.max_num_seqs, max_tokens)  # hung workers
+        rows_per_batch = max(1, job.worker.max_num_seqs // job.samples_per_row)  # a row takes --n sequences
+        self.watch = Watch(job.scaling.shard_timeout_s, rows_per_batch, max_tokens)  # hung workers
         self.num_start_failures = 0
         self.written: dict[int, dict[str, Any]] = {}  # shard index → the stats written into its file
         self.idle_since, self.had_workers = time.monotonic(), False  # when the fleet last had no ready worker
@@ -331,7 +332,7 @@ class ShardLoop:
                 f"the {len(self.written)} shard files written by this run are kept: rerun the same "
                 "command to resume"
             ) from error
-        self.counts.show(self.progress, table.num_rows, value.stats)
+        self.counts.show(self.progress, shard.num_rows, value.stats)  # input rows (a row has --n output rows)
         self.written[shard.index] = info
         maybe_kill_driver(len(self.written))
 

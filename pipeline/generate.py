@@ -8,7 +8,7 @@ from pipeline.config import GenerateJobConfig
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
 from pipeline.structured import check_constraint, resolve_constraint, sampling_fields
-from workers.rows import GENERATE_FIELDS, PromptSource
+from workers.rows import GENERATE_FIELDS, LOGPROBS_FIELDS, PromptSource
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
@@ -34,8 +34,10 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     resolved, constraint = resolve_constraint(config.sampling)  # the config carries the constraint, not its file
     config = dataclasses.replace(config, sampling=resolved)
+    options = sampling_fields(config.sampling)
+    logprobs_mode = options.pop("logprobs_mode")  # the engine's (`SamplerConfig`), not a request's
     # The same validation the workers apply, now.
-    sampling = SamplingParams(**sampling_fields(config.sampling), structured_outputs=constraint)
+    sampling = SamplingParams(**options, structured_outputs=constraint)
     # Hub models are checked, fingerprinted and loaded by every worker at the commit resolved here, once.
     revision = check_model(
         config.model.model, need_mtp=config.speculative.speculative == "mtp", revision=config.model.revision
@@ -49,8 +51,8 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     speculative = speculative_config(config, draft_revision)
     prompt = PromptSource(columns.prompt_column, columns.messages_column)
     worker = worker_spec("generate", model, revision, speculative, prompt=prompt, sampling=sampling)
+    worker = dataclasses.replace(worker, engine=worker.engine.replace(logprobs_mode=logprobs_mode))
+    fields = GENERATE_FIELDS + (LOGPROBS_FIELDS if sampling.logprobs is not None else [])
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
-    return build_job(
-        "generate", config, (columns.input, columns.split), flags, columns.id_column, worker, GENERATE_FIELDS
-    )
+    return build_job("generate", config, (columns.input, columns.split), flags, columns.id_column, worker, fields)

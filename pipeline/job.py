@@ -37,6 +37,11 @@ class Job:
         return [name for name in self.rows.column_names if not (name == "id" and self.id_column == "id")]
 
     @property
+    def samples_per_row(self) -> int:
+        """Output rows per input row: a generate job's `--n` samples, else 1."""
+        return self.worker.sampling.n if self.worker.sampling is not None else 1
+
+    @property
     def schema(self) -> pa.Schema:
         """Output schema: `id`, every input column, then the task's columns."""
         input_schema = self.rows.data.table.schema
@@ -49,13 +54,20 @@ class Job:
         return self.rows.select(range(shard.start, shard.stop)).data.table.combine_chunks()
 
     def output_table(self, shard: Shard, rows: pa.Table, result: ShardOutput) -> pa.Table:
-        """Input rows + id + the worker's columns, in the job's schema."""
-        schema = self.schema
+        """Input rows + id + the worker's columns, in the job's schema: with `--n` samples, each input row repeated
+        once per sample (row-major), every (id, sample_index) pair exactly once, checked."""
+        schema, n = self.schema, self.samples_per_row
         if self.ids is None:
             ids = pa.array(range(shard.start, shard.stop), pa.int64())
         else:
             ids = self.ids.slice(shard.start, shard.num_rows)
         arrays = [ids, *(readable(rows.column(name)) for name in self.input_columns)]
+        if n > 1:
+            samples = result.columns.get("sample_index")
+            if samples != list(range(n)) * shard.num_rows:
+                raise RuntimeError(f"shard {shard.index}: the worker's samples are not {n} per row in order")
+            repeated = pa.array([row for row in range(shard.num_rows) for _ in range(n)], pa.int64())
+            arrays = [array.take(repeated) for array in arrays]
         arrays += [pa.array(result.columns[f.name], type=f.type) for f in self.task_fields]
         return pa.Table.from_arrays(arrays, schema=schema)
 

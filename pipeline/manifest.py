@@ -184,15 +184,17 @@ def finalize_output(
     shards = {}
     for shard in job.plan:
         info = written[shard.index] if shard.index in written else out.shard_info(shard.file_name)
-        if info.get("rows") != shard.num_rows or info.get("start") != shard.start:
+        if info.get("rows") != shard.num_rows * job.samples_per_row or info.get("start") != shard.start:
             raise RuntimeError(
                 f"{shard.file_name} holds {info.get('rows')} rows from {info.get('start')}, "
-                f"expected {shard.num_rows} from {shard.start}"
+                f"expected {shard.num_rows * job.samples_per_row} from {shard.start}"
             )
         shards[str(shard.index)] = info
     totals: dict[str, Any] = {"rows": 0, "seconds": 0.0, **_sum_counts(list(shards.values()))}
-    if totals["rows"] != len(job.rows):
-        raise RuntimeError(f"output holds {totals['rows']} rows, input has {len(job.rows)}")
+    if totals["rows"] != len(job.rows) * job.samples_per_row:
+        raise RuntimeError(
+            f"output holds {totals['rows']} rows, input has {len(job.rows)} × {job.samples_per_row} samples"
+        )
     token_keys = [k for k in ("generated_tokens", "scored_tokens") if k in totals]
     this_run = _sum_counts(list(written.values()))
     this_run = {"rows": this_run.get("rows", 0), **{k: this_run.get(k, 0) for k in token_keys}}

@@ -1,5 +1,5 @@
-"""The score job's configuration (`jobs/score.py`): its input columns and scoring options beside the sections it
-shares with generation (`pipeline/config.py`)."""
+"""Typed configuration of the scoring job (`jobs/score.py`): its input and scoring sections; the model, scaling
+and output sections are the generation job's (`pipeline/config.py`)."""
 
 from __future__ import annotations
 

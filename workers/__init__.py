@@ -3,6 +3,7 @@
 from workers.config import EngineConfig
 from workers.requests import GenerationResult, ScoreResult
 from workers.runner import ModelRunner
+from workers.samples import sample_seed
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 from workers.structured_outputs import StructuredOutputsParams
@@ -13,6 +14,7 @@ __all__ = [
     "ModelRunner",
     "SamplingParams",
     "ScoreResult",
+    "sample_seed",
     "SpeculativeConfig",
     "StructuredOutputsParams",
 ]

@@ -175,8 +175,9 @@ class ShardWorker:
             rows = decode_rows(task.rows, self.spec.input_columns)
             sampling = self.spec.sampling
             requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row)
-            results = self.stream.submit(task.index, requests, task.rows.num_rows).result()
-            columns = generation_columns(results)
+            num_rows, num_samples = task.rows.num_rows, sampling.n  # one output row per sample, row-major
+            results = self.stream.submit(task.index, requests, num_rows, num_samples).result()
+            columns = generation_columns(results, sampling.logprobs)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
 

@@ -4,8 +4,8 @@ scheduler.
 
 `EngineConfig` gathers the sections: `LoadConfig` (how the model is loaded), `SchedulerConfig` (how many requests
 and tokens a step takes), `CacheConfig` (KV cache memory and prefix caching), `ExecutionConfig` (decode plans and
-CUDA graphs), `ParallelConfig` (threads) and the `SpeculativeConfig` of `workers/spec_decode/config.py`. Sampling
-defaults are `workers.SamplingParams`'s.
+CUDA graphs), `SamplerConfig` (what the sampler reports), `ParallelConfig` (threads) and the `SpeculativeConfig` of
+`workers/spec_decode/config.py`. Sampling defaults are `workers.SamplingParams`'s.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.logprobs import LOGPROBS_MODES, RAW, logprobs_mode_name
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size
 from workers.model.layers.linear import LINEAR_BACKENDS, QUANTIZATIONS
 from workers.model.loader import DECODE_KERNELS, DTYPES
@@ -90,6 +91,21 @@ class ExecutionConfig:
 
 
 @dataclass(frozen=True)
+class SamplerConfig:
+    """What the sampler reports beside the tokens (`workers/logprobs.py`)."""
+
+    # vLLM's name and values: "raw_logprobs" (the model's log-softmax) or "processed_logprobs" (of the distribution
+    # each row samples from: temperature, top-k, top-p); "raw" and "processed" are taken for them.
+    logprobs_mode: str = RAW
+
+    def __post_init__(self) -> None:
+        name = logprobs_mode_name(self.logprobs_mode)
+        allowed = f"one of {', '.join(LOGPROBS_MODES)} (or raw, processed)"
+        _check("SamplerConfig", "logprobs_mode", name is not None, self.logprobs_mode, allowed)
+        object.__setattr__(self, "logprobs_mode", name)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """How a worker's work is spread: torch threads on CPU (None: torch's choice)."""
 
@@ -108,6 +124,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # None: plain decoding
 
@@ -138,6 +155,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "cache": CacheConfig,
     "execution": ExecutionConfig,
+    "sampler": SamplerConfig,
     "parallel": ParallelConfig,
 }
 _SECTION_OF = {f.name: section for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}

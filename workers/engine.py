@@ -7,7 +7,8 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from workers.requests import GenerationResult, Request
-from workers.sampling import SamplingParams, make_generator
+from workers.samples import group_requests, sample_generators
+from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
 from workers.spec_decode import registry
 from workers.spec_decode.proposal import Proposer
@@ -30,7 +31,8 @@ class RequestEngine:
         prompt_token_ids: Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt; results in input order. A bad prompt fails only its own request.
+        """Generate for every prompt; results in input order, prompt-major: a prompt with `SamplingParams.n` = n
+        gives n results in sample order (`sample_index` 0 … n-1). A bad prompt fails only its own request.
 
         A thin loop over the streaming form (`add_request`, `step`): requests other callers added are served in
         the same batches, and their results stay for those callers' `step`s."""
@@ -39,52 +41,65 @@ class RequestEngine:
         for key, prompt, p in zip(keys, prompt_token_ids, params):
             self.add_request(key, prompt, p)
         mine, results, others = set(keys), {}, []
-        while len(results) < len(keys):
+        while len(results) < sum(p.n for p in params):
             for key, result in self.step():
                 if key in mine:
-                    results[key] = result
+                    results[key, result.sample_index] = result
                 else:
                     others.append((key, result))
         self._unclaimed += others
-        return [results[key] for key in keys]
+        return [results[key, j] for key, p in zip(keys, params) for j in range(p.n)]
 
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Queue one prompt (vLLM's `LLMEngine.add_request`); it enters the running batch as soon as a slot and KV
-        room are free, beside whatever runs already. Its result comes back from `step` under `request_id`. A bad
-        prompt is answered by the next `step` with an error result."""
+        room are free, beside whatever runs already. Its result comes back from `step` under `request_id`; with
+        `sampling.n` > 1, its n results come back one by one as each sample finishes, all under `request_id`, told
+        apart by `GenerationResult.sample_index` (vLLM's `CompletionOutput.index`). A bad prompt is answered by the
+        next `step` with an error result (one per sample)."""
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         problem = self._check_prompt(prompt_token_ids, generating=True)
         if problem:
-            self._unclaimed.append((request_id, GenerationResult([], "error", problem, None, 0)))
+            errors = [GenerationResult([], "error", problem, None, 0, sample_index=j) for j in range(sampling.n)]
+            self._unclaimed += [(request_id, error) for error in errors]
             return
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
-        grammar, problem = self._request_grammar(sampling, stop_ids)
+        grammars, problem = self._request_grammars(sampling, stop_ids)
         if problem:
-            self._unclaimed.append((request_id, GenerationResult([], "error", problem, None, len(prompt_token_ids))))
+            errors = [
+                GenerationResult([], "error", problem, None, len(prompt_token_ids), sample_index=j)
+                for j in range(sampling.n)
+            ]
+            self._unclaimed += [(request_id, error) for error in errors]
             return
-        generator = make_generator(sampling, self.device, self._seed_source.getrandbits(63))
-        index = next(self._request_counter)  # unique over the runner's life (the policy keys its evidence by it)
-        self._request_keys[index] = request_id
         prompt = [int(t) for t in prompt_token_ids]
-        request = Request(index, prompt, sampling, stop_ids, generator, self.max_model_len, grammar=grammar)
-        self._engine().add([request])
+        samples = []
+        for j, generator in enumerate(sample_generators(sampling, self.device, self._seed_source)):
+            index = next(self._request_counter)  # unique over the runner's life (the policy keys its evidence by it)
+            self._request_keys[index] = request_id
+            request = Request(
+                index, prompt, sampling, stop_ids, generator, self.max_model_len, sample_index=j, grammar=grammars[j]
+            )
+            samples.append(request)
+        self._engine().add([group_requests(samples)])
 
-    def _request_grammar(
+    def _request_grammars(
         self, sampling: SamplingParams, stop_ids: frozenset[int]
-    ) -> tuple[RequestGrammar | None, str | None]:
-        """(the request's grammar state, None), or (None, why its constraint cannot run). Constraints compile over
-        the runner's tokenizer, once per distinct constraint (`GrammarCompilerCache`)."""
+    ) -> tuple[list[RequestGrammar | None], str | None]:
+        """(each sample's grammar state, None), or ([], why its constraint cannot run). Constraints compile over the
+        runner's tokenizer, once per distinct constraint (`GrammarCompilerCache`); each sample has its own matcher."""
         if sampling.structured_outputs is None:
-            return None, None
+            return [None] * sampling.n, None
         if self.tokenizer is None:
-            return None, "structured_outputs needs the runner's tokenizer (load the model with from_pretrained)"
+            return [], "structured_outputs needs the runner's tokenizer (load the model with from_pretrained)"
         if self._grammars is None:
             self._grammars = GrammarCompilerCache(self.tokenizer, self.config.vocab_size)
         try:
-            return self._grammars.request_grammar(sampling.structured_outputs, stop_ids), None
+            return [
+                self._grammars.request_grammar(sampling.structured_outputs, stop_ids) for _ in range(sampling.n)
+            ], None
         except ValueError as error:
-            return None, str(error)
+            return [], str(error)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any added request has not been returned by `step` yet (vLLM's name)."""
@@ -123,17 +138,20 @@ class RequestEngine:
 
     def scheduler_stats(self) -> dict[str, float]:
         """Steps over the runner's life: `num_steps`, `num_slot_steps` (live requests summed over steps),
-        `mean_occupancy` (live requests per step over `max_num_seqs`) and `prefix_cache_hit_tokens`."""
+        `mean_occupancy` (live requests per step over `max_num_seqs`), `prefix_cache_hit_tokens` and
+        `prefill_tokens` (prompt tokens computed: neither restored from the cache nor forked)."""
         scheduler = self._scheduler
         steps = scheduler.num_steps if scheduler is not None else 0
         slot_steps = scheduler.num_slot_steps if scheduler is not None else 0
         occupancy = slot_steps / (steps * self.max_num_seqs) if steps else 0.0
         hits = scheduler.num_prefix_hit_tokens if scheduler is not None else 0
+        prefilled = scheduler.num_prefill_tokens if scheduler is not None else 0
         return {
             "num_steps": steps,
             "num_slot_steps": slot_steps,
             "mean_occupancy": occupancy,
             "prefix_cache_hit_tokens": hits,
+            "prefill_tokens": prefilled,
         }
 
     def _per_prompt(self, prompts: Sequence[Any], sampling: Any) -> list[SamplingParams]:

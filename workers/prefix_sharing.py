@@ -104,6 +104,11 @@ class PrefixSharing:
             ):
                 cache.save_checkpoint(path[-1], self.pool, request.slot, hidden[row, chunks[row] - 1])
 
+    def follow(self, leader: Request, fork: Request) -> None:
+        """A fork of `leader` (`workers/samples.py`) holds the same cached prompt blocks: it references its path too."""
+        fork.prefix_path = list(leader.prefix_path)
+        self.cache.acquire(fork.prefix_path)
+
     def release(self, request: Request) -> None:
         """A request leaves: its path's references go back to the cache."""
         self.cache.release(request.prefix_path)

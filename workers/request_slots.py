@@ -15,6 +15,7 @@ from workers.model.kv_blocks import BlockTable
 from workers.prefix_cache import PrefixCache, PrefixHit
 from workers.prefix_sharing import PrefixSharing
 from workers.requests import Request
+from workers.samples import fork_reservation, fork_samples, group_size, leave_group
 from workers.spec_decode.proposal import Proposer
 
 
@@ -41,6 +42,7 @@ class RequestSlots:
         self.pool: StatePool | None = None  # set with `blocks` for the first requests
         self.blocks: BlockTable | None = None
         self.free_slots: list[int] = []
+        self.num_promised_slots = 0  # free slots the admitted prompts' forks will take (`workers/samples.py`)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # in admission order
         self.running: list[Request] = []
@@ -49,6 +51,7 @@ class RequestSlots:
         self.num_steps = 0  # steps run, and slots their live requests filled (occupancy = slot steps / steps)
         self.num_slot_steps = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens restored from the prefix cache
+        self.num_prefill_tokens = 0  # prompt tokens computed (prefill forwards; a fork computes none)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -83,38 +86,74 @@ class RequestSlots:
         if self.proposer is not None:
             self.proposer.start(pool, self.budget.max_num_batched_tokens)
         self.free_slots = list(range(num_usable_slots - 1, -1, -1))
+        self.num_promised_slots = 0
 
     def _admit(self) -> None:
-        """Waiting requests take free slots in order while their KV room can be reserved."""
-        while self.waiting and self.free_slots:
+        """Waiting requests take free slots in order while their KV room can be reserved; the samples of a prompt
+        with n > 1 (`workers/samples.py`) are admitted together, their forks' slots promised until they fork."""
+        while self.waiting and len(self.free_slots) > self.num_promised_slots:
             request = self.waiting[0]
             need = self._positions_needed(request)
-            if self.num_kv_blocks is not None and self.blocks.blocks_for(need) > self.num_kv_blocks - 1:
+            num_fork_blocks = fork_reservation(request, self.blocks, need, self.mtp)
+            problem = self._never_fits(request, need, num_fork_blocks)
+            if problem is not None:
                 self.waiting.popleft()
-                request.finish_reason = "error"
-                request.error = (
-                    f"needs {need} KV cache positions (prompt + max_tokens + drafts), more than the KV cache holds "
-                    f"({(self.num_kv_blocks - 1) * self.blocks.block_size} positions): raise max_memory / "
-                    "gpu_memory_utilization, or lower max_tokens"
-                )
-                self.finished.append(request)
+                self._reject(request, problem)
                 continue
-            if not self.blocks.can_ever_hold(need):
-                return  # longer than this workspace's slots: it grows when the running requests are done
+            num_samples = group_size(request)
+            if not self.blocks.can_ever_hold(need) or num_samples > len(self.free_slots) - self.num_promised_slots:
+                return  # longer than this workspace's slots (it grows when the running requests are done), or
+                # its samples wait for slots
             hit = PrefixHit() if self.sharing is None else self.sharing.lookup(request, self.prefilling)
             if hit is None:
                 return  # a request now prefilling is about to checkpoint more of this prompt: wait for it
             shared = hit.chain if self.sharing is None else self.sharing.shared_blocks(hit)
-            reserved = self.blocks.try_reserve(need, len(shared), sum(entry.refs == 0 for entry in hit.chain))
+            newly_pinned = sum(entry.refs == 0 for entry in hit.chain)
+            reserved = self.blocks.try_reserve(need, len(shared), newly_pinned, num_fork_blocks)
             if reserved is None:
                 return  # waits until running requests give their room back
             self.waiting.popleft()
-            request.slot, request.num_reserved, request.num_reserved_blocks = self.free_slots.pop(), need, reserved
+            request.slot, request.num_reserved = self.free_slots.pop(), need
+            request.num_reserved_blocks = reserved - num_fork_blocks
+            self.num_promised_slots += num_samples - 1
             if self.proposer is not None:
                 self.proposer.admit([request])
             if self.sharing is not None:
                 self.num_prefix_hit_tokens += self.sharing.start(request, hit, self.waiting, self.prefilling)
             self.prefilling.append(request)
+
+    def _never_fits(self, request: Request, need: int, num_fork_blocks: int) -> str | None:
+        """Why a waiting request (with its samples) could never be admitted, or None."""
+        num_blocks = self.blocks.blocks_for(need) + num_fork_blocks
+        if self.num_kv_blocks is not None and num_blocks > self.num_kv_blocks - 1:
+            what = f"{need} KV cache positions (prompt + max_tokens + drafts)"
+            if request.group is not None:
+                what = f"{num_blocks} KV blocks for its {group_size(request)} samples of {what} (prompt blocks shared)"
+            return (
+                f"needs {what}, more than the KV cache "
+                f"holds ({(self.num_kv_blocks - 1) * self.blocks.block_size} positions): raise max_memory / "
+                "gpu_memory_utilization, or lower max_tokens"
+            )
+        max_slots = min(self.config.max_num_seqs, self.budget.max_num_batched_tokens)
+        if group_size(request) > max_slots:
+            return f"n={group_size(request)} samples need as many slots, more than max_num_seqs={max_slots}"
+        return None
+
+    def _reject(self, request: Request, problem: str) -> None:
+        """A waiting request that can never run finishes with an error (each of its samples)."""
+        samples = [request] + ([] if request.group is None else request.group.forks)
+        for sample in samples:
+            sample.finish_reason, sample.error = "error", problem
+            self.finished.append(sample)
+
+    def fork(self, leader: Request) -> list[Request]:
+        """A leader's prefill completed: its forks take their promised slots with copies of its state."""
+        forks = fork_samples(leader, self.pool, self.proposer, self.free_slots, self.mtp)
+        if self.sharing is not None:
+            for fork in forks:
+                self.sharing.follow(leader, fork)
+        self.num_promised_slots -= len(forks)
+        return forks
 
     def retire(self, request: Request) -> None:
         """A finished request gives back its slot, its KV blocks and its prefix-cache references."""
@@ -123,6 +162,7 @@ class RequestSlots:
             self.sharing.release(request)
         self.blocks.free_slot(request.slot)
         self.blocks.release(request.num_reserved_blocks)
+        leave_group(request, self.blocks)
         self.free_slots.append(request.slot)
         self.finished.append(request)
 

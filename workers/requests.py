@@ -27,6 +27,11 @@ class GenerationResult:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache restored (vLLM's name)
+    # `SamplingParams.logprobs` = k: one {token_id: logprob} per generated token (the top k in rank order, then the
+    # sampled token unless among them), and the sum of the sampled tokens' logprobs (vLLM's names); else None.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    sample_index: int = 0  # which of its prompt's `SamplingParams.n` samples (vLLM's `CompletionOutput.index`)
 
 
 @dataclass
@@ -60,6 +65,10 @@ class Request:
     error: str | None = None
     decoded_chars: int = 0  # length of the output's settled text (no trailing U+FFFD) at the previous check
     spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # one per generated token, when asked
+    cumulative_logprob: float = 0.0
+    sample_index: int = 0  # which of its prompt's n samples (`workers/samples.py`)
+    group: Any | None = None  # the `SampleGroup` of a prompt with n > 1 samples (None: n = 1)
     grammar: RequestGrammar | None = None  # its structured-outputs matcher (`workers/structured_outputs.py`)
 
     @property
@@ -105,6 +114,11 @@ class Request:
                 break
         self.spec.record(num_drafts, min(len(tokens) - 1, num_kept))
 
+    def record_logprobs(self, entry: dict[int, float], token_logprob: float) -> None:
+        """The logprobs of the newest generated token: its position's entry and the token's own logprob."""
+        self.logprobs.append(entry)
+        self.cumulative_logprob += token_logprob
+
     def _hit_stop_string(self, tokenizer: Any) -> bool:
         text = tokenizer.decode(self.output, skip_special_tokens=True)
         # Only a stop string that ends after the previously settled text can be new (one decode per token). A
@@ -124,6 +138,7 @@ class Request:
         if text is None and tokenizer is not None:
             visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
             text = tokenizer.decode(visible, skip_special_tokens=True)
+        asked = self.params.logprobs is not None
         return GenerationResult(
             list(self.output),
             self.finish_reason or "length",
@@ -134,6 +149,9 @@ class Request:
             self.spec.num_draft_tokens,
             self.spec.num_accepted_draft_tokens,
             self.num_cached_tokens,
+            list(self.logprobs) if asked else None,
+            self.cumulative_logprob if asked else None,
+            sample_index=self.sample_index,
         )
 
 

@@ -20,6 +20,7 @@ from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
 GENERATE_FIELDS = [
+    pa.field("sample_index", pa.int32()),  # which of the row's `--n` samples (the output has one row per sample)
     pa.field("generated_text", pa.string()),
     pa.field("generated_token_ids", pa.list_(pa.int32())),
     pa.field("num_prompt_tokens", pa.int32()),
@@ -29,6 +30,12 @@ GENERATE_FIELDS = [
     pa.field("num_drafts", pa.int32()),
     pa.field("num_draft_tokens", pa.int32()),
     pa.field("num_accepted_draft_tokens", pa.int32()),
+]
+# With `SamplingParams.logprobs` = k: per generated token its logprob, and the top k at its position in rank order.
+TOP_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("logprob", pa.float32())])
+LOGPROBS_FIELDS = [
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
 ]
 
 
@@ -80,16 +87,20 @@ class PromptSource:
         return list(ids)
 
 
-def error_result(error: str) -> GenerationResult:
-    """The result of a row that never ran."""
-    return GenerationResult([], "error", error, None, 0)
+def error_result(error: str, sample_index: int = 0) -> GenerationResult:
+    """The result of a row (one of its samples) that never ran."""
+    return GenerationResult([], "error", error, None, 0, sample_index=sample_index)
 
 
-def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
-    """Output columns (GENERATE_FIELDS order), one row per result."""
+def generation_columns(results: list[GenerationResult], num_logprobs: int | None = None) -> dict[str, list[Any]]:
+    """Output columns (GENERATE_FIELDS order, then LOGPROBS_FIELDS when `num_logprobs` is set), one row per
+    result."""
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
+    if num_logprobs is not None:
+        columns.update(logprobs_columns(results, num_logprobs))
     for result in results:
         values = [
+            result.sample_index,
             result.text,
             result.token_ids,
             result.num_prompt_tokens,
@@ -102,6 +113,23 @@ def generation_columns(results: list[GenerationResult]) -> dict[str, list[Any]]:
         ]
         for f, value in zip(GENERATE_FIELDS, values):
             columns[f.name].append(value)
+    return columns
+
+
+def logprobs_columns(results: list[GenerationResult], num_logprobs: int) -> dict[str, list[Any]]:
+    """The LOGPROBS_FIELDS columns: each token's logprob, and the first `num_logprobs` entries of its position (the
+    top k, in rank order: `GenerationResult.logprobs`); null for a row without logprobs (an error)."""
+    columns: dict[str, list[Any]] = {f.name: [] for f in LOGPROBS_FIELDS}
+    for result in results:
+        entries = result.logprobs
+        if entries is None:
+            columns["logprobs"].append(None)
+            columns["top_logprobs"].append(None)
+            continue
+        columns["logprobs"].append([entry[token] for token, entry in zip(result.token_ids, entries)])
+        columns["top_logprobs"].append(
+            [[{"token_id": t, "logprob": lp} for t, lp in list(entry.items())[:num_logprobs]] for entry in entries]
+        )
     return columns
 
 
@@ -130,10 +158,12 @@ def generate_shard(
     runner: ModelRunner, rows: list[dict[str, Any]], source: PromptSource, sampling: SamplingParams, first_row: int
 ) -> dict[str, list[Any]]:
     """Generate for every row of a shard in one `generate` call (the streaming worker feeds `shard_requests` to
-    its stream instead)."""
+    its stream instead): `sampling.n` output rows per input row, row-major."""
     requests = list(shard_requests(runner.tokenizer, rows, source, sampling, first_row))
     runnable = [(prompt, params) for prompt, params in requests if params is not None]
     generated = iter(runner.generate([p for p, _ in runnable], [s for _, s in runnable]) if runnable else [])
-    return generation_columns(
-        [next(generated) if params is not None else error_result(prompt) for prompt, params in requests]
-    )
+    results = []
+    for prompt, params in requests:
+        for j in range(sampling.n):
+            results.append(next(generated) if params is not None else error_result(prompt, j))
+    return generation_columns(results, sampling.logprobs)

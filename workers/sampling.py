@@ -11,6 +11,7 @@ from workers.structured_outputs import StructuredOutputsParams
 
 # An empty place in a step's output rows: a verification's row holds its valid tokens from column 0, then these.
 PLACEHOLDER_TOKEN_ID = -1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top logprobs per generated position at most
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,12 @@ class SamplingParams:
     temperature 0 means greedy. `seed` (any integer, used modulo 2^64) makes a request's samples reproducible
     whatever else is in the batch; without one, each request draws a fresh seed from the runner's OS-seeded stream.
     Generation stops at `max_tokens`, at any of `stop_token_ids` (plus the model's eos unless `ignore_eos`), or
-    when the text contains one of the `stop` strings (the text is cut before it). `structured_outputs` constrains
-    the output to a JSON schema, regex, choice or grammar (`workers/structured_outputs.py`).
+    when the text contains one of the `stop` strings (the text is cut before it). `logprobs` = k (vLLM's meaning)
+    returns, at every generated position, the log-probability of the sampled token and of the k most likely ones
+    (None: no logprobs; see `workers/logprobs.py`). `n` samples of the prompt are
+    generated (its prompt prefilled once, `workers/samples.py`); sample j > 0 of a seeded request draws from
+    `sample_seed(seed, j)`. `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
+    (`workers/structured_outputs.py`).
     """
 
     max_tokens: int = 256
@@ -32,6 +37,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +59,12 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids ≥ 0"),
             (
+                "logprobs",
+                self.logprobs is None or (_is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"None (no logprobs) or an integer in [0, {MAX_LOGPROBS}] (the sampled token's logprob plus the top k)",
+            ),
+            ("n", isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "an integer ≥ 1"),
+            (
                 "structured_outputs",
                 self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                 "a StructuredOutputsParams or None",
@@ -65,6 +78,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax token."""
         return self.temperature == 0
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
@@ -83,6 +100,12 @@ def make_generator(params: SamplingParams, device: torch.device, fallback_seed: 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [..., v] → the distribution a request samples from: temperature, then top-k, then top-p."""
+    return sampling_logits(logits, params).softmax(-1)
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [..., v] → the logits a sampled request draws from (float32): temperature, then top-k, then top-p, the
+    tokens they exclude at -inf."""
     logits = logits.float() / max(params.temperature, 1e-6)
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
@@ -93,7 +116,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Drop a token when the tokens strictly before it already reach top_p (the top one always stays).
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
-    return logits.softmax(-1)
+    return logits
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -119,6 +142,26 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         """Whether every row takes the argmax token."""
         return all(p.greedy for p in self.params)
+
+    @property
+    def logprob_rows(self) -> list[int]:
+        """The rows that asked for logprobs (`SamplingParams.logprobs` set)."""
+        return [row for row, p in enumerate(self.params) if p.logprobs is not None]
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logits [b, ..., v] (row i: request i's positions) → what each row samples from, as float32 logits (vLLM's
+    "processed": after every processor, temperature and top-k/top-p included): a sampled row's `sampling_logits`; a
+    greedy row's logits unscaled (vLLM samples greedy rows at temperature 1 and without top-k/top-p); grammar masks
+    first (`apply_masks`)."""
+    logits = apply_masks(logits, batch)
+    processed = logits.float()
+    sampled = [row for row, p in enumerate(batch.params) if not p.greedy]
+    if sampled:
+        processed = processed.clone()
+        for row in sampled:
+            processed[row] = sampling_logits(logits[row], batch.params[row])
+    return processed
 
 
 def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

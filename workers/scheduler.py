@@ -22,6 +22,7 @@ from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE, StatePool
 from workers.request_slots import RequestSlots
 from workers.requests import Request
+from workers.samples import group_size
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy
 from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import RejectionSampler
@@ -58,7 +59,7 @@ class Scheduler(RequestSlots):
         super().__init__(model, config.scheduler, proposer, k, num_kv_blocks, num_prefix_checkpoints)
         self.tokenizer, self.policy = tokenizer, policy
         self.executor_kind = choose_executor(model, execution.decode_plan, bool(execution.cuda_graphs), self.mtp)
-        self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler())
+        self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler(), config.sampler.logprobs_mode)
         self.workspace = workspace
         self.executor: ModuleExecutor | None = None  # set with each workspace
         self.add(requests)
@@ -74,7 +75,7 @@ class Scheduler(RequestSlots):
         """Before admitting into an idle scheduler: slots and KV for what waits, reusing the workspace when it fits,
         else replacing it by one at least as large (the old storage freed first: one workspace at a time)."""
         num_slots, capacity, num_blocks = workspace_sizes(
-            [self._positions_needed(r) for r in self.waiting],
+            [self._positions_needed(r) for r in self.waiting for _ in range(group_size(r))],
             self.config.max_num_seqs,
             self.budget.max_num_batched_tokens,
             self.num_kv_blocks,
@@ -107,6 +108,7 @@ class Scheduler(RequestSlots):
         started = time.perf_counter()
         plan = self.schedule()
         if plan.prefill:
+            self.num_prefill_tokens += sum(plan.chunks)
             hidden = self.executor.prefill(plan.prefill, plan.chunks)
             self._apply_prefill(plan.prefill, plan.chunks, hidden)
         outcome = self._run_generating(plan) if plan.generating else None
@@ -169,10 +171,15 @@ class Scheduler(RequestSlots):
         if done:
             rows = torch.tensor(done, device=self.device)
             num_tokens = torch.tensor(chunks, device=self.device)
-            ready = [requests[row] for row in done]
-            self.apply.sampled(ready, self.model.logits(hidden[rows, num_tokens[rows] - 1]))
+            ready, logits_rows = [], []  # each prompt's samples draw from its last logits (`workers/samples.py`)
+            for i, row in enumerate(done):
+                samples = [requests[row]] + (self.fork(requests[row]) if requests[row].group is not None else [])
+                ready += samples
+                logits_rows += [i] * len(samples)
+                self.prefilling.remove(requests[row])
+            logits = self.model.logits(hidden[rows, num_tokens[rows] - 1])
+            self.apply.sampled(ready, logits[torch.tensor(logits_rows, device=self.device)])
             for request in ready:
-                self.prefilling.remove(request)
                 if request.finish_reason is None:
                     self.running.append(request)
                 else:

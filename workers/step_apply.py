@@ -13,6 +13,7 @@ import torch
 
 from workers.executors import ModuleExecutor, Verification
 from workers.grammar_masks import MaskBuilder, legal_drafts
+from workers.logprobs import RAW, step_logprobs
 from workers.requests import Request, sampling_batch
 from workers.sampling import PLACEHOLDER_TOKEN_ID, apply_masks, sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, observe_shadow_drafts
@@ -29,9 +30,11 @@ class StepApplier:
         proposer: Proposer | None,
         policy: AdaptivePolicy | FixedPolicy,
         rejection_sampler: RejectionSampler,
+        logprobs_mode: str = RAW,
     ):
+        """`logprobs_mode`: which distribution the rows that ask for logprobs get them from (`workers/logprobs.py`)."""
         self.tokenizer, self.proposer, self.policy = tokenizer, proposer, policy
-        self.rejection_sampler = rejection_sampler
+        self.rejection_sampler, self.logprobs_mode = rejection_sampler, logprobs_mode
         self.drafts_from_hidden = proposer is not None and proposer.drafts_from_hidden
         self.masks = MaskBuilder()  # structured outputs: the step's grammar masks, built during its forward
 
@@ -56,11 +59,19 @@ class StepApplier:
         self.decoded(requests, *executor.decode(requests))
 
     def sampled(self, requests: list[Request], logits: torch.Tensor) -> None:
-        """One sampled token appended to every request (logits [b, v]), masked by its grammar."""
+        """One sampled token appended to every request (logits [b, v]), masked by its grammar, with its logprobs
+        where asked."""
         masks = self.masks.take(requests)
-        tokens = sample(logits, sampling_batch(requests, None if masks is None else masks[:, 0]))
-        for request, token in zip(requests, tokens):
+        batch = sampling_batch(requests, None if masks is None else masks[:, 0])
+        tokens = sample(logits, batch)
+        logprobs = None
+        if batch.logprob_rows:
+            taken = torch.tensor(tokens, device=logits.device)[:, None]  # [b, 1]
+            logprobs = step_logprobs(logits[:, None], taken, batch, self.logprobs_mode)
+        for row, (request, token) in enumerate(zip(requests, tokens)):
             request.append(token, self.tokenizer)
+            if logprobs is not None:
+                logprobs.record(request, row, 1)
 
     def decoded(self, requests: list[Request], logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """A plain decode step's output: the hidden states to the proposer, then a sampled token each."""
@@ -80,14 +91,20 @@ class StepApplier:
         )  # [num_reqs, max_k + 1], on the device
         rows = output_token_ids.tolist()
         accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens
+        # The target's own logprobs at every position, read before the shift (a plan's logits are a view of a buffer
+        # its later calls overwrite).
+        logprobs = step_logprobs(verification.logits, output_token_ids, batch, self.logprobs_mode)
         # 2. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         counts = num_accepted_tokens(output_token_ids) if verification.old_states is not None else None
         hidden = executor.keep(requests, verification, accepted, counts)
         self.observe(requests, hidden, verification.cache_lens, accepted)
         # 3. Append: the proposer shifts its own state; each request takes its valid tokens.
         self.proposer.accepted(requests, accepted)
-        for request, row, k in zip(requests, rows, proposal.num_draft_tokens):
+        for i, (request, row, k) in enumerate(zip(requests, rows, proposal.num_draft_tokens)):
+            num_before = len(request.output)
             request.append_verified(row, k, self.tokenizer)
+            if logprobs is not None:  # only for the tokens appended: a stop inside the accepted run drops the rest
+                logprobs.record(request, i, len(request.output) - num_before)
         return accepted
 
     def shadow_drafts(self, requests: list[Request], shadow: dict[int, tuple[int, int]]) -> None:

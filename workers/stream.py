@@ -52,11 +52,13 @@ class _Shard:
     """A submitted shard: its rows still to tokenize, those in the engine, the results so far, its future."""
 
     requests: Iterator[Request]
-    results: list[GenerationResult | None]
+    results: list[GenerationResult | None]  # row-major: num_samples per row
+    num_samples: int = 1  # results per row (`SamplingParams.n`)
     future: Future = field(default_factory=Future)
-    num_left: int = 0
+    num_left: int = 0  # results still to come
     num_taken: int = 0  # rows taken from `requests`
     live: dict[int, tuple[list[int], SamplingParams]] = field(default_factory=dict)  # rows in the engine
+    live_samples: dict[int, int] = field(default_factory=dict)  # row in the engine → its samples not done yet
     exhausted: bool = False
 
 
@@ -83,11 +85,14 @@ class ShardStream:
         self._put(("call", fn, future))
         return future
 
-    def submit(self, shard_id: Hashable, requests: Iterable[Request], num_rows: int) -> Future[list[GenerationResult]]:
-        """Queue a shard of `num_rows` rows: `requests` yields each row's (prompt token ids, sampling), or (why it
-        cannot run, None), and is read lazily on the engine thread. The future resolves to one result per row, in
-        order, when all are done."""
-        shard = _Shard(iter(requests), [None] * num_rows, num_left=num_rows)
+    def submit(
+        self, shard_id: Hashable, requests: Iterable[Request], num_rows: int, num_samples: int = 1
+    ) -> Future[list[GenerationResult]]:
+        """Queue a shard of `num_rows` rows: `requests` yields each row's (prompt token ids, sampling with
+        n = `num_samples`), or (why it cannot run, None), and is read lazily on the engine thread. The future
+        resolves to `num_samples` results per row, row-major (samples in order), when all are done."""
+        size = num_rows * num_samples
+        shard = _Shard(iter(requests), [None] * size, num_samples, num_left=size)
         if not num_rows:
             shard.future.set_result([])
             return shard.future
@@ -149,7 +154,8 @@ class ShardStream:
 
     def _feed(self) -> None:
         """Tokenize the next rows, oldest shard first, while the engine holds fewer than its share of rows."""
-        room = ROWS_AHEAD_PER_SEQ * self.runner.max_num_seqs - sum(len(s.live) for s in self._shards.values())
+        live = sum(n for s in self._shards.values() for n in s.live_samples.values())
+        room = ROWS_AHEAD_PER_SEQ * self.runner.max_num_seqs - live  # in sequences: a row takes n of them
         for shard_id, shard in list(self._shards.items()):
             while room > 0 and not shard.exhausted:
                 try:
@@ -163,18 +169,25 @@ class ShardStream:
                     break
                 row, shard.num_taken = shard.num_taken, shard.num_taken + 1
                 if params is None:
-                    self._finish(shard_id, row, error_result(prompt))
+                    for j in range(shard.num_samples):
+                        self._finish(shard_id, row, error_result(prompt, j))
                     continue
-                shard.live[row] = (prompt, params)
+                shard.live[row], shard.live_samples[row] = (prompt, params), params.n
                 self.runner.add_request((shard_id, row), prompt, params)
-                room -= 1
+                room -= params.n
 
     def _finish(self, shard_id: Hashable, row: int, result: GenerationResult) -> None:
         shard = self._shards.get(shard_id)
         if shard is None:
             return
-        shard.live.pop(row, None)
-        shard.results[row] = result
+        shard.live_samples[row] = shard.live_samples.get(row, 1) - 1
+        if shard.live_samples[row] <= 0:
+            shard.live.pop(row, None)
+            shard.live_samples.pop(row)
+        where = row * shard.num_samples + result.sample_index
+        if shard.results[where] is not None:  # a sample done before a failed step re-ran its row: the first stays
+            return
+        shard.results[where] = result
         shard.num_left -= 1
         if shard.num_left == 0:
             del self._shards[shard_id]
@@ -195,5 +208,6 @@ class ShardStream:
                 del self._shards[shard_id]
                 shard.future.set_exception(failure)
                 continue
-            for row, (prompt, params) in shard.live.items():
+            for row, (prompt, params) in shard.live.items():  # with all its samples: done ones are kept, not redone
+                shard.live_samples[row] = params.n
                 self.runner.add_request((shard_id, row), prompt, params)

@@ -171,3 +171,14 @@ def test_benchmark_prefill_task_times_long_prompts_against_transformers(tmp_path
     (row,) = json.loads(out.read_text())["prefill"]
     assert row["batch"] == 2 and row["prefill_tokens_per_s"] > 0 and row["ratio_to_transformers"] > 0
     assert "prefill: 48-token prompts, 1 new token" in capsys.readouterr().out
+
+
+def test_benchmark_n_samples_computes_each_prompt_once(tmp_path):
+    out = tmp_path / "n.json"
+    args = ["--preset", "tiny", "--task", "n", "--n", "3", "--batch-sizes", "2", "--new-tokens", "4",
+            "--prompt-len", "40", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["n"]}
+    assert rows["n=3"]["prompt_tokens_computed"] == 2 * 40  # each prompt once, its samples forked
+    assert rows["3 duplicated rows, cache off"]["prompt_tokens_computed"] == 3 * 2 * 40
+    assert all(row["identical_to_n"] and row["generated_tokens"] == 3 * 2 * 4 for row in rows.values())

@@ -16,4 +16,4 @@ def test_benchmark_structured_task(tmp_path, capsys):
     rows = json.loads(out.read_text())["structured"]
     assert [row["decoding"] for row in rows] == ["plain", "ngram", "draft"]
     assert all(row["json_schema_tokens_per_s"] > 0 and row["ratio"] > 0 for row in rows)
-    assert "JSON-schema constrained vs unconstrained" in capsys.readouterr().out
+    assert "JSON schema vs unconstrained" in capsys.readouterr().out

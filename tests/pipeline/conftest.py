@@ -67,6 +67,6 @@ def job_config(model: Path, data: Path, output: Path, **overrides) -> GenerateJo
 
 
 def read_output(directory: Path) -> list[dict]:
-    """All output rows, sorted by id."""
+    """All output rows, sorted by id (and sample_index: a row has one output row per sample)."""
     table = pads.dataset(str(directory), format="parquet").to_table()
-    return sorted(table.to_pylist(), key=lambda row: row["id"])
+    return sorted(table.to_pylist(), key=lambda row: (row["id"], row.get("sample_index", 0)))

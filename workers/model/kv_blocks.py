@@ -56,6 +56,9 @@ class BlockTable:
         self.cached: set[int] = set()
         self.num_pinned = 0
         self.reclaim: Callable[[int], None] | None = None
+        # Forks (`workers/samples.py`): a block the n samples of a prompt share, not cached → how many slots beyond
+        # its first hold it (freed with the last of them).
+        self.fork_refs: dict[int, int] = {}
 
     @property
     def num_usable(self) -> int:
@@ -70,12 +73,15 @@ class BlockTable:
         """Whether one request of `num_tokens` positions fits at all (in an otherwise empty cache)."""
         return self.blocks_for(num_tokens) <= min(self.num_usable, self.max_blocks_per_slot)
 
-    def try_reserve(self, num_tokens: int, num_shared: int = 0, num_newly_pinned: int = 0) -> int | None:
+    def try_reserve(
+        self, num_tokens: int, num_shared: int = 0, num_newly_pinned: int = 0, num_extra: int = 0
+    ) -> int | None:
         """Reserve room for a request of up to `num_tokens` positions whose first `num_shared` blocks are cached
-        ones it shares (`num_newly_pinned` of them unused until now); returns the blocks reserved, or None (nothing
-        reserved) when it does not fit. Unused cached blocks count as available: the cache evicts them on demand."""
+        ones it shares (`num_newly_pinned` of them unused until now), plus `num_extra` blocks (its forks'); returns
+        the blocks reserved, or None (nothing reserved) when it does not fit. Unused cached blocks count as
+        available: the cache evicts them on demand."""
         total = self.blocks_for(num_tokens)
-        need = total - num_shared
+        need = total - num_shared + num_extra
         if self.num_reserved + need + self.num_pinned + num_newly_pinned > self.num_usable:
             return None
         if total > self.max_blocks_per_slot:
@@ -94,6 +100,18 @@ class BlockTable:
         self.owned[slot] = list(blocks)
         if blocks:
             self.tables[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    def fork(self, source: int, target: int, num_shared: int, num_tokens: int) -> None:
+        """Give the empty slot `target` positions 0 … num_tokens-1 of slot `source`: its first `num_shared` blocks
+        shared (referenced, never written again), the rest private copies (the blocks the two will write into)."""
+        shared = self.owned[source][:num_shared]
+        self.share(target, shared)
+        for block in shared:
+            if block not in self.cached:
+                self.fork_refs[block] = self.fork_refs.get(block, 0) + 1
+        self.ensure(target, num_tokens)
+        for block, copy in zip(self.owned[source][num_shared:], self.owned[target][num_shared:]):
+            self.copy_block(block, copy)
 
     def free_block(self, block: int) -> None:
         """Return one block the cache gave up to the free pool."""
@@ -128,6 +146,7 @@ class BlockTable:
         for block in list(self.cached):
             self.free_block(block)
         self.num_pinned = 0
+        self.fork_refs.clear()
         for slot in range(self.num_slots):
             if self.owned[slot]:
                 self.free_slot(slot)
@@ -172,6 +191,11 @@ class BlockTable:
         """Return every block of `slot` to the free pool (but the cached ones, which the cache owns)."""
         for block in self.owned[slot]:
             if block in self.cached:
+                continue
+            if self.fork_refs.get(block, 0):  # another sample of the prompt still holds it
+                self.fork_refs[block] -= 1
+                if not self.fork_refs[block]:
+                    del self.fork_refs[block]
                 continue
             self._is_free.add(block)
             if block not in self._in_heap:

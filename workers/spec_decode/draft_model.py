@@ -183,14 +183,30 @@ class DraftModelProposer(Proposer):
         if len(active) * max(unseen) <= self.max_chunk_tokens:
             return
         for request in active:
-            context = request.prompt + request.output
-            slots = torch.tensor([request.slot], device=self.device)
-            while self.covered[request.slot] < len(context) - 1:
-                start = self.covered[request.slot]
-                piece = context[start : min(len(context) - 1, start + self.max_chunk_tokens)]
-                _, states = self._module_step([piece], [len(piece)], [start], slots, self.pool.read(slots))
-                self.pool.write(slots, states)
-                self.covered[request.slot] = start + len(piece)
+            self._consume(request, request.num_tokens - 1)
+
+    def _consume(self, request: Request, end: int) -> None:
+        """Feed the draft the request's tokens from what it covers up to position `end` (exclusive), in chunks of
+        at most `max_chunk_tokens`."""
+        context = request.prompt + request.output
+        slots = torch.tensor([request.slot], device=self.device)
+        while self.covered[request.slot] < end:
+            start = self.covered[request.slot]
+            piece = context[start : min(end, start + self.max_chunk_tokens)]
+            _, states = self._module_step([piece], [len(piece)], [start], slots, self.pool.read(slots))
+            self.pool.write(slots, states)
+            self.covered[request.slot] = start + len(piece)
+
+    @torch.inference_mode()
+    def prepare_fork(self, source: Request) -> None:
+        """The draft prefills the whole prompt once, for all of its samples."""
+        self._consume(source, source.num_tokens)
+
+    def fork(self, source: Request, targets: list[Request]) -> None:
+        """Each sample starts from a copy of the draft's states of the prompt (its KV follows the target's blocks)."""
+        for target in targets:
+            self.pool.move(source.slot, target.slot)
+            self.covered[target.slot] = self.covered[source.slot]
 
     def _module_step(
         self,

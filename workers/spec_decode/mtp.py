@@ -98,6 +98,21 @@ class MtpProposer(Proposer):
         catches up from `position`, whose target hidden state the cache kept (`hidden` [d])."""
         self.pending[request.slot] = _Pending(position, [hidden[None].clone()], 1)
 
+    def prepare_fork(self, source: Request) -> None:
+        """Catch the head up on the prompt's positions but the last (whose entry pairs it with each sample's own next
+        token), once for all samples."""
+        self.consume_known([source])
+
+    def fork(self, source: Request, targets: list[Request]) -> None:
+        """Each sample holds the prompt's last hidden state pending, as its own copy."""
+        pending = self.pending.get(source.slot)
+        for target in targets:
+            if pending is None:
+                self.pending.pop(target.slot, None)
+            else:
+                hidden = torch.cat(pending.pieces) if len(pending.pieces) > 1 else pending.pieces[0].clone()
+                self.pending[target.slot] = _Pending(pending.start, [hidden], pending.count)
+
     def admit(self, requests: list[Request]) -> None:
         """New requests start with nothing cached (their prefill's hidden states arrive next)."""
         for request in requests:

@@ -48,6 +48,12 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.starts[tuple(tokens[end - n : end])] = end - n
 
+    def copy(self) -> NgramIndex:
+        """An independent index of the same tokens (a fork's)."""
+        other = NgramIndex(self.min_n, self.max_n)
+        other.tokens, other.starts = list(self.tokens), dict(self.starts)
+        return other
+
     def propose(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` drafts to follow the tokens so far, as `propose_ngram` would propose."""
         tokens, length = self.tokens, len(self.tokens)
@@ -85,6 +91,12 @@ class NgramProposer(Proposer):
         """New requests start with an empty index (filled at their first proposal)."""
         for request in requests:
             self.indexes[request.slot] = NgramIndex(self.min_n, self.max_n)
+
+    def fork(self, source: Request, targets: list[Request]) -> None:
+        """Each sample of a prompt starts from a copy of its index."""
+        index = self.indexes.get(source.slot)
+        for target in targets:
+            self.indexes[target.slot] = NgramIndex(self.min_n, self.max_n) if index is None else index.copy()
 
     def lookup(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
         """Up to num_drafts[i] tokens for each request, as lists; fewer (even 0) when the context has no match."""

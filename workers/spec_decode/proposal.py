@@ -102,6 +102,14 @@ class Proposer:
     def admit(self, requests: list[Request]) -> None:
         """New requests took these slots: forget whatever the slots held."""
 
+    def prepare_fork(self, source: Request) -> None:
+        """`source`'s prompt is complete and about to be forked into other slots (n samples, `workers/samples.py`):
+        consume what of it the proposer would consume lazily, once, so that the forks copy it (KV entries
+        included: the blocks are copied after this)."""
+
+    def fork(self, source: Request, targets: list[Request]) -> None:
+        """`targets` took copies of `source`'s slot (n samples): give their slots copies of its per-slot state."""
+
     def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
         """At most num_drafts[i] drafts for each live request."""
         raise NotImplementedError

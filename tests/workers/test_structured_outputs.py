@@ -229,3 +229,31 @@ def test_trained_demo_models_write_valid_json(method):
     if method is not None:
         plain = ModelRunner.from_pretrained(str(demo), max_num_seqs=32).generate(prompts, params)
         assert [r.token_ids for r in results[::2]] == [r.token_ids for r in plain[::2]]  # the greedy rows
+
+
+def test_n_samples_each_follow_the_constraint(ascii_model):
+    """Each of a prompt's n samples has its own matcher: every sample valid, greedy samples equal."""
+    runner = ModelRunner.from_pretrained(str(ascii_model), max_num_seqs=8)
+    regex = "[a-f]{2,6}-[0-9]{1,3}"
+    constraint = StructuredOutputsParams(regex=regex)
+    sampled = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=24, structured_outputs=constraint)
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=24, structured_outputs=constraint)
+    results = runner.generate([[5, 6, 7], [8, 9]], [sampled, greedy])
+    assert [r.sample_index for r in results] == [0, 1, 2, 3, 0, 1, 2]
+    assert all(r.finish_reason == "stop" and re.fullmatch(regex, r.text) for r in results)
+    assert len({r.text for r in results[:4]}) > 1 and len({r.text for r in results[4:]}) == 1
+
+
+def test_processed_logprobs_see_the_grammar_mask(ascii_model):
+    """Processed logprobs are those of the masked distribution: tokens the grammar forbids at a position are −inf
+    there, and the top entries are legal ones; raw logprobs stay the model's own."""
+    constraint = StructuredOutputsParams(regex="[0-9]{4}")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, structured_outputs=constraint)
+    processed = ModelRunner.from_pretrained(str(ascii_model), logprobs_mode="processed").generate([[5, 6, 7]], params)
+    raw = ModelRunner.from_pretrained(str(ascii_model)).generate([[5, 6, 7]], params)
+    assert processed[0].token_ids == raw[0].token_ids
+    tokenizer = ModelRunner.from_pretrained(str(ascii_model)).tokenizer
+    for position in processed[0].logprobs[:-1]:  # before eos, every token with a finite logprob spells digits
+        finite = [t for t, value in position.items() if value > float("-inf")]
+        assert finite and all(tokenizer.decode([t]).isdigit() for t in finite)
+    assert any(not tokenizer.decode([t]).isdigit() and value > float("-inf") for t, value in raw[0].logprobs[0].items())

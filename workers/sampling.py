@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.model.kernels import native
-from workers.structured_outputs import StructuredOutputsParams
+from workers.structured_outputs import StructuredOutputsParams, masked_logits
 
 # An empty place in a step's output rows: a verification's row holds its valid tokens from column 0, then these.
 PLACEHOLDER_TOKEN_ID = -1
@@ -167,26 +167,10 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The logits [b, v] or [b, k + 1, v] with every row's grammar mask applied (disallowed tokens −inf), a float32
     copy (the raw logits stay as they are for whoever reads them after); the logits themselves when no row has a
-    constraint. The bitmask's bytes index a table of 8 additive masks (0 or −inf): one gather and one add, ~7×
-    faster than xgrammar's CPU kernel (33 µs against 230 µs at 32 × 4k tokens, measured)."""
+    constraint."""
     if batch.masks is None:
         return logits
-    vocab_size = logits.shape[-1]
-    masks = batch.masks.to(logits.device, non_blocking=True)
-    byte_rows = masks.reshape(-1, masks.shape[-1]).view(torch.uint8).long()  # little-endian: token 8j + i is bit i
-    additive = torch.nn.functional.embedding(byte_rows, _byte_masks(logits.device))  # [rows, words * 4, 8]
-    return logits.float() + additive.view(*logits.shape[:-1], -1)[..., :vocab_size]
-
-
-_BYTE_MASKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _byte_masks(device: torch.device) -> torch.Tensor:
-    """[256, 8]: entry [byte, i] is 0 when bit i of byte is set (the token allowed), else −inf."""
-    if device not in _BYTE_MASKS:
-        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        _BYTE_MASKS[device] = torch.where(bits == 1, 0.0, float("-inf")).to(device)
-    return _BYTE_MASKS[device]
+    return masked_logits(logits, batch.masks)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:

@@ -189,14 +189,14 @@ class Scheduler(RequestSlots):
         """Execute and apply the generating rows' step: a plain decode, or propose → verify → accept → shift."""
         requests, drafts = plan.generating, plan.drafts
         if drafts is None:
-            self.apply.decode(requests, self.executor)
+            self.apply.decoded(requests, *self.executor.decode(requests))
             return None
         proposal = self._propose(requests, drafts) if any(drafts.num_drafts) else None  # else not asked
         if proposal is not None:  # structured outputs: only drafts the grammar allows are verified
             proposal = self.apply.legal_drafts(requests, proposal)
         request_ids = [r.index for r in requests]
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
-            self.apply.decode(requests, self.executor)
+            self.apply.decoded(requests, *self.executor.decode(requests))
             self.proposer.accepted(requests, [1] * len(requests))
             self.apply.shadow_drafts(requests, drafts.shadow)
             timed = proposal is None or not proposal.caught_up
@@ -205,7 +205,6 @@ class Scheduler(RequestSlots):
         last = torch.tensor([[r.last_token] for r in requests])
         host_ids = torch.cat([last, proposal.token_ids.clamp_min(0)], dim=1)  # [num_reqs, max_k + 1]
         num_drafts = torch.tensor(proposal.num_draft_tokens, device=self.device)
-        self.apply.start_masks(requests, proposal)
         verification = self.executor.verify(requests, host_ids, num_drafts)
         accepted = self.apply.verified(requests, proposal, verification, self.executor)
         self.apply.shadow_drafts(requests, drafts.shadow)

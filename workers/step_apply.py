@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from workers.executors import ModuleExecutor, Verification
-from workers.grammar_masks import MaskBuilder, legal_drafts
+from workers.grammar_masks import legal_drafts, step_masks
 from workers.logprobs import RAW, step_logprobs
 from workers.requests import Request, sampling_batch
 from workers.sampling import PLACEHOLDER_TOKEN_ID, apply_masks, sample
@@ -36,7 +36,6 @@ class StepApplier:
         self.tokenizer, self.proposer, self.policy = tokenizer, proposer, policy
         self.rejection_sampler, self.logprobs_mode = rejection_sampler, logprobs_mode
         self.drafts_from_hidden = proposer is not None and proposer.drafts_from_hidden
-        self.masks = MaskBuilder()  # structured outputs: the step's grammar masks, built during its forward
 
     def observe(
         self, requests: list[Request], hidden: torch.Tensor | None, cache_lens: list[int], kept: list[int]
@@ -49,19 +48,10 @@ class StepApplier:
         """The proposal cut to the drafts each constrained row's grammar allows (before they are verified)."""
         return legal_drafts(requests, proposal)
 
-    def start_masks(self, requests: list[Request], proposal: Proposal | None = None) -> None:
-        """Before a step's forward: its grammar masks start building (a verification of `proposal`, or None)."""
-        self.masks.start(requests, proposal)
-
-    def decode(self, requests: list[Request], executor: ModuleExecutor) -> None:
-        """A plain decode step, executed and applied (its grammar masks built during the forward)."""
-        self.start_masks(requests)
-        self.decoded(requests, *executor.decode(requests))
-
     def sampled(self, requests: list[Request], logits: torch.Tensor) -> None:
         """One sampled token appended to every request (logits [b, v]), masked by its grammar, with its logprobs
         where asked."""
-        masks = self.masks.take(requests)
+        masks = step_masks(requests)
         batch = sampling_batch(requests, None if masks is None else masks[:, 0])
         tokens = sample(logits, batch)
         logprobs = None
@@ -84,7 +74,7 @@ class StepApplier:
         """Accept → shift → append for a verification step; returns num_accepted_tokens per request."""
         # 1. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
         drafts = proposal.token_ids.to(executor.device)  # [num_reqs, max_k]
-        batch = sampling_batch(requests, self.masks.take(requests, proposal))
+        batch = sampling_batch(requests, step_masks(requests, proposal))
         target_logits = apply_masks(verification.logits, batch)  # each row's grammar, at every position
         output_token_ids = self.rejection_sampler(
             drafts, target_logits, proposal.probs, batch.params, batch.generators

@@ -107,6 +107,13 @@ def masked_logits(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     return logits.float() + additive.view(*logits.shape[:-1], -1)[..., :vocab_size]
 
 
+def tokens_allowed(masks: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each row's token is allowed by its mask: masks [b, words], token_ids [b] → bool [b]."""
+    token_ids = token_ids.to(masks.device)
+    words = masks.gather(1, (token_ids // 32)[:, None])[:, 0]
+    return ((words >> (token_ids % 32).int()) & 1).bool()
+
+
 _BYTE_MASKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -180,6 +187,7 @@ class RequestGrammar:
         complete."""
         self.xgrammar, self.vocab_size = xgrammar, vocab_size
         stops = sorted(t for t in stop_token_ids if t < vocab_size)
+        self.stop_token_ids = frozenset(stops)
         if stops:
             self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops)
         else:
@@ -194,10 +202,12 @@ class RequestGrammar:
 
     def advance(self, token: int) -> bool:
         """The request appended `token`; True when its output is now complete (the matcher terminated)."""
-        self.end_draft_walk()
+        if self.num_draft_walk or self.draft_walk_stopped:
+            self.end_draft_walk()
         accepted = self.matcher.accept_token(token)
         assert accepted, f"token {token} was masked out: the grammar mask was not applied where it was chosen"
-        return self.matcher.is_terminated()
+        # With stop tokens the matcher terminates exactly on one (a set lookup saves a call per token).
+        return token in self.stop_token_ids if self.stop_token_ids else self.matcher.is_terminated()
 
     def legal_prefix(self, drafts: list[int]) -> int:
         """How many of `drafts` the grammar allows in a row from the request's current state (state unchanged)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from workers.model.kernels import native
 from workers.sampling import SamplingBatch, processed_logits
 
 RAW, PROCESSED = "raw_logprobs", "processed_logprobs"
@@ -71,7 +72,8 @@ def step_logprobs(
     entries past a row's accepted tokens are never read) → the rows' logprobs on the host, or None when no row asked.
 
     1. processed mode turns the logits into what each row samples; the rows that asked are selected (all: no copy);
-    2. log-softmax in float32, the taken tokens' logprobs gathered, the top k (the largest any row asked);
+    2. log-softmax in float32, the taken tokens' logprobs gathered, the top k (the largest any row asked)
+       (`_logprobs_table`);
     3. one tensor [rows, t, 2 + 2k] (float64 holds token ids exactly) → one device→host copy."""
     rows = batch.logprob_rows
     if not rows:
@@ -83,11 +85,25 @@ def step_logprobs(
     if len(rows) < len(batch.params):
         index = torch.tensor(rows, device=logits.device)
         logits, token_ids = logits.index_select(0, index), token_ids.to(logits.device).index_select(0, index)
-    logprobs = logits.float().log_softmax(-1)  # [r, t, v]
-    token_ids = token_ids.to(logprobs.device).long().clamp_min(0)[..., None]  # [r, t, 1]
-    parts = [token_ids.double(), logprobs.gather(-1, token_ids).double()]
+    token_ids = token_ids.to(logits.device).long().clamp_min(0)  # [r, t]
+    values = _logprobs_table(logits.float(), token_ids, width).tolist()
+    return StepLogprobs({row: at for at, row in enumerate(rows)}, num_logprobs, width, values)
+
+
+def _logprobs_table(logits: torch.Tensor, token_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """float32 logits [r, t, v], token_ids [r, t] → [r, t, 2 + 2·width] float64: token, its logprob, the top ids,
+    their logprobs. On CPU the native kernel (two reads of the logits, no log-softmax written out: ~0.15 ms at
+    32 × 32k against ~0.8 ms); torch's log_softmax, gather and topk elsewhere, and where a row has fewer than
+    `width` tokens above −inf (processed logprobs under a small top-k), whose order torch's topk decides."""
+    r, t, v = logits.shape
+    if native.loaded() and native.fits(logits):
+        token_logprobs, top_ids, top_logprobs = native.logprobs(logits.view(-1, v), token_ids.view(-1), width)
+        if not width or int(top_ids.min()) >= 0:
+            parts = [token_ids.view(-1, 1), token_logprobs[:, None], top_ids, top_logprobs]
+            return torch.cat([part.double() for part in parts], dim=-1).view(r, t, -1)
+    logprobs = logits.log_softmax(-1)  # [r, t, v]
+    parts = [token_ids[..., None].double(), logprobs.gather(-1, token_ids[..., None]).double()]
     if width:
         top = logprobs.topk(width, dim=-1)
         parts += [top.indices.double(), top.values.double()]
-    values = torch.cat(parts, dim=-1).tolist()
-    return StepLogprobs({row: at for at, row in enumerate(rows)}, num_logprobs, width, values)
+    return torch.cat(parts, dim=-1)

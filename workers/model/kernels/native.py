@@ -21,6 +21,7 @@
 - `csrc/ops.c`: RMSNorm fused with the residual add, silu(gate) · up, x · sigmoid(gate), argmax (`vexp.h`:
   vectorised exp).
 - `csrc/shared_block.c`: gelu(gate) · up and an elementwise add for Zamba2's shared blocks.
+- `csrc/logprobs.c`: each row's log-probability of a token and its k most likely tokens (a step's logprobs).
 - `csrc/decode_plan.c`: a whole decode step as one call, replaying the kernel calls `decode_plan.py` recorded.
 Each is built per instruction set (`isa.py`: avx512, avx2, portable; neon on aarch64), with vectors and register
 tiles sized by `csrc/simd.h`. They are float32-only (but for the int8 and bfloat16 weights of `linear_int8.c` and
@@ -311,6 +312,30 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     load().argmax_rows(pointer(x), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
+
+
+def logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits x [rows, n] and tokens [rows] (int64, each in [0, n)): (log p(token) [rows], the k most likely
+    token ids [rows, k] and their log-probabilities [rows, k]) — log_softmax, gather and topk in two reads of the
+    logits (ties rank the lower index first; ids −1 where a row has fewer than k values above −inf)."""
+    rows, n = x.shape
+    tokens = tokens.to(torch.int64).contiguous()
+    if tokens.shape != (rows,) or (rows and not 0 <= int(tokens.min()) <= int(tokens.max()) < n):
+        raise ValueError(f"tokens must be {rows} ids in [0, {n})")
+    token_logprobs = torch.empty(rows)
+    top_ids, top_logprobs = torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k)
+    load().logprobs_rows(
+        pointer(x),
+        tokens.data_ptr(),
+        rows,
+        n,
+        k,
+        token_logprobs.data_ptr(),
+        top_ids.data_ptr(),
+        top_logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return token_logprobs, top_ids, top_logprobs
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int) -> None:

@@ -19,6 +19,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gelu_mul": (None, [P, P, I64, I64, INT]),
     "add_rows": (None, [P, P, P, I64, INT]),
     "argmax_rows": (None, [P, P, I64, I64, INT]),
+    "logprobs_rows": (None, [P, P, I64, I64, I64, P, P, P, INT]),
     "mamba2_prefill": (None, [P] * 7 + [F32, F32, P, I64, F32] + [P] * 6 + [I64] * 7 + [INT]),
     "rope_rows": (None, [P, P, P] + [I64] * 4),
     "attention_decode": (None, [P] * 6 + [I64] * 3 + [P, P, F32, P] + [I64] * 4 + [INT]),

@@ -122,6 +122,8 @@ void rope_rows(float *x, const int64_t *positions, const float *inv_freq, int64_
                int64_t rotary_dim);
 int64_t argmax_row(const float *row, int64_t n);
 void argmax_rows(const float *x, int64_t *out, int64_t rows, int64_t n, int num_threads);
+void logprobs_rows(const float *x, const int64_t *tokens, int64_t rows, int64_t n, int64_t k, float *token_logprobs,
+                   int64_t *top_ids, float *top_logprobs, int num_threads);
 int64_t moe_route(const float *logits, float *weights, int64_t *ids, int64_t t, int64_t E, int64_t k, int64_t kind,
                   int64_t norm, int64_t groups, int64_t topk_groups, const float *bias, float scaling, float eps);
 int64_t moe_experts(const float *x, const float *weights, const int64_t *ids, float *out, int64_t t, int64_t k,

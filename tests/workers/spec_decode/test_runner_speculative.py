@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.workers.spec_decode.reference import last_position_logits
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.model import ForwardBatch, StatePool
 from workers.sampling import target_probs
 from workers.spec_decode.ngram import NgramIndex, propose_ngram
 from workers.spec_decode.rejection_sampler import rejection_sample
@@ -17,16 +17,7 @@ from workers.spec_decode.rejection_sampler import rejection_sample
 
 def _next_token_probs(runner: ModelRunner, sequences: list[list[int]], params: SamplingParams) -> torch.Tensor:
     """The target's sampling distribution after each sequence, from one plain forward."""
-    lengths = [len(s) for s in sequences]
-    ids = torch.tensor([s + [0] * (max(lengths) - len(s)) for s in sequences])
-    pool = StatePool(runner.config, len(sequences), max(lengths), torch.device("cpu"), torch.float32)
-    batch = ForwardBatch(
-        torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long), torch.tensor(lengths)
-    )
-    with torch.no_grad():
-        hidden = runner.model(ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
-    last = hidden[torch.arange(len(sequences)), torch.tensor(lengths) - 1]
-    return torch.stack([target_probs(runner.model.logits(h), params) for h in last]).double()
+    return torch.stack([target_probs(row, params) for row in last_position_logits(runner, sequences)]).double()
 
 
 @pytest.fixture(scope="module")

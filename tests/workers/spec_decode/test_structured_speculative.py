@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.workers.spec_decode.reference import last_position_logits
 from tests.workers.structured_fixtures import ascii_checkpoint, random_regex, random_schema
 from tests.workers.test_structured_outputs import assert_valid, random_prompts
 from workers import ModelRunner, SamplingParams, SpeculativeConfig, StructuredOutputsParams
-from workers.model import ForwardBatch, StatePool
 from workers.requests import Request
 from workers.sampling import target_probs
 from workers.spec_decode.proposal import Proposal, Proposer
@@ -145,16 +145,7 @@ def _masked_next_probs(runner, compiled, prompt, prefixes, params):
     xgrammar matcher per prefix: independent of the runner's step code)."""
     import xgrammar
 
-    sequences = [prompt + p for p in prefixes]
-    lengths = [len(s) for s in sequences]
-    ids = torch.tensor([s + [0] * (max(lengths) - len(s)) for s in sequences])
-    pool = StatePool(runner.config, len(sequences), max(lengths), torch.device("cpu"), torch.float32)
-    batch = ForwardBatch(
-        torch.arange(len(sequences)), torch.zeros(len(sequences), dtype=torch.long), torch.tensor(lengths)
-    )
-    with torch.no_grad():
-        hidden = runner.model(ids, batch, pool.zeros(len(sequences)), pool.kv_caches()).hidden
-    logits = runner.model.logits(hidden[torch.arange(len(sequences)), torch.tensor(lengths) - 1])
+    logits = last_position_logits(runner, [prompt + p for p in prefixes])
     bitmask = xgrammar.allocate_token_bitmask(len(prefixes), runner.config.vocab_size)
     for row, prefix in enumerate(prefixes):
         matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=[2])

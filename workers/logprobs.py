@@ -13,6 +13,7 @@ top-p applied, the excluded tokens at -inf; greedy rows unscaled).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,8 @@ def logprobs_mode_name(mode: Any) -> str | None:
 
 def logprobs_entry(top_ids: list[int], top_logprobs: list[float], token: int, token_logprob: float) -> dict[int, float]:
     """One position's {token_id: logprob} (vLLM's shape): the top k in rank order, then the taken token unless it is
-    among them (k or k + 1 entries)."""
-    entry = dict(zip(top_ids, top_logprobs))
+    among them (k or k + 1 entries; the whole vocabulary where it is smaller than k)."""
+    entry = {t: lp for t, lp in zip(top_ids, top_logprobs) if t >= 0}  # −1: past a vocabulary smaller than k
     entry.setdefault(token, token_logprob)
     return entry
 
@@ -93,17 +94,18 @@ def step_logprobs(
 def _logprobs_table(logits: torch.Tensor, token_ids: torch.Tensor, width: int) -> torch.Tensor:
     """float32 logits [r, t, v], token_ids [r, t] → [r, t, 2 + 2·width] float64: token, its logprob, the top ids,
     their logprobs. On CPU the native kernel (two reads of the logits, no log-softmax written out: ~0.15 ms at
-    32 × 32k against ~0.8 ms); torch's log_softmax, gather and topk elsewhere, and where a row has fewer than
-    `width` tokens above −inf (processed logprobs under a small top-k), whose order torch's topk decides."""
+    32 × 32k against ~0.8 ms); torch's log_softmax, gather and topk elsewhere. Top entries past the vocabulary are
+    (id −1, −inf), as the kernel leaves them (`logprobs_entry` drops them)."""
     r, t, v = logits.shape
     if native.loaded() and native.fits(logits):
         token_logprobs, top_ids, top_logprobs = native.logprobs(logits.view(-1, v), token_ids.view(-1), width)
-        if not width or int(top_ids.min()) >= 0:
-            parts = [token_ids.view(-1, 1), token_logprobs[:, None], top_ids, top_logprobs]
-            return torch.cat([part.double() for part in parts], dim=-1).view(r, t, -1)
+        parts = [token_ids.view(-1, 1), token_logprobs[:, None], top_ids, top_logprobs]
+        return torch.cat([part.double() for part in parts], dim=-1).view(r, t, -1)
     logprobs = logits.log_softmax(-1)  # [r, t, v]
     parts = [token_ids[..., None].double(), logprobs.gather(-1, token_ids[..., None]).double()]
     if width:
-        top = logprobs.topk(width, dim=-1)
-        parts += [top.indices.double(), top.values.double()]
+        top = logprobs.topk(min(width, v), dim=-1)
+        missing = (r, t, width - top.indices.shape[-1])
+        parts += [top.indices.double(), logprobs.new_full(missing, -1).double()]
+        parts += [top.values.double(), logprobs.new_full(missing, -math.inf).double()]
     return torch.cat(parts, dim=-1)

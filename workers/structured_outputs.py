@@ -192,6 +192,12 @@ class RequestGrammar:
             self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops)
         else:
             self.matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            if self.matcher.is_terminated():  # complete before any token: nothing could end the row where it must
+                raise ValueError(
+                    "structured_outputs accepts the empty output and the request has no stop token (ignore_eos "
+                    "without stop_token_ids) to end it there: give stop_token_ids, drop ignore_eos, or use a "
+                    "constraint that needs at least one token"
+                )
         self.num_draft_walk = 0  # tokens a proposer walked the matcher through while drafting (rolled back)
         self.draft_walk_stopped = False  # a drafted token the grammar rejects: the walk stops there
 
@@ -204,8 +210,8 @@ class RequestGrammar:
         """The request appended `token`; True when its output is now complete (the matcher terminated)."""
         if self.num_draft_walk or self.draft_walk_stopped:
             self.end_draft_walk()
-        accepted = self.matcher.accept_token(token)
-        assert accepted, f"token {token} was masked out: the grammar mask was not applied where it was chosen"
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was masked out: the grammar mask was not applied where it was chosen")
         # With stop tokens the matcher terminates exactly on one (a set lookup saves a call per token).
         return token in self.stop_token_ids if self.stop_token_ids else self.matcher.is_terminated()
 
@@ -231,7 +237,8 @@ class RequestGrammar:
                 break
             self.matcher.fill_next_token_bitmask(bitmask, first_row + position)
             if position < len(drafts):
-                assert self.matcher.accept_token(drafts[position]), "drafts must be cut to the legal prefix first"
+                if not self.matcher.accept_token(drafts[position]):
+                    raise RuntimeError("drafts must be cut to the legal prefix before their masks are filled")
                 num_walked += 1
         if num_walked:
             self.matcher.rollback(num_walked)

@@ -139,3 +139,23 @@ def test_logprobs_modes_take_vllm_names_and_short_ones_and_refuse_others():
     for bad in ("raw_logits", "processed_logits", "", None):  # vLLM's logits modes are not offered
         with pytest.raises(ValueError, match="logprobs_mode.*must be one of raw_logprobs, processed_logprobs"):
             EngineConfig().replace(logprobs_mode=bad)
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_more_logprobs_than_the_vocabulary_holds_gives_the_whole_vocabulary(
+    checkpoint_dir, native_kernels, monkeypatch
+):
+    """k = 20 over a 7-token vocabulary: every token once, in rank order (the
+    native kernel and torch's path alike)."""
+    from workers import logprobs as logprobs_module
+
+    if not native_kernels:
+        monkeypatch.setattr(logprobs_module.native, "loaded", lambda: False)
+    logits = torch.randn(2, 1, 7, generator=torch.Generator().manual_seed(0))
+    table = logprobs_module._logprobs_table(logits, torch.tensor([[3], [6]]), 20)
+    for row in range(2):
+        position = table[row, 0].tolist()
+        entry = logprobs_module.logprobs_entry([int(t) for t in position[2:22]], position[22:42], 3, position[1])
+        reference = logits[row, 0].double().log_softmax(-1)
+        assert list(entry) == reference.argsort(descending=True).tolist()
+        assert all(abs(entry[t] - reference[t].item()) < 1e-5 for t in entry)

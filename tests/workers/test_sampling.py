@@ -60,3 +60,12 @@ def test_sampled_rows_follow_their_processed_distribution():
     assert counts[probs == 0].sum() == 0
     support = probs > 0
     assert chisquare(counts[support].numpy(), _expected(probs[support], 5000)).pvalue > 1e-3
+
+
+def test_a_uniform_rounding_up_to_the_total_still_draws_a_token_of_weight(monkeypatch):
+    """u · total can round up to the total (u = 1 − 2^-53); the draw is then the last token of positive weight, not
+    the last token."""
+    probs = torch.tensor([[0.1, 0.9, 0.0, 0.0], [0.3, 0.3, 0.4, 0.0]], dtype=torch.float64)
+    almost_one = torch.tensor(1.0 - 2.0**-53, dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: almost_one)
+    assert sample_rows(probs * 3, [torch.Generator(), torch.Generator()]) == [1, 2]

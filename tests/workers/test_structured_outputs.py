@@ -195,6 +195,20 @@ def test_stop_means_complete_length_means_max_tokens(ascii_model):
     assert results[2].token_ids[-1] == EOS and EOS not in results[2].token_ids[:-1]
 
 
+def test_an_empty_output_with_nothing_to_end_it_fails_its_own_row(ascii_model):
+    """A constraint the empty output satisfies, on a row with no stop token (ignore_eos): the row could only end
+    before its first token, which the runner always generates; it gets an error naming the way out, the others run
+    (with a stop token the same constraint runs: eos ends the row)."""
+    runner = ModelRunner.from_pretrained(str(ascii_model), max_num_seqs=4)
+    nullable = [StructuredOutputsParams(regex="[0-9]*"), StructuredOutputsParams(grammar='root ::= "" | "yes"')]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, structured_outputs=c) for c in nullable]
+    params.append(SamplingParams(temperature=0, max_tokens=8, structured_outputs=nullable[0]))
+    results = runner.generate([[5, 6, 7]] * len(params), params)
+    assert [r.finish_reason for r in results[:2]] == ["error", "error"]
+    assert all("accepts the empty output" in r.error and "stop_token_ids" in r.error for r in results[:2])
+    assert results[2].error is None and re.fullmatch("[0-9]*", results[2].text)
+
+
 def test_stop_strings_still_stop(ascii_model):
     runner = ModelRunner.from_pretrained(str(ascii_model), max_num_seqs=2)
     constraint = StructuredOutputsParams(regex="a[bc]{5,}")

@@ -34,14 +34,21 @@ def test_ties_rank_the_lower_index_first_and_masked_tokens_never_rank():
     logits = torch.full((3, 50), -float("inf"))
     logits[0, [3, 9, 40]] = 2.0  # a three-way tie
     logits[0, 20] = 5.0
-    logits[1, [10, 11]] = 0.0  # two finite values, three asked: the third is missing (−1)
+    logits[1, [10, 11]] = 0.0  # two finite values, three asked: the third is the row's first −inf entry
     logits[2] = torch.arange(50.0)  # increasing: the top ids are the last ones, largest first
     tokens = torch.tensor([9, 11, 0])
     token_logprobs, top_ids, top_logprobs = native.logprobs(logits, tokens, 3)
-    assert top_ids.tolist() == [[20, 3, 9], [10, 11, -1], [49, 48, 47]]
+    assert top_ids.tolist() == [[20, 3, 9], [10, 11, 0], [49, 48, 47]]
     assert top_logprobs[1, 2] == -float("inf")
     want_token, _ = _reference(logits, tokens, 0)
     torch.testing.assert_close(token_logprobs.double(), want_token, atol=2e-5, rtol=1e-5)
+
+
+def test_more_asked_than_the_vocabulary_holds():
+    logits = torch.tensor([[0.5, -float("inf"), 2.0]])
+    _, top_ids, top_logprobs = native.logprobs(logits, torch.tensor([2]), 5)
+    assert top_ids.tolist() == [[2, 0, 1, -1, -1]]
+    assert top_logprobs[0, 2] == -float("inf")
 
 
 def test_bad_tokens_are_refused_before_the_kernel_reads():

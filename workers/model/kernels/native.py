@@ -317,13 +317,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For logits x [rows, n] and tokens [rows] (int64, each in [0, n)): (log p(token) [rows], the k most likely
     token ids [rows, k] and their log-probabilities [rows, k]) — log_softmax, gather and topk in two reads of the
-    logits (ties rank the lower index first; ids −1 where a row has fewer than k values above −inf)."""
+    logits (ties rank the lower index first, −inf entries too; ids −1 past the row's n entries when k > n)."""
     rows, n = x.shape
     tokens = tokens.to(torch.int64).contiguous()
     if tokens.shape != (rows,) or (rows and not 0 <= int(tokens.min()) <= int(tokens.max()) < n):
         raise ValueError(f"tokens must be {rows} ids in [0, {n})")
-    token_logprobs = torch.empty(rows)
-    top_ids, top_logprobs = torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k)
+    token_logprobs = torch.empty(rows, dtype=torch.float32)
+    top_ids, top_logprobs = torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k, dtype=torch.float32)
     load().logprobs_rows(
         pointer(x),
         tokens.data_ptr(),

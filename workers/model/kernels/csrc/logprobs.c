@@ -24,8 +24,9 @@ static void top_insert(float *values, int64_t *ids, int64_t k, float value, int6
     ids[at] = index;
 }
 
-/* The maximum of row [n] and, for k > 0, its k largest values in values / ids (ids −1 where the row has fewer than
- * k values above −inf). */
+/* The maximum of row [n] and, for k > 0, its k largest values in values / ids. A row with fewer than k values
+ * above −inf fills the rest with its first −inf entries (torch.topk would take some of them); ids stay −1 only past
+ * the row's n entries (k > n). */
 static float max_and_top(const float *row, int64_t n, int64_t k, float *values, int64_t *ids) {
     for (int64_t j = 0; j < k; ++j) {
         values[j] = -INFINITY;
@@ -53,6 +54,10 @@ static float max_and_top(const float *row, int64_t n, int64_t k, float *values, 
         best = row[i] > best ? row[i] : best;
         if (k > 0 && row[i] > values[k - 1]) top_insert(values, ids, k, row[i], i);
     }
+    int64_t free = 0;
+    while (free < k && ids[free] >= 0) ++free;
+    for (int64_t j = 0; j < n && free < k; ++j)
+        if (row[j] == -INFINITY) ids[free++] = j;
     return best;
 }
 
@@ -72,8 +77,8 @@ static float log_normaliser(const float *row, int64_t n, float max) {
 }
 
 /* For each of `rows` rows of x [rows, n]: token_logprobs[r] = log p(tokens[r]) and, for k > 0, the k most likely
- * tokens top_ids [rows, k] with their log-probabilities top_logprobs [rows, k] (ids −1 past the row's finite
- * values). tokens[r] must lie in [0, n). */
+ * tokens top_ids [rows, k] with their log-probabilities top_logprobs [rows, k] (−inf entries after the finite ones;
+ * ids −1 past n). tokens[r] must lie in [0, n). */
 void logprobs_rows(const float *x, const int64_t *tokens, int64_t rows, int64_t n, int64_t k, float *token_logprobs,
                    int64_t *top_ids, float *top_logprobs, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)

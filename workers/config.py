@@ -38,7 +38,8 @@ class LoadConfig:
 
     device: str = "cpu"  # one of DEVICES, or a torch device such as "cuda:1"; "auto": CUDA when there is one
     dtype: str = "float32"  # "auto": float32 on CPU, the checkpoint's on GPU
-    quantization: str | None = None  # vLLM's name; one of QUANTIZATIONS (CPU float32)
+    quantization: str | None = None  # vLLM's name; one of QUANTIZATIONS (CPU float32), or "fp8": a block-wise FP8
+    # checkpoint's linears kept in FP8 (any device; `workers/model/layers/fp8_linear.py`)
     revision: str | None = None  # a hub model's branch, tag or commit (the driver pins a commit)
     linear_backend: str = "auto"  # one of LINEAR_BACKENDS (see `workers/model/layers/linear.py`)
     decode_kernel: str = "auto"  # one of DECODE_KERNELS (see `workers/model/loader.py`)

@@ -18,6 +18,7 @@ from workers.model.checkpoint.weights import Source, checkpoint_sources, is_igno
 from workers.model.kernels import heap, native, triton_kernels
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
+from workers.model.layers.fp8_linear import check_fp8_checkpoint, fp8_kept_sources, keep_fp8_linears
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.kda import KimiDeltaAttentionMixer
@@ -333,7 +334,9 @@ def load_checkpoint(
     `revision`: a hub repo's branch, tag or commit (default main). `quantization`: None (the weights in `dtype`)
     or "int8" (CPU: linear weights quantized per output channel as they load; see `prepare_linears`).
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
-    FP8 checkpoints load dequantized (`tensors.py`).
+    FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
+    dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
+    per weight, the GEMM dequantizing per tile on CUDA; fused projections and MoE experts load dequantized.
     """
     directory = resolve_model_dir(path_or_repo, revision)
     config_path = directory / "config.json"
@@ -341,6 +344,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"no config.json in {directory}")
     raw_config = json.loads(config_path.read_text())
     config = HybridConfig.from_hf_dict(raw_config)
+    keep_fp8, quantization = quantization == "fp8", None if quantization == "fp8" else quantization
     torch_dtype, weight_format = resolve_weight_format(
         resolve_dtype(dtype, config, device), quantization, device, linear_backend
     )
@@ -350,10 +354,14 @@ def load_checkpoint(
         check_mtp_head(config, handles, directory)
     model = empty_model(config, mtp, torch_dtype, device)
     device = torch.device(device)
-
+    kept = fp8_kept_sources(match_weights(model, dict(handles.shapes)), handles.is_fp8) if keep_fp8 else {}
+    if keep_fp8:
+        check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
+    names = {id(module): name for name, module in model.named_modules()}
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
     def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
+        keep_fp8_linears(module, names[id(module)], kept, handles.read_fp8, replaced)
         backend = prepare_linears(module, linear_backend, device, torch_dtype, weights, replaced, weight_format)
         heap.return_freed_memory()
         return backend

@@ -1,0 +1,106 @@
+"""Linears whose weights stay block-wise FP8 in memory (`quantization="fp8"`): one byte per weight plus one float32
+scale per 128 × 128 block, half the bytes of bfloat16.
+
+The loader reads a block-wise FP8 checkpoint (`checkpoint/tensors.py`) as today, then replaces each `nn.Linear`
+whose weight came from one FP8 tensor by an `Fp8BlockLinear` holding that tensor's bytes and scales. Weights
+assembled from several tensors (fused projections, stacked MoE experts) and the modules the checkpoint left
+unconverted load as before (dequantized, in the model's dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.model.kernels import triton_kernels
+from workers.model.kernels.fp8 import FP8_BLOCK, dequantize_fp8_blocks
+
+FP8_KEPT_REASON = "linears kept in FP8 (quantization='fp8') have no native CPU kernel"
+
+
+class Fp8BlockLinear(nn.Module):
+    """y = x · (e4m3(weight) · scale_inv per block)ᵀ (+ bias). CUDA: the Triton kernel dequantizes one K tile at a
+    time (`triton_kernels/fp8_gemm.py`); elsewhere the PyTorch reference dequantizes the whole weight per call
+    (correct, not fast)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dtype != torch.uint8 and weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"Fp8BlockLinear needs e4m3 weights (uint8 bytes), got {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.view(torch.uint8))  # [N, K] e4m3 bytes
+        self.register_buffer("scale_inv", scale_inv.float())  # [⌈N/128⌉, ⌈K/128⌉]
+        self.register_buffer("bias", bias)  # [N] or None
+        expected = (-(-self.out_features // FP8_BLOCK), -(-self.in_features // FP8_BLOCK))
+        if tuple(self.scale_inv.shape) != expected:
+            raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected {expected}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in] → [..., out], in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        if x.device.type == "cuda" and triton_kernels.available(x.device):
+            from workers.model.kernels.triton_kernels.fp8_gemm import fp8_block_linear
+
+            out = fp8_block_linear(rows, self.weight, self.scale_inv, self.bias)
+        else:
+            weight = dequantize_fp8_blocks(self.weight, self.scale_inv).to(x.dtype)
+            out = nn.functional.linear(rows, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def fp8_kept_sources(plan: dict[str, Any], is_fp8: Any) -> dict[str, str]:
+    """Parameter name → checkpoint key, for the `.weight`s read from one FP8 tensor as they are (`plan`: parameter
+    name → `checkpoint.weights.Source`; `is_fp8(key)`: whether the checkpoint stores `key` as block-wise FP8)."""
+    kept = {}
+    for name, source in plan.items():
+        plain = source.combine == "one" and source.transform is None and len(source.keys) == 1
+        if name.endswith(".weight") and plain and is_fp8(source.keys[0]):
+            kept[name] = source.keys[0]
+    return kept
+
+
+def keep_fp8_linears(
+    module: nn.Module, prefix: str, kept: dict[str, str], read_fp8: Any, replaced: dict[int, nn.Module]
+) -> int:
+    """Replace each `nn.Linear` under `module` (named `prefix` in the model) whose weight is in `kept` by an
+    `Fp8BlockLinear` of the checkpoint's bytes (`read_fp8(key)` → (uint8 weight, float32 scale_inv)); a Linear
+    shared by several parents (`replaced`: id → replacement) is replaced once. Returns how many were replaced."""
+    count = 0
+    for parent_name, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if id(child) not in replaced:
+                key = kept.get(".".join(p for p in (prefix, parent_name, name, "weight") if p))
+                if key is None:
+                    continue
+                weight, scale_inv = read_fp8(key)
+                bias = None if child.bias is None else child.bias.detach()
+                device = child.weight.device
+                replaced[id(child)] = Fp8BlockLinear(weight.to(device), scale_inv.to(device), bias)
+                count += 1
+            if isinstance(replaced[id(child)], Fp8BlockLinear):
+                setattr(parent, name, replaced[id(child)])
+    return count
+
+
+def check_fp8_checkpoint(block: tuple[int, int] | None, num_kept: int, directory: Any) -> None:
+    """`ValueError` naming the checkpoint unless `quantization="fp8"` can keep its weights: block-wise FP8
+    (`block` from config.json's quantization_config) in 128 × 128 blocks, with at least one linear to keep."""
+    if block is None:
+        raise ValueError(
+            f"quantization='fp8' keeps a block-wise FP8 checkpoint's weights in FP8, but {directory} is not one "
+            "(its config.json has no quantization_config with quant_method 'fp8'); load it with quantization None"
+        )
+    if tuple(block) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(
+            f"quantization='fp8' needs {FP8_BLOCK} × {FP8_BLOCK} weight blocks, but {directory} uses {block[0]} × "
+            f"{block[1]}; load it with quantization None (dequantized)"
+        )
+    if num_kept == 0:
+        raise ValueError(f"quantization='fp8': no linear of {directory} is stored as a single block-wise FP8 weight")

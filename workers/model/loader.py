@@ -336,7 +336,8 @@ def load_checkpoint(
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
     FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
     dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
-    per weight, the GEMM dequantizing per tile on CUDA; fused projections and MoE experts load dequantized.
+    per weight, the GEMM dequantizing per tile on CUDA; MoE experts and projections fused off 128-row blocks load
+    dequantized.
     """
     directory = resolve_model_dir(path_or_repo, revision)
     config_path = directory / "config.json"
@@ -354,7 +355,8 @@ def load_checkpoint(
         check_mtp_head(config, handles, directory)
     model = empty_model(config, mtp, torch_dtype, device)
     device = torch.device(device)
-    kept = fp8_kept_sources(match_weights(model, dict(handles.shapes)), handles.is_fp8) if keep_fp8 else {}
+    plan = match_weights(model, dict(handles.shapes)) if keep_fp8 else {}
+    kept = fp8_kept_sources(plan, dict(handles.shapes), handles.is_fp8)
     if keep_fp8:
         check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
     names = {id(module): name for name, module in model.named_modules()}

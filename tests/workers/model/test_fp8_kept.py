@@ -110,3 +110,27 @@ def test_kept_fp8_on_cuda_matches_the_dequantized_load(fp8_dir):
     model = load_checkpoint(str(fp8_dir), device="cuda", quantization="fp8").model
     assert any(isinstance(m, Fp8BlockLinear) and m.weight.is_cuda for m in model.modules())
     torch.testing.assert_close(_scores(fp8_dir, device="cuda", quantization="fp8"), _scores(fp8_dir), atol=2e-3, rtol=0)
+
+
+def test_fused_weights_stay_fp8_only_at_block_boundaries():
+    from workers.model.checkpoint.weights import Source
+    from workers.model.layers.fp8_linear import fp8_kept_sources, keep_fp8_linears
+
+    gate, up = to_fp8(torch.randn(256, 200), BLOCK), to_fp8(torch.randn(70, 200), BLOCK)
+    stored = {"gate": gate, "up": up, "cut": to_fp8(torch.randn(70, 200), BLOCK)}
+    shapes = {key: tuple(weight.shape) for key, (weight, _) in stored.items()} | {"plain": (8, 200)}
+    plan = {
+        "a.weight": Source(("gate", "up"), "cat"),  # 256 rows then 70: the blocks line up
+        "b.weight": Source(("cut", "gate"), "cat"),  # 70 rows first: a block would straddle the two
+        "c.weight": Source(("gate", "plain"), "cat"),  # one part is not FP8
+        "d.weight": Source(("gate",), transform=lambda tensors: tensors[0]),
+    }
+    kept = fp8_kept_sources(plan, shapes, lambda key: key in stored)
+    assert kept == {"a.weight": ("gate", "up")}
+    module = torch.nn.Module()
+    module.a = torch.nn.Linear(200, 326, bias=False)
+    read = {key: (weight.view(torch.uint8), scale) for key, (weight, scale) in stored.items()}
+    assert keep_fp8_linears(module, "", kept, read.__getitem__, {}) == 1
+    expected = torch.cat([dequantize_fp8_blocks(*read["gate"]), dequantize_fp8_blocks(*read["up"])])
+    assert isinstance(module.a, Fp8BlockLinear)
+    assert torch.equal(dequantize_fp8_blocks(module.a.weight, module.a.scale_inv), expected)

@@ -2,9 +2,9 @@
 scale per 128 × 128 block, half the bytes of bfloat16.
 
 The loader reads a block-wise FP8 checkpoint (`checkpoint/tensors.py`) as today, then replaces each `nn.Linear`
-whose weight came from one FP8 tensor by an `Fp8BlockLinear` holding that tensor's bytes and scales. Weights
-assembled from several tensors (fused projections, stacked MoE experts) and the modules the checkpoint left
-unconverted load as before (dequantized, in the model's dtype).
+whose weight came from FP8 tensors (one, or several concatenated along the outputs at 128-row block boundaries) by an
+`Fp8BlockLinear` holding those bytes and scales. Other assembled weights (a fused projection cut inside a block, a
+transform, stacked MoE experts) and the modules the checkpoint left unconverted load as before (dequantized).
 """
 
 from __future__ import annotations
@@ -53,19 +53,31 @@ class Fp8BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def fp8_kept_sources(plan: dict[str, Any], is_fp8: Any) -> dict[str, str]:
-    """Parameter name → checkpoint key, for the `.weight`s read from one FP8 tensor as they are (`plan`: parameter
-    name → `checkpoint.weights.Source`; `is_fp8(key)`: whether the checkpoint stores `key` as block-wise FP8)."""
+def fp8_kept_sources(plan: dict[str, Any], shapes: dict[str, tuple[int, ...]], is_fp8: Any) -> dict[str, tuple]:
+    """Parameter name → its checkpoint keys, for the `.weight`s that stay FP8: read from one FP8 tensor as it is, or
+    concatenated along the outputs from FP8 tensors whose rows (all but the last's) fill whole 128-row blocks, so
+    their bytes and scales concatenate as they are (`plan`: parameter name → `checkpoint.weights.Source`; `shapes`:
+    key → stored shape; `is_fp8(key)`: whether the checkpoint stores `key` as block-wise FP8)."""
     kept = {}
     for name, source in plan.items():
-        plain = source.combine == "one" and source.transform is None and len(source.keys) == 1
-        if name.endswith(".weight") and plain and is_fp8(source.keys[0]):
-            kept[name] = source.keys[0]
+        keys = source.keys
+        plain = source.transform is None and (source.combine == "cat" or (source.combine == "one" and len(keys) == 1))
+        aligned = all(shapes[key][0] % FP8_BLOCK == 0 for key in keys[:-1])
+        if name.endswith(".weight") and plain and aligned and all(is_fp8(key) for key in keys):
+            kept[name] = tuple(keys)
     return kept
 
 
+def read_kept(keys: tuple[str, ...], read_fp8: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 weight, scale_inv) of `keys` concatenated along the outputs (`fp8_kept_sources` checked alignment)."""
+    parts = [read_fp8(key) for key in keys]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([weight for weight, _ in parts]), torch.cat([scale for _, scale in parts])
+
+
 def keep_fp8_linears(
-    module: nn.Module, prefix: str, kept: dict[str, str], read_fp8: Any, replaced: dict[int, nn.Module]
+    module: nn.Module, prefix: str, kept: dict[str, tuple], read_fp8: Any, replaced: dict[int, nn.Module]
 ) -> int:
     """Replace each `nn.Linear` under `module` (named `prefix` in the model) whose weight is in `kept` by an
     `Fp8BlockLinear` of the checkpoint's bytes (`read_fp8(key)` → (uint8 weight, float32 scale_inv)); a Linear
@@ -76,10 +88,10 @@ def keep_fp8_linears(
             if not isinstance(child, nn.Linear):
                 continue
             if id(child) not in replaced:
-                key = kept.get(".".join(p for p in (prefix, parent_name, name, "weight") if p))
-                if key is None:
+                keys = kept.get(".".join(p for p in (prefix, parent_name, name, "weight") if p))
+                if keys is None:
                     continue
-                weight, scale_inv = read_fp8(key)
+                weight, scale_inv = read_kept(keys, read_fp8)
                 bias = None if child.bias is None else child.bias.detach()
                 device = child.weight.device
                 replaced[id(child)] = Fp8BlockLinear(weight.to(device), scale_inv.to(device), bias)

@@ -18,7 +18,7 @@ from workers.model.checkpoint.weights import Source, checkpoint_sources, is_igno
 from workers.model.kernels import heap, native, triton_kernels
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
-from workers.model.layers.fp8_linear import check_fp8_checkpoint, fp8_kept_sources, keep_fp8_linears
+from workers.model.layers.fp8_linear import KEEP_FP8, check_fp8_checkpoint, fp8_kept_sources, keep_fp8_linears
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.kda import KimiDeltaAttentionMixer
@@ -345,7 +345,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"no config.json in {directory}")
     raw_config = json.loads(config_path.read_text())
     config = HybridConfig.from_hf_dict(raw_config)
-    keep_fp8, quantization = quantization == "fp8", None if quantization == "fp8" else quantization
+    keep_fp8, quantization = quantization == KEEP_FP8, None if quantization == KEEP_FP8 else quantization
     torch_dtype, weight_format = resolve_weight_format(
         resolve_dtype(dtype, config, device), quantization, device, linear_backend
     )

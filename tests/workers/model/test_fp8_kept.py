@@ -134,3 +134,10 @@ def test_fused_weights_stay_fp8_only_at_block_boundaries():
     expected = torch.cat([dequantize_fp8_blocks(*read["gate"]), dequantize_fp8_blocks(*read["up"])])
     assert isinstance(module.a, Fp8BlockLinear)
     assert torch.equal(dequantize_fp8_blocks(module.a.weight, module.a.scale_inv), expected)
+
+
+def test_fp8_is_a_quantization_of_the_load_and_the_cli():
+    from pipeline.config import QUANTIZATIONS as CLI_QUANTIZATIONS
+    from workers.config import QUANTIZATIONS
+
+    assert "fp8" in QUANTIZATIONS and "fp8" in CLI_QUANTIZATIONS

@@ -17,6 +17,7 @@ from torch import nn
 from workers.model.kernels import triton_kernels
 from workers.model.kernels.fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
+KEEP_FP8 = "fp8"  # the `quantization` that keeps a block-wise FP8 checkpoint's linears in FP8 (vLLM's name)
 FP8_KEPT_REASON = "linears kept in FP8 (quantization='fp8') have no native CPU kernel"
 
 

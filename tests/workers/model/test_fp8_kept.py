@@ -48,6 +48,12 @@ def fp8_dir(checkpoint_dir, tmp_path_factory) -> Path:
     return target
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers (each tensor once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def test_kept_linears_hold_one_byte_per_weight(fp8_dir):
     model = load_checkpoint(str(fp8_dir), quantization="fp8").model
     kept = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
@@ -58,7 +64,11 @@ def test_kept_linears_hold_one_byte_per_weight(fp8_dir):
     assert weight_bytes == num_weights and scale_bytes <= 4 * len(kept) * 4
     assert all(m.weight.dtype == torch.uint8 for m in kept)
     assert not any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.uint8 for m in model.modules())
-    plain = dict(load_checkpoint(str(fp8_dir), linear_backend="torch").model.named_modules())
+    plain_model = load_checkpoint(str(fp8_dir), linear_backend="torch").model
+    plain = dict(plain_model.named_modules())
+    fp8_model = load_checkpoint(str(fp8_dir), linear_backend="torch", quantization="fp8").model
+    saved = model_bytes(plain_model) - model_bytes(fp8_model)  # float32 → 1 byte per kept weight, + the scales
+    assert saved == 3 * num_weights - scale_bytes
     for name, module in model.named_modules():  # the bytes and scales are the checkpoint's: they dequantize to
         if isinstance(module, Fp8BlockLinear):  # exactly the weights the dequantized load holds
             assert torch.equal(dequantize_fp8_blocks(module.weight, module.scale_inv), plain[name].weight), name
@@ -113,27 +123,36 @@ def test_kept_fp8_on_cuda_matches_the_dequantized_load(fp8_dir):
 
 
 def test_fused_weights_stay_fp8_only_at_block_boundaries():
+    from types import SimpleNamespace
+
     from workers.model.checkpoint.weights import Source
-    from workers.model.layers.fp8_linear import fp8_kept_sources, keep_fp8_linears
+    from workers.model.layers.fp8_linear import fill_fp8_linears, fp8_kept_sources, keep_fp8_linears
 
     gate, up = to_fp8(torch.randn(256, 200), BLOCK), to_fp8(torch.randn(70, 200), BLOCK)
-    stored = {"gate": gate, "up": up, "cut": to_fp8(torch.randn(70, 200), BLOCK)}
-    shapes = {key: tuple(weight.shape) for key, (weight, _) in stored.items()} | {"plain": (8, 200)}
+    stored = {key: (w.view(torch.uint8), s) for key, (w, s) in {"gate": gate, "up": up, "cut": up}.items()}
+    tensors = SimpleNamespace(
+        shapes={key: tuple(weight.shape) for key, (weight, _) in stored.items()} | {"plain": (8, 200)},
+        is_fp8=stored.__contains__,
+        read_fp8=stored.__getitem__,
+    )
     plan = {
         "a.weight": Source(("gate", "up"), "cat"),  # 256 rows then 70: the blocks line up
         "b.weight": Source(("cut", "gate"), "cat"),  # 70 rows first: a block would straddle the two
         "c.weight": Source(("gate", "plain"), "cat"),  # one part is not FP8
-        "d.weight": Source(("gate",), transform=lambda tensors: tensors[0]),
+        "d.weight": Source(("gate",), transform=lambda parts: parts[0]),
     }
-    kept = fp8_kept_sources(plan, shapes, lambda key: key in stored)
+    kept = fp8_kept_sources(plan, tensors)
     assert kept == {"a.weight": ("gate", "up")}
-    module = torch.nn.Module()
-    module.a = torch.nn.Linear(200, 326, bias=False)
-    read = {key: (weight.view(torch.uint8), scale) for key, (weight, scale) in stored.items()}
-    assert keep_fp8_linears(module, "", kept, read.__getitem__, {}) == 1
-    expected = torch.cat([dequantize_fp8_blocks(*read["gate"]), dequantize_fp8_blocks(*read["up"])])
-    assert isinstance(module.a, Fp8BlockLinear)
+    with torch.device("meta"):
+        module = torch.nn.Module()
+        module.a = torch.nn.Linear(200, 326)
+    assert keep_fp8_linears(module, kept, tensors) == 1
+    module = module.to(torch.float64).to_empty(device="cpu")
+    fill_fp8_linears(module, kept, tensors)
+    expected = torch.cat([dequantize_fp8_blocks(*stored["gate"]), dequantize_fp8_blocks(*stored["up"])])
+    assert isinstance(module.a, Fp8BlockLinear) and module.a.scale_inv.dtype == torch.float32
     assert torch.equal(dequantize_fp8_blocks(module.a.weight, module.a.scale_inv), expected)
+    assert [name for name, _ in module.named_parameters()] == ["a.bias"]  # loaded from the checkpoint as before
 
 
 def test_fp8_is_a_quantization_of_the_load_and_the_cli():

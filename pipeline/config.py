@@ -78,7 +78,8 @@ class ModelConfig:
         "weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
         "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
         "log-probs move slightly, see docs), int8_weight_only (the same, the LM head float32) or w8a8 "
-        "(int8 weights × int8 activations everywhere)",
+        "(int8 weights × int8 activations everywhere); fp8: a block-wise FP8 checkpoint's linears kept in FP8 "
+        "(any device; docs/models.md)",
         default="none",
     )
     max_num_seqs: int = _doc("requests decoded together per worker", default=SchedulerConfig.max_num_seqs)

@@ -16,11 +16,16 @@ from typing import Any
 
 from workers.logprobs import LOGPROBS_MODES, RAW, logprobs_mode_name
 from workers.memory import DEFAULT_GPU_MEMORY_UTILIZATION, parse_memory_size
-from workers.model.layers.linear import LINEAR_BACKENDS, QUANTIZATIONS
+from workers.model.layers.fp8_linear import KEEP_FP8
+from workers.model.layers.linear import LINEAR_BACKENDS
+from workers.model.layers.linear import QUANTIZATIONS as LINEAR_QUANTIZATIONS
 from workers.model.loader import DECODE_KERNELS, DTYPES
 
 __all__ = ["DECODE_KERNELS", "DEVICES", "LINEAR_BACKENDS", "LOAD_DTYPES", "QUANTIZATIONS"]
 from workers.spec_decode import SpeculativeConfig
+
+# The load's quantizations: the linears' int8 formats (CPU), and "fp8": a block-wise FP8 checkpoint kept in FP8.
+QUANTIZATIONS = (*LINEAR_QUANTIZATIONS, KEEP_FP8)
 
 DEVICES = ("auto", "cuda", "cpu")
 LOAD_DTYPES = ("auto", *DTYPES)
@@ -38,7 +43,8 @@ class LoadConfig:
 
     device: str = "cpu"  # one of DEVICES, or a torch device such as "cuda:1"; "auto": CUDA when there is one
     dtype: str = "float32"  # "auto": float32 on CPU, the checkpoint's on GPU
-    quantization: str | None = None  # vLLM's name; one of QUANTIZATIONS (CPU float32)
+    quantization: str | None = None  # vLLM's name; one of QUANTIZATIONS (CPU float32), or "fp8": a block-wise FP8
+    # checkpoint's linears kept in FP8 (any device; `workers/model/layers/fp8_linear.py`)
     revision: str | None = None  # a hub model's branch, tag or commit (the driver pins a commit)
     linear_backend: str = "auto"  # one of LINEAR_BACKENDS (see `workers/model/layers/linear.py`)
     decode_kernel: str = "auto"  # one of DECODE_KERNELS (see `workers/model/loader.py`)

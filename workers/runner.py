@@ -167,7 +167,7 @@ class ModelRunner(RequestEngine):
 
         The load options (`LoadConfig`): `device` ('cpu', 'cuda', 'auto'), `dtype`, `revision` (a hub repo's
         branch, tag or commit, default main), `quantization` (vLLM's name: None, or "int8", "int8_weight_only",
-        "w8a8" on CPU, for the target and a draft model alike), `linear_backend` ("auto": the native panel kernel
+        "w8a8" on CPU, for the target and a draft model alike; "fp8": a block-wise FP8 checkpoint's linears kept in FP8), `linear_backend` ("auto": the native panel kernel
         on CPU float32, oneDNN without a C compiler, torch elsewhere; "native", "onednn" or "torch", the reference)
         and `decode_kernel` ("auto": native C kernels on CPU float32, else torch; "native", "compile", "triton" or
         "torch", the reference). A speculative method whose proposer `needs_draft_model` loads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from workers.model.checkpoint.families import MTP_MODEL_TYPES
 from workers.model.checkpoint.tensors import CheckpointTensors, fp8_block_size, without_scales
 from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
 from workers.model.kernels import heap, native, triton_kernels
+from workers.model.layers import fp8_linear
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -136,8 +137,11 @@ def _read(source: Source, tensors_in: CheckpointTensors) -> torch.Tensor:
     return tensors[0]
 
 
-def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, Source]:
-    """Parameter name → where it comes from, given the checkpoint's key → shape (its safetensors headers).
+def match_weights(
+    model: HybridModel, shapes: dict[str, tuple[int, ...]], preloaded: Collection[str] = ()
+) -> dict[str, Source]:
+    """Parameter name → where it comes from, given the checkpoint's key → shape (its safetensors headers); the keys
+    `preloaded` are read otherwise (FP8 kept: `layers/fp8_linear.py`).
 
     One `ValueError` listing every missing, extra or mis-shaped key; reads no tensor data.
     """
@@ -147,7 +151,7 @@ def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dic
     params = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
-    problems, used = [], set()
+    problems, used = [], set(preloaded)
     plan = {}
     for name, param in params.items():
         options = sources.get(name, [])
@@ -186,14 +190,17 @@ def match_weights(model: HybridModel, shapes: dict[str, tuple[int, ...]]) -> dic
 
 
 def load_weights(
-    model: HybridModel, tensors: CheckpointTensors, prepare: Callable[[torch.nn.Module], Any] | None = None
+    model: HybridModel,
+    tensors: CheckpointTensors,
+    prepare: Callable[[torch.nn.Module], Any] | None = None,
+    preloaded: Collection[str] = (),
 ) -> None:
     """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key.
 
     `prepare(block)` is called on each block as soon as its parameters are filled (the loader packs or quantizes
     its linears there), so that the checkpoint's layout of one block at a time, not of the whole model, is held
     beside the packed weights."""
-    plan = match_weights(model, dict(tensors.shapes))
+    plan = match_weights(model, dict(tensors.shapes), preloaded)
     params = dict(model.named_parameters(remove_duplicate=False))
     blocks: dict[str, list[str]] = {}  # block prefix → its parameters, in plan order
     for name in plan:
@@ -294,11 +301,20 @@ def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> No
         )
 
 
-def empty_model(config: HybridConfig, mtp: bool, dtype: torch.dtype, device: str | torch.device) -> HybridModel:
+def empty_model(
+    config: HybridConfig,
+    mtp: bool,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    on_meta: Callable[[HybridModel], Any] | None = None,
+) -> HybridModel:
     """The model's modules on `device` with uninitialised weights in `dtype` (the weights that stay float32 in
-    float32), the LM head tied to the embeddings where the config says so."""
+    float32), the LM head tied to the embeddings where the config says so; `on_meta(model)` changes the modules
+    before any memory is allocated (FP8 kept linears)."""
     with torch.device("meta"):
         model = HybridModel(config, mtp=mtp)
+    if on_meta is not None:
+        on_meta(model)
     model = model.to(dtype).to_empty(device=device)
     for name, param in model.named_parameters():
         if name.endswith(FLOAT32_SUFFIXES):
@@ -333,7 +349,10 @@ def load_checkpoint(
     `revision`: a hub repo's branch, tag or commit (default main). `quantization`: None (the weights in `dtype`)
     or "int8" (CPU: linear weights quantized per output channel as they load; see `prepare_linears`).
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
-    FP8 checkpoints load dequantized (`tensors.py`).
+    FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
+    dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
+    per weight, the GEMM dequantizing per tile on CUDA; MoE experts and projections fused off 128-row blocks load
+    dequantized.
     """
     directory = resolve_model_dir(path_or_repo, revision)
     config_path = directory / "config.json"
@@ -341,6 +360,8 @@ def load_checkpoint(
         raise FileNotFoundError(f"no config.json in {directory}")
     raw_config = json.loads(config_path.read_text())
     config = HybridConfig.from_hf_dict(raw_config)
+    keep_fp8 = quantization == fp8_linear.KEEP_FP8
+    quantization = None if keep_fp8 else quantization
     torch_dtype, weight_format = resolve_weight_format(
         resolve_dtype(dtype, config, device), quantization, device, linear_backend
     )
@@ -348,9 +369,16 @@ def load_checkpoint(
     handles = _open_shards(directory, fp8_block_size(raw_config))
     if mtp:
         check_mtp_head(config, handles, directory)
-    model = empty_model(config, mtp, torch_dtype, device)
-    device = torch.device(device)
+    kept: dict[str, tuple[str, ...]] = {}  # parameter → its FP8 checkpoint keys, with quantization "fp8"
 
+    def keep_fp8_on_meta(meta_model: HybridModel) -> None:
+        kept.update(fp8_linear.fp8_kept_sources(match_weights(meta_model, dict(handles.shapes)), handles))
+        fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
+        fp8_linear.keep_fp8_linears(meta_model, kept, handles)
+
+    model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None)
+    fp8_linear.fill_fp8_linears(model, kept, handles)
+    device = torch.device(device)
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
     def prepare(module: torch.nn.Module, weights: str | None = weight_format) -> str:
@@ -358,7 +386,7 @@ def load_checkpoint(
         heap.return_freed_memory()
         return backend
 
-    load_weights(model, handles, prepare)
+    load_weights(model, handles, prepare, {key for keys in kept.values() for key in keys})
     head_format = weight_format if weight_format == "bfloat16" or weight_format in QUANTIZED_HEADS else None
     prepare(model, head_format)  # the LM head (and an MTP head's linears): bfloat16, int8 and w8a8 too; its experts
     # take the blocks' format

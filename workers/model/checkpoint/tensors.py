@@ -130,6 +130,17 @@ class CheckpointTensors:
             return self._dequantize(key, tensor, self._raw(self._entries[scale_key]))
         return tensor
 
+    def is_fp8(self, key: str) -> bool:
+        """Whether `key` is stored as a block-wise FP8 weight (e4m3 with a `<key>_scale_inv`)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.dtype == torch.float8_e4m3fn and key + SCALE_SUFFIX in self._entries
+
+    def read_fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 weight as stored: (its e4m3 bytes as uint8 [N, K], its float32 scale_inv per block)."""
+        if not self.is_fp8(key):
+            raise ValueError(f"weight {key!r} is not a block-wise FP8 weight (e4m3 with {key + SCALE_SUFFIX!r})")
+        return self._raw(self._entries[key]).view(torch.uint8), self._raw(self._entries[key + SCALE_SUFFIX]).float()
+
     def read_into(self, key: str, out: torch.Tensor) -> bool:
         """Read `key` straight into `out` (a contiguous CPU tensor of its shape and stored dtype: no temporary
         copy); False, reading nothing, when `out` is not such a tensor or the weight is FP8."""

@@ -38,6 +38,7 @@ from workers.model.checkpoint.config import (
     SHORT_CONV,
 )
 from workers.model.kernels import native
+from workers.model.layers.fp8_linear import FP8_KEPT_REASON, Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.layers.mamba1 import Mamba1Mixer
@@ -68,6 +69,8 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
+    if any(isinstance(m, Fp8BlockLinear) for m in model.modules()):
+        return FP8_KEPT_REASON
     if (reason := shared_block_unsupported_reason(model)) is not None:
         return reason
     norms = [block.norm for block in model.blocks if not isinstance(block.norm, PassThroughNorm)]

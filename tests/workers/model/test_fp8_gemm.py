@@ -3,19 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.workers.model.interpreted import assert_cases_pass_in_the_interpreter, needs_triton
 from workers.model.kernels.fp8 import dequantize_fp8_blocks
 
 CASES = Path(__file__).with_name("fp8_gemm_cases.py")
-ROOT = Path(__file__).parents[3]
 
 
 def test_reference_scales_each_block_and_cuts_the_edges():
@@ -32,11 +28,6 @@ def test_reference_refuses_a_scale_of_the_wrong_shape():
         dequantize_fp8_blocks(torch.zeros(130, 5, dtype=torch.uint8), torch.ones(1, 1))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_fp8_kernel_matches_the_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rs"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    assert result.returncode == 0, f"{summary[0]}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
+    assert_cases_pass_in_the_interpreter(CASES)

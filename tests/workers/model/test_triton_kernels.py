@@ -6,16 +6,13 @@ it first in this process, so the cases get a fresh interpreter of their own.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.workers.model.interpreted import assert_cases_pass_in_the_interpreter, needs_triton
 from workers.model.kernels import native
 from workers.model.kernels.triton_kernels import interpreter_on
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -23,20 +20,12 @@ from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.loader import prepare_decode_kernel
 
 CASES = Path(__file__).with_name("triton_cases.py")
-ROOT = Path(__file__).parents[3]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[test]')"
-)
+@needs_triton
 @pytest.mark.slow  # ~60 s: a fresh process, 38 interpreted cases (4 of them whole models)
 def test_triton_kernels_match_the_torch_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rs"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    assert result.returncode == 0, f"{summary[0]}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
+    assert_cases_pass_in_the_interpreter(CASES)
 
 
 @pytest.mark.skipif(interpreter_on(), reason="checks the choice without Triton's interpreter")

@@ -31,8 +31,11 @@ class ScoreInputConfig:
     def __post_init__(self) -> None:
         if not self.input:
             _fail("ScoreInputConfig", "input", self.input, "give a dataset name, file, directory or glob")
-        modes = [self.text_column is not None, self.messages_column is not None,
-                 self.prompt_column is not None or self.completion_column is not None]  # fmt: skip
+        modes = [
+            self.text_column is not None,
+            self.messages_column is not None,
+            self.prompt_column is not None or self.completion_column is not None,
+        ]
         if sum(modes) != 1 or ((self.prompt_column is None) != (self.completion_column is None)):
             raise ValueError(
                 "give exactly one of --text-column, --messages-column, or --prompt-column with --completion-column"

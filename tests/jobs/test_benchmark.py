@@ -175,8 +175,8 @@ def test_benchmark_prefill_task_times_long_prompts_against_transformers(tmp_path
 
 def test_benchmark_n_samples_computes_each_prompt_once(tmp_path):
     out = tmp_path / "n.json"
-    args = ["--preset", "tiny", "--task", "n", "--n", "3", "--batch-sizes", "2", "--new-tokens", "4",
-            "--prompt-len", "40", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    args = "--preset tiny --task n --n 3 --batch-sizes 2 --new-tokens 4 --prompt-len 40 --repeats 1".split()
+    args += ["--json", str(out)]
     assert main(args) == 0
     rows = {row["mode"]: row for row in json.loads(out.read_text())["n"]}
     assert rows["n=3"]["prompt_tokens_computed"] == 2 * 40  # each prompt once, its samples forked

@@ -66,6 +66,16 @@ def job_config(model: Path, data: Path, output: Path, **overrides) -> GenerateJo
     return GenerateJobConfig(**{name: classes[name](**values) for name, values in sections.items()})
 
 
+def job_argv(model: Path, data: Path, output: Path, *flags: str) -> list[str]:
+    """`jobs/generate.py`'s command line for `job_config`'s job run by one worker; `flags` are appended (a repeated
+    flag's last value wins)."""
+    paths = ["--model", str(model), "--input", str(data), "--output", str(output)]
+    columns = ["--prompt-column", "text", "--id-column", "key", "--max-model-len", "40", "--max-num-seqs", "8"]
+    sampling = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    scaling = ["--num-workers", "1", "--rows-per-shard", "8", "--ray-address", "local"]
+    return [*paths, *columns, *sampling, *scaling, *flags]
+
+
 def read_output(directory: Path) -> list[dict]:
     """All output rows, sorted by id (and sample_index: a row has one output row per sample)."""
     table = pads.dataset(str(directory), format="parquet").to_table()

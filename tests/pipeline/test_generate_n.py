@@ -17,7 +17,7 @@ import pytest
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
 from pipeline.output import OutputRefused
-from tests.pipeline.conftest import BAD_ROWS, NUM_ROWS, job_config, read_output
+from tests.pipeline.conftest import BAD_ROWS, NUM_ROWS, job_argv, job_config, read_output
 from workers import ModelRunner, SamplingParams, sample_seed
 
 pytestmark = pytest.mark.slow
@@ -70,10 +70,8 @@ def test_a_killed_worker_leaves_every_pair_once(model, dataset, tmp_path, undist
 
 def test_a_killed_driver_resumes_every_pair_once_and_another_n_is_refused(model, dataset, tmp_path, undisturbed):
     output = tmp_path / "out"
-    command = [sys.executable, "jobs/generate.py", "--model", str(model), "--input", str(dataset), "--prompt-column",
-               "text", "--id-column", "key", "--max-model-len", "40", "--max-num-seqs", "8", "--max-tokens", "6",
-               "--temperature", "0.8", "--seed", str(SEED), "--n", str(N), "--ignore-eos", "--num-workers", "1",
-               "--rows-per-shard", "8", "--ray-address", "local", "--output", str(output)]  # fmt: skip
+    sampling = ["--temperature", "0.8", "--seed", str(SEED), "--n", str(N)]
+    command = [sys.executable, "jobs/generate.py", *job_argv(model, dataset, output, *sampling)]
     root = Path(__file__).parents[2]
     env = {**os.environ, "HYBRIDGEN_FAULT_INJECTION": json.dumps({"kill_driver_after_shards": 2})}
     driver = subprocess.Popen(command, cwd=root, env=env, start_new_session=True, stderr=subprocess.DEVNULL)

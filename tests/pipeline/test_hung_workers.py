@@ -19,17 +19,9 @@ import pytest
 import pipeline.liveness
 from jobs.generate import main
 from pipeline.output import MANIFEST
-from tests.pipeline.conftest import NUM_ROWS, read_output
+from tests.pipeline.conftest import NUM_ROWS, job_argv, read_output
 
 pytestmark = pytest.mark.slow
-
-
-def _argv(model: Path, data: Path, output: Path, *flags: str) -> list[str]:
-    paths = ["--model", str(model), "--input", str(data), "--output", str(output)]
-    columns = ["--prompt-column", "text", "--id-column", "key", "--max-model-len", "40", "--max-num-seqs", "8"]
-    sampling = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
-    scaling = ["--num-workers", "1", "--rows-per-shard", "8", "--ray-address", "local"]
-    return [*paths, *columns, *sampling, *scaling, *flags]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,7 @@ def model(checkpoint_dir) -> Path:
 @pytest.fixture(scope="module")
 def undisturbed(model, dataset, tmp_path_factory, ray_session) -> list[dict]:
     output = tmp_path_factory.mktemp("undisturbed")
-    assert main(_argv(model, dataset, output)) == 0
+    assert main(job_argv(model, dataset, output)) == 0
     return read_output(output)
 
 
@@ -68,7 +60,7 @@ def test_a_frozen_engine_past_a_fixed_deadline_is_stopped_once(
     # The engine freezes in its third step: all three shards it streams freeze, and shards handed out together share
     # a deadline. Before, the driver stopped the worker for the first and crashed (KeyError) on the second.
     marker = _inject(monkeypatch, tmp_path, freeze_step=3)
-    assert main(_argv(model, dataset, tmp_path / "out", "--shard-timeout-s", "20")) == 0
+    assert main(job_argv(model, dataset, tmp_path / "out", "--shard-timeout-s", "20")) == 0
     assert marker.exists() and read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
     requeued = _requeued(err)
@@ -81,7 +73,7 @@ def test_a_frozen_engine_is_stopped_when_its_progress_stops(
     model, dataset, tmp_path, undisturbed, monkeypatch, capfd, seconds_scale
 ):
     marker = _inject(monkeypatch, tmp_path, freeze_step=3)
-    assert main(_argv(model, dataset, tmp_path / "out")) == 0  # no --shard-timeout-s: automatic
+    assert main(job_argv(model, dataset, tmp_path / "out")) == 0  # no --shard-timeout-s: automatic
     assert marker.exists() and read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
     requeued = _requeued(err)
@@ -102,7 +94,7 @@ def test_a_slow_worker_that_makes_progress_is_never_stopped(
     # any deadline a constant could have set for a first shard. Before, the first-shard deadline killed the healthy
     # worker, its retries got the same deadline, and the job failed with nothing written.
     _inject(monkeypatch, tmp_path, slow_step_s=0.15)
-    assert main(_argv(model, dataset, tmp_path / "out", "--rows-per-shard", "16", "--max-tokens", "20")) == 0
+    assert main(job_argv(model, dataset, tmp_path / "out", "--rows-per-shard", "16", "--max-tokens", "20")) == 0
     err = capfd.readouterr().err
     assert "requeued" not in err and "stopped" not in err, err
     shards = json.loads((tmp_path / "out" / MANIFEST).read_text())["shards"]
@@ -117,7 +109,7 @@ def test_a_failed_step_fails_only_the_shards_it_ran_and_keeps_the_worker(
     # flight (8 slots, 7 runnable rows a shard); only those fail, each once, and the failure counts once against the
     # worker. Before, all three failed, each counted, and the worker was replaced.
     marker = _inject(monkeypatch, tmp_path, fail_step=3)
-    assert main(_argv(model, dataset, tmp_path / "out")) == 0
+    assert main(job_argv(model, dataset, tmp_path / "out")) == 0
     assert marker.exists() and read_output(tmp_path / "out") == undisturbed
     err = capfd.readouterr().err
     assert "replacing it" not in err, err
@@ -128,7 +120,7 @@ def test_a_failed_step_fails_only_the_shards_it_ran_and_keeps_the_worker(
 
 def test_a_failed_job_says_why_in_one_line(model, dataset, tmp_path, monkeypatch, capfd):
     _inject(monkeypatch, tmp_path, break_during_shard=2)
-    assert main(_argv(model, dataset, tmp_path / "out", "--max-shard-retries", "0")) == 1
+    assert main(job_argv(model, dataset, tmp_path / "out", "--max-shard-retries", "0")) == 1
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, err  # the broken worker fails shard 2, or another it holds, first

@@ -34,8 +34,13 @@ def write_fp8(source: Path, target: Path, block: list[int]) -> int:
         converted += 1
     save_file(out, target / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": block, "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": block,
+        "modules_to_not_convert": ["lm_head"],
+    }
     (target / "config.json").write_text(json.dumps(config))
     return converted
 

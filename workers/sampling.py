@@ -132,10 +132,10 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     uniforms = [torch.rand((), dtype=torch.float64, generator=g, device=g.device) for g in generators]
     cdf = probs.double().cumsum(-1)
     target = torch.stack(uniforms).to(cdf.device)[:, None] * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, target, right=True)[:, 0]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].tolist()
     # u · total rounds up to the total once in ~2^53 draws (searchsorted then answers v): the last token of weight > 0.
-    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    return torch.minimum(drawn, last_positive).tolist()
+    v = probs.shape[-1]
+    return [token if token < v else int(probs[row].nonzero()[-1]) for row, token in enumerate(drawn)]
 
 
 def _sample_rows_of(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:

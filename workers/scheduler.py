@@ -17,6 +17,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.executors import MODULE, ModuleExecutor, build_plan, choose_executor, extra_slots, make_executor
+from workers.grammar_masks import legal_drafts
 from workers.model import HybridModel
 from workers.model.kv_blocks import BlockTable
 from workers.model.state import DEFAULT_BLOCK_SIZE, StatePool
@@ -193,7 +194,7 @@ class Scheduler(RequestSlots):
             return None
         proposal = self._propose(requests, drafts) if any(drafts.num_drafts) else None  # else not asked
         if proposal is not None:  # structured outputs: only drafts the grammar allows are verified
-            proposal = self.apply.legal_drafts(requests, proposal)
+            proposal = legal_drafts(requests, proposal)
         request_ids = [r.index for r in requests]
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self.apply.decoded(requests, *self.executor.decode(requests))

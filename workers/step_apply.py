@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from workers.executors import ModuleExecutor, Verification
-from workers.grammar_masks import legal_drafts, step_masks
+from workers.grammar_masks import step_masks
 from workers.logprobs import RAW, step_logprobs
 from workers.requests import Request, sampling_batch
 from workers.sampling import PLACEHOLDER_TOKEN_ID, apply_masks, sample
@@ -43,10 +43,6 @@ class StepApplier:
         """Hand the target's final hidden states to a proposer that drafts from them (MTP)."""
         if self.drafts_from_hidden:
             self.proposer.observe_target(requests, hidden, cache_lens, kept)
-
-    def legal_drafts(self, requests: list[Request], proposal: Proposal) -> Proposal:
-        """The proposal cut to the drafts each constrained row's grammar allows (before they are verified)."""
-        return legal_drafts(requests, proposal)
 
     def sampled(self, requests: list[Request], logits: torch.Tensor) -> None:
         """One sampled token appended to every request (logits [b, v]), masked by its grammar, with its logprobs

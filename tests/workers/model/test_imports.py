@@ -21,6 +21,7 @@ PACKAGES = ("workers", "pipeline", "jobs", "bench")
 LAYERS = (
     ("workers.model.kernels",),  # native, Triton and reference kernels
     ("workers.model.checkpoint",),  # HybridConfig, the families' config readers and weight maps
+    ("workers.model.distributed",),  # tensor parallelism: the rank group's collectives, how a model splits
     ("workers.model.state", "workers.model.kv_blocks"),  # state slots, KV caches, block tables
     ("workers.model.layers",),  # the modules of a hybrid model
     ("workers.model.steps",),  # decode plans, CUDA graph plans, draft chains over the layers
@@ -173,9 +174,9 @@ def layer_of(name: str) -> int:
 
 
 def test_layer_of_takes_the_longest_prefix():
-    assert layer_of("workers.model.layers.attention") == 3
-    assert layer_of("workers.model") == layer_of("workers.model.loader") == 5
-    assert layer_of("workers.scheduler") == 8 and layer_of("workers.actor") == 9
+    assert layer_of("workers.model.layers.attention") == 4
+    assert layer_of("workers.model") == layer_of("workers.model.loader") == 6
+    assert layer_of("workers.scheduler") == 9 and layer_of("workers.actor") == 10
     assert layer_of("bench.generation") == layer_of("jobs.generate")
 
 

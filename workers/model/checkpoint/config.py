@@ -48,6 +48,9 @@ class MambaConfig:
     out_proj_bias: bool | None = None  # when it differs from proj_bias (Falcon-H1's projectors_bias)
     rms_norm: bool = True  # False: y · silu(z) without a norm (Falcon-H1's mamba_rms_norm)
     norm_before_gate: bool = False  # rmsnorm(y) · silu(z) instead of rmsnorm(y · silu(z))
+    # Tensor parallel with fewer B/C groups than ranks: one gated-norm group spans this many ranks (each holds a
+    # slice of its channels), so the norm's mean square is all-reduced. 1: every norm group lies on one rank.
+    norm_span: int = 1
 
     @property
     def fused_kernels_fit(self) -> bool:
@@ -113,6 +116,7 @@ class ShortConvConfig:
 
     conv_kernel: int  # W (`conv_L_cache`)
     bias: bool  # in_proj, conv and out_proj biases (`conv_bias`)
+    channels: int | None = None  # width of B, C, x and the conv (None: the hidden size; a rank's share under TP)
 
 
 @dataclass(frozen=True)
@@ -275,7 +279,8 @@ class HybridConfig:
             m1 = self.mamba1
             return (m1.intermediate_size, m1.conv_kernel - 1), (m1.intermediate_size, m1.state_size)
         if self.short_conv is not None:  # the conv window of B · x only: no matrix state
-            return (self.hidden_size, self.short_conv.conv_kernel - 1), (0, 0, 0)
+            channels = self.short_conv.channels or self.hidden_size
+            return (channels, self.short_conv.conv_kernel - 1), (0, 0, 0)
         if self.kda is not None:
             k = self.kda
             return (k.conv_dim, k.conv_kernel - 1), (k.num_heads, k.head_dim, k.head_dim)

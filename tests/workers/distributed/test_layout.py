@@ -96,3 +96,18 @@ def test_expert_parallel_keeps_experts_whole(checkpoint_dir) -> None:
     assert tensor.expert_intermediate_size * 2 == ff.expert_intermediate_size
     assert expert.expert_intermediate_size == ff.expert_intermediate_size
     assert expert.num_experts == tensor.num_experts == ff.num_experts  # the router sees every expert
+
+
+def test_shard_rules_cut_pieces_pad_and_zero() -> None:
+    import torch
+
+    from workers.model.distributed.slices import Cut, ShardRule, rows
+
+    full = torch.arange(24.0).view(6, 4)
+    two_pieces = rows((0, 1), (3, 2))
+    assert two_pieces.apply(full, 1).tolist() == [full[0].tolist(), full[3].tolist(), full[4].tolist()]
+    both = ShardRule((Cut(0, ((4, 2),)), Cut(1, ((2, 2),))), pad_rows=1)
+    assert both.apply(full, 0).tolist() == [[18.0, 19.0], [22.0, 23.0], [0.0, 0.0]]
+    bias = rows((0, 6), rank0_only=True)
+    assert bias.apply(full[:, 0], 0).tolist() == full[:, 0].tolist() and not bias.apply(full[:, 0], 1).any()
+    assert full.sum() == 276  # the full tensor is never changed

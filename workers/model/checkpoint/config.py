@@ -180,6 +180,9 @@ class AttentionConfig:
     # Width of each cached value head when it differs from head_dim: latent attention caches one "key" head
     # [latent | rope key] (head_dim wide) and no value (0).
     cache_value_dim: int | None = None
+    # Tensor parallel with fewer KV heads than ranks: each rank's one KV head is held by this many ranks (T / kv).
+    # 1: the KV heads are split, kv / T per rank. The layer reads it to name the KV head its rank holds.
+    kv_replicas: int = 1
 
     @property
     def cache_widths(self) -> tuple[int, int]:

@@ -83,7 +83,10 @@ def local_experts(num_experts: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def _attention(a: AttentionConfig, tp: TensorParallel) -> AttentionConfig:
-    return dataclasses.replace(a, num_heads=a.num_heads // tp.size, num_kv_heads=kv_heads(a, tp)[1])
+    replicas = 1 if a.num_kv_heads % tp.size == 0 else tp.size // a.num_kv_heads
+    return dataclasses.replace(
+        a, num_heads=a.num_heads // tp.size, num_kv_heads=kv_heads(a, tp)[1], kv_replicas=replicas
+    )
 
 
 def shard_config(config: HybridConfig, tp: TensorParallel) -> HybridConfig:

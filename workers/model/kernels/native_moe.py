@@ -108,13 +108,14 @@ def route(logits: torch.Tensor, ff: FeedForwardConfig, bias: torch.Tensor | None
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, packed: PackedExperts) -> torch.Tensor:
-    """x [t, w] → [t, w]: each row's weighted sum over its chosen experts, in slot order."""
+    """x [t, w] → [t, w]: each row's weighted sum over its chosen experts, in slot order. An id of -1 (expert
+    parallel: an expert another rank holds) is skipped; a row whose ids are all -1 gets zeros."""
     out = torch.empty(x.shape[0], packed.width)
     failed = native.load().moe_experts(*experts_arguments(x, weights, ids, out, packed), torch.get_num_threads())
     if failed == 2:
         raise MemoryError(f"moe_experts could not allocate its scratch for {x.shape[0]} rows")
     if failed:
-        raise ValueError(f"expert ids must lie in [0, {packed.num_experts})")
+        raise ValueError(f"expert ids must lie in [0, {packed.num_experts}) or be -1 (another rank's expert)")
     return out
 
 

@@ -4,10 +4,16 @@ Qwen3-Next / Qwen3.5 add an output gate (q_proj rows per head are `[q_h | gate_h
 an RMSNorm over each head of q and k before RoPE; OLMo 2/3 and OLMo-Hybrid one RMSNorm over the whole q (k) projection.
 LFM3 adds a per-head output gate from its own projection (`g_proj`), sliding-window layers (a mask; the cache keeps
 every position) and proportional RoPE.
+
+Tensor parallel (`tp`): the layer is built from the rank's local config (h/T query heads; kv/T KV heads, or one KV
+head replicated on T/kv ranks), and `o_proj` is row-parallel: `forward` returns this rank's partial sum, which the
+model all-reduces. OLMo's full-width q/k norm spans the ranks: the sums of squares are all-reduced (one call for
+q and k together); `check_divisible` refuses it with replicated KV heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -15,7 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import AttentionConfig, HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel, kv_heads
+from workers.model.distributed.slices import ShardRule, rows
 from workers.model.kernels import native
+from workers.model.layers.head_split import column_parallel, head_rows, row_parallel
 from workers.model.layers.long_attention import LONG_ATTENTION_SCORES, long_attention
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
@@ -50,11 +59,13 @@ def rotary(
 class Attention(nn.Module):
     """Causal self-attention whose keys/values live in a `KVCache` slot per request."""
 
-    def __init__(self, config: HybridConfig, attention: AttentionConfig | None = None):
-        """`attention`: this layer's config where it differs from `config.attention` (LFM3's layer types)."""
+    def __init__(self, config: HybridConfig, attention: AttentionConfig | None = None, tp: TensorParallel = SINGLE_TP):
+        """`attention`: this layer's config where it differs from `config.attention` (LFM3's layer types).
+        `config` is the rank's local config (`shard_config`); `tp` its place in the group."""
         super().__init__()
         a: AttentionConfig = attention or config.attention
         self.config = a
+        self.tp = tp
         q_width = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=a.bias)
         self.k_proj = nn.Linear(config.hidden_size, a.num_kv_heads * a.head_dim, bias=a.bias)
@@ -74,8 +85,8 @@ class Attention(nn.Module):
         a = self.config
         b, length, _ = hidden.shape
         if a.qk_norm_full_width:  # normalise the whole projections, then split them into heads
-            q = self.q_norm(self.q_proj(hidden)).view(b, length, a.num_heads, a.head_dim)
-            k = self.k_norm(self.k_proj(hidden)).view(b, length, a.num_kv_heads, a.head_dim)
+            q, k = self._full_width_norms(self.q_proj(hidden), self.k_proj(hidden))
+            q, k = q.view(b, length, a.num_heads, a.head_dim), k.view(b, length, a.num_kv_heads, a.head_dim)
             return q, k, self.v_proj(hidden).view(b, length, a.num_kv_heads, a.head_dim), None
         q = self.q_proj(hidden).view(b, length, a.num_heads, -1)
         gate = None
@@ -89,6 +100,45 @@ class Attention(nn.Module):
         if self.g_proj is not None:  # one gate per head, as a per-channel gate: sigmoid commutes with repeating
             gate = self.g_proj(hidden).repeat_interleave(a.head_dim, dim=-1)
         return q, k, v, gate
+
+    def _full_width_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's norms over the whole q and k projections; across the ranks, each holding a slice of the
+        channels, the float32 sums of squares are all-reduced (one call for both) before the mean."""
+        if not self.tp.parallel:
+            return self.q_norm(q), self.k_norm(k)
+        squares = torch.cat([q.float().pow(2).sum(-1, keepdim=True), k.float().pow(2).sum(-1, keepdim=True)], -1)
+        squares = self.tp.group.all_reduce_(squares.contiguous())
+        widths = (q.shape[-1] * self.tp.size, k.shape[-1] * self.tp.size)
+        normed = []
+        for x, norm, total, width in zip((q, k), (self.q_norm, self.k_norm), squares.unbind(-1), widths):
+            scale = torch.rsqrt(total[..., None] / width + norm.eps)
+            normed.append((norm.weight.float() * (x.float() * scale)).to(x.dtype))
+        return normed[0], normed[1]
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """Query heads (with their gate rows) and KV heads by rank, `o_proj` row-parallel; per-head norms whole."""
+        if not self.tp.parallel:
+            return {}
+        a, tp = self.config, self.tp
+        q_width = a.num_heads * a.head_dim
+        q_rows = q_width * (2 if a.output_gate else 1)  # each local head's [q_h | gate_h] stays together
+        kv_rows = rows(self._kv_share())
+        stated = column_parallel("q_proj", self.q_proj, head_rows(tp, (q_rows, 0)))
+        stated |= column_parallel("k_proj", self.k_proj, kv_rows)
+        stated |= column_parallel("v_proj", self.v_proj, kv_rows)
+        stated |= row_parallel("o_proj", self.o_proj, (tp.rank * q_width, q_width))
+        if a.qk_norm and a.qk_norm_full_width:
+            stated |= {"q_norm.weight": head_rows(tp, (q_width, 0)), "k_norm.weight": rows(self._kv_share())}
+        if self.g_proj is not None:
+            stated["g_proj.weight"] = head_rows(tp, (a.num_heads, 0))
+        return stated
+
+    def _kv_share(self) -> tuple[int, int]:
+        """(first row, rows) of k_proj / v_proj this rank holds: its KV heads, or its replicated one."""
+        a, tp = self.config, self.tp
+        full_kv = a.num_kv_heads * tp.size if a.kv_replicas == 1 else tp.size // a.kv_replicas
+        first, count = kv_heads(dataclasses.replace(a, num_kv_heads=full_kv), tp)
+        return first * a.head_dim, count * a.head_dim
 
     def _visible(self, key_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Which keys each query sees: causal, and inside the sliding window when the layer has one.

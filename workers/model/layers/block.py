@@ -22,6 +22,7 @@ from workers.model.checkpoint.config import (
     AttentionConfig,
     HybridConfig,
 )
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -40,10 +41,16 @@ class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
     def __init__(
-        self, config: HybridConfig, kind: str, post_norm: bool = False, attention: AttentionConfig | None = None
+        self,
+        config: HybridConfig,
+        kind: str,
+        post_norm: bool = False,
+        attention: AttentionConfig | None = None,
+        tp: TensorParallel = SINGLE_TP,
     ):
         """`post_norm`: the norm follows the mixer instead of preceding it (OLMo). `attention`: this block's attention
-        config where it differs from the model's (LFM3's layer types)."""
+        config where it differs from the model's (LFM3's layer types). `config` is the rank's local config and `tp`
+        its place in the tensor-parallel group: the mixer returns a partial sum that the model all-reduces."""
         super().__init__()
         self.kind = kind
         self.norm: nn.Module = PassThroughNorm() if post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -54,23 +61,23 @@ class Block(nn.Module):
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif kind == GDN:
-            self.mixer = GatedDeltaNetMixer(config)
+            self.mixer = GatedDeltaNetMixer(config, tp=tp)
         elif kind == MAMBA1:
             self.mixer = Mamba1Mixer(config)
         elif kind == KDA:
-            self.mixer = KimiDeltaAttentionMixer(config)
+            self.mixer = KimiDeltaAttentionMixer(config, tp=tp)
         elif kind == ATTENTION and config.mla is not None:
-            self.mixer = MultiHeadLatentAttention(config)
+            self.mixer = MultiHeadLatentAttention(config, tp=tp)
         elif kind == ATTENTION:
-            self.mixer = Attention(config, attention)
+            self.mixer = Attention(config, attention, tp=tp)
         elif kind == SHORT_CONV:
             self.mixer = ShortConvMixer(config)
         elif kind == PARALLEL:
             self.mixer = ParallelMixer(config)
         elif kind == MLP:
-            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
+            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias, tp=tp)
         elif kind == SHARED_ATTENTION:  # a use of a Zamba2 shared block; it normalises its own input
             self.norm = PassThroughNorm()
-            self.mixer = SharedBlockUse(config)
+            self.mixer = SharedBlockUse(config, tp=tp)
         else:
-            self.mixer = MoE(config)
+            self.mixer = MoE(config, tp=tp)

@@ -5,6 +5,11 @@ value heads → gated delta rule (g, beta in float32) → per-head gated RMSNorm
 Our `in_proj` holds the checkpoint's projections as one matrix with rows `[q | k | v | z | b | a]` (the loader
 de-interleaves Qwen3-Next's per-key-head groups). State comes in as a `RecurrentState` (conv window, delta-rule
 state [h_v, d_k, d_v]) and the new one is returned.
+
+Tensor parallel (`tp`): built from the rank's local config, the rank holds hk/T key heads and hv/T value heads,
+contiguous, so each value head's key head is on its rank; every piece of `in_proj` and of the conv is cut by head,
+A_log and dt_bias by value head, the per-head gated norm stays whole, and `out_proj` is row-parallel (`forward`
+returns this rank's partial sum, which the model all-reduces). The states are the rank's heads.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule
 from workers.model.kernels import native_recurrent
 from workers.model.kernels.gated_delta import (
     chunked_delta_rule,
@@ -23,6 +30,7 @@ from workers.model.kernels.gated_delta import (
     l2norm,
 )
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
+from workers.model.layers.head_split import head_rows, row_parallel, share
 from workers.model.layers.norm import HeadGatedRMSNorm
 from workers.model.state import DeltaScanInputs, RecurrentState
 
@@ -40,10 +48,12 @@ def _contiguous(state: RecurrentState) -> bool:
 class GatedDeltaNetMixer(nn.Module):
     """Gated DeltaNet over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         g = config.gdn
         self.config = g
+        self.tp = tp
         self.in_proj = nn.Linear(config.hidden_size, g.conv_dim + g.value_dim + 2 * g.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(g.conv_dim, g.conv_dim, g.conv_kernel, groups=g.conv_dim, bias=False)
         # A_log and dt_bias are kept in float32 whatever the weight dtype (see loader).
@@ -52,6 +62,22 @@ class GatedDeltaNetMixer(nn.Module):
         self.norm = HeadGatedRMSNorm(g.value_head_dim, config.rms_norm_eps if g.norm_eps is None else g.norm_eps)
         self.out_proj = nn.Linear(g.value_dim, config.hidden_size, bias=False)
         self.decode_kernel = "torch"  # one-token steps: "torch", "native" (C, CPU) or "triton" (set at load)
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """in_proj's `[q | k | v | z | b | a]` and the conv's `[q | k | v]` by heads, A_log and dt_bias by value
+        head, `out_proj` row-parallel."""
+        if not self.tp.parallel:
+            return {}
+        g, tp, t = self.config, self.tp, self.tp.size
+        key, value, heads = g.key_dim, g.value_dim, g.num_value_heads  # local widths; the full ones are t times
+        conv = [(key, 0), (key, t * key), (value, 2 * t * key)]
+        gates = [(heads, t * (2 * key + 2 * value)), (heads, t * (2 * key + 2 * value + heads))]
+        return {
+            "in_proj.weight": head_rows(tp, *conv, (value, t * (2 * key + value)), *gates),
+            "conv1d.weight": head_rows(tp, *conv),
+            "dt_bias": head_rows(tp, (heads, 0)),
+            "A_log": head_rows(tp, (heads, 0)),
+        } | row_parallel("out_proj", self.out_proj, share(tp, value))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, conv_dim] → q, k [b, l, h_v, d_k] (normalised, q scaled), v [b, l, h_v, d_v]; float32."""

@@ -9,6 +9,9 @@ Our `in_proj` holds every projection of the input as one matrix with rows `[q | 
 With `decode_kernel == "native"` (CPU float32, set at load) decode steps and prompts run everything between the
 projections and o_proj in C (`kernels/native_kimi.py` over `csrc/kda_decode.c`); f_b_proj and g_b_proj stay linears
 on in_proj's f_a / g_a parts, as the decode plan records them. Other kernels (Triton) would dispatch beside it.
+Tensor parallel (`tp`): built from the rank's local config (h/T heads); q, k, v, beta rows, the convs, f_b_proj,
+g_b_proj, dt_bias and A_log are cut by head, the low-rank f_a / g_a rows stay whole on every rank, the per-head
+norm is local and `o_proj` row-parallel (`forward` returns this rank's partial sum; the model all-reduces it).
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule, rows
 from workers.model.kernels import native_kimi
 from workers.model.kernels.gated_delta import l2norm
 from workers.model.kernels.kimi_delta import chunked_kda, kda_scan, kda_state_after, kda_step_
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
+from workers.model.layers.head_split import head_rows, row_parallel, share
 from workers.model.state import DeltaScanInputs, RecurrentState
 
 # Up to this many new tokens per row from a kept state (decode, speculative verification, draft steps) the delta
@@ -65,10 +71,12 @@ class KimiDeltaAttentionMixer(nn.Module):
     """Kimi Delta Attention over explicit state; `forward` has the recurrent mixer contract of
     `GatedDeltaNetMixer.forward` (scan inputs carry a per-channel g [b, l, h, d])."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         k = config.kda
         self.config = k
+        self.tp = tp
         d, width = k.head_dim, k.qkv_dim
         self.in_proj = nn.Linear(config.hidden_size, k.conv_dim + 2 * d + k.num_heads, bias=False)
         self.conv1d = nn.Conv1d(k.conv_dim, k.conv_dim, k.conv_kernel, groups=k.conv_dim, bias=False)
@@ -81,6 +89,26 @@ class KimiDeltaAttentionMixer(nn.Module):
         self.o_proj = nn.Linear(width, config.hidden_size, bias=False)
         # One-token steps and state shifts: "native" (C, CPU float32; prompts too), "triton" or "torch" (set at load).
         self.decode_kernel = "torch"
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """in_proj's `[q | k | v | f_a g_a | b]` (f_a, g_a whole) and the convs by heads, f_b / g_b rows, dt_bias
+        and A_log by head, `o_proj` row-parallel."""
+        if not self.tp.parallel:
+            return {}
+        k, tp, t = self.config, self.tp, self.tp.size
+        width, low = k.qkv_dim, 2 * k.head_dim  # local q (k, v) width; f_a and g_a rows
+        conv = [(width, 0), (width, t * width), (width, 2 * t * width)]
+        low_rank = (3 * t * width, low)  # the same rows on every rank
+        beta = share(tp, k.num_heads, 3 * t * width + low)
+        by_head = head_rows(tp, (width, 0))
+        return {
+            "in_proj.weight": rows(*(share(tp, local, offset) for local, offset in conv), low_rank, beta),
+            "conv1d.weight": head_rows(tp, *conv),
+            "f_b_proj.weight": by_head,
+            "g_b_proj.weight": by_head,
+            "dt_bias": by_head,
+            "A_log": head_rows(tp, (k.num_heads, 0)),
+        } | row_parallel("o_proj", self.o_proj, share(tp, width))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [b, l, 3·h·d] → q, k (normalised, q scaled), v, each [b, l, h, d] float32."""

@@ -13,6 +13,9 @@ Scores use scale (nope + rope)^-0.5 in both. Scores are computed for blocks of q
 matrix exceeds `MAX_SCORES` entries. With `native` (CPU float32, set at load) a step of up to `NATIVE_MAX_TOKENS`
 query tokens per row — every row's tokens valid — runs the absorbed form in one C call (`csrc/mla_attention.c`: the latent norm, the cache
 write and the attention), the call the decode plan records; the einsum path stays the reference.
+Tensor parallel (`tp`): built from the rank's local config (h/T heads): q_proj / q_b_proj rows and kv_b by head,
+`o_proj` row-parallel (`forward` returns this rank's partial sum; the model all-reduces it). The latent projections,
+their norms and the latent cache are whole on every rank (each rank caches the full latent).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig, MlaConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule
 from workers.model.kernels import native, native_kimi
+from workers.model.layers.head_split import column_parallel, head_rows, row_parallel, share
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
 
@@ -37,10 +43,11 @@ NATIVE_MAX_TOKENS = 16
 class MultiHeadLatentAttention(nn.Module):
     """Causal latent attention whose latents live in a `KVCache` slot per request (one key head, no value)."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         m: MlaConfig = config.mla
-        self.config, self.scale = m, m.qk_head_dim**-0.5
+        self.config, self.scale, self.tp = m, m.qk_head_dim**-0.5, tp
         d, h = config.hidden_size, m.num_heads
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(d, h * m.qk_head_dim, bias=False)
@@ -55,6 +62,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(h * m.v_head_dim, d, bias=m.bias)
         self.absorb_max_tokens = ABSORB_MAX_TOKENS
         self.native = False  # decode and verification steps through the native kernel (set at load)
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """The query heads' rows and kv_b by head, `o_proj` row-parallel; the latent parts whole."""
+        if not self.tp.parallel:
+            return {}
+        m, tp = self.config, self.tp
+        name = "q_proj" if m.q_lora_rank is None else "q_b_proj"
+        queries = column_parallel(name, getattr(self, name), head_rows(tp, (m.num_heads * m.qk_head_dim, 0)))
+        outputs = row_parallel("o_proj", self.o_proj, share(tp, m.num_heads * m.v_head_dim))
+        return queries | outputs | {"kv_b": head_rows(tp, (m.num_heads, 0))}
 
     def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] → q [..., h · (nope + rope)]: q_proj, or q_a_proj → q_a_layernorm → q_b_proj."""

@@ -11,6 +11,17 @@ Three paths compute the same block:
   over the sorted rows: no host sync and no shape that depends on the routing. On CUDA it runs eager steps too.
 Every path sums a token's experts in slot order, so a row's output does not depend on the rows beside it.
 Routing breaks ties toward the lower expert (and group) index on every path.
+
+Tensor parallel (`tp`, built from the rank's local config), two ways, both returning this rank's partial sum that
+the model all-reduces once:
+- inside the experts (default): every rank holds every expert's share of the intermediate width
+  (`experts_up [E, 2·I_e/T, w]` = gate_r | up_r rows, `experts_down [E, w, I_e/T]`);
+- expert parallel (`tp.expert_parallel`): rank r holds `local_experts(E, tp)` whole. The router is whole on every
+  rank, and the hidden states are the same bits there, so every rank picks the same experts; only the (token, slot)
+  pairs whose expert is local run (the others: id -1 on the native path, zero weight on the static one), summed in
+  slot order. A row's partial depends only on its own routing, never on the batch.
+The router, its score bias and the shared gate are whole on every rank; the shared MLP is split like an MLP;
+Nemotron-H's latent_in / latent_out are whole, latent_out applied to the partial (it is linear; its bias rank 0's).
 """
 
 from __future__ import annotations
@@ -22,8 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import FeedForwardConfig, HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel, local_experts
+from workers.model.distributed.slices import ShardRule, rows
 from workers.model.kernels import native, native_moe, triton_kernels
 from workers.model.layers.feed_forward import MLP, activate
+from workers.model.layers.head_split import RANK0_ONLY, share
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -129,7 +143,8 @@ class MoE(nn.Module):
 
     Nemotron-H's latent MoE runs its experts on latent_in(x) and projects their sum back with latent_out."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         ff = config.feed_forward
         if ff.num_experts % max(1, ff.num_expert_groups) or not 1 <= ff.topk_groups <= ff.num_expert_groups:
@@ -138,19 +153,49 @@ class MoE(nn.Module):
             )
         if not 1 <= ff.experts_per_token <= ff.num_experts:
             raise ValueError(f"experts_per_token={ff.experts_per_token} must lie in 1 … {ff.num_experts}")
-        self.gated = ff.gated
+        self.gated, self.tp = ff.gated, tp
+        self.first_expert, self.num_local_experts = local_experts(ff.num_experts, tp)
+        # Expert parallel over several ranks: some of a token's experts are another rank's.
+        self.partial_experts = tp.parallel and tp.expert_parallel
         width = ff.latent_size or config.hidden_size
         self.router = Router(config.hidden_size, ff)
         up_rows = ff.expert_intermediate_size * (2 if ff.gated else 1)
-        self.experts_up = nn.Parameter(torch.zeros(ff.num_experts, up_rows, width))
-        self.experts_down = nn.Parameter(torch.zeros(ff.num_experts, width, ff.expert_intermediate_size))
+        self.experts_up = nn.Parameter(torch.zeros(self.num_local_experts, up_rows, width))
+        self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, width, ff.expert_intermediate_size))
         self.packed: native_moe.PackedExperts | None = None  # set by `pack` (the Parameters then go)
         # No shared MLP when its width is 0 (Jamba's and LFM2-MoE's MoE have none).
         shared_size = ff.shared_expert_intermediate_size
-        self.shared = MLP(config.hidden_size, shared_size, ff.gated, ff.bias) if shared_size else None
+        self.shared = MLP(config.hidden_size, shared_size, ff.gated, ff.bias, tp=tp) if shared_size else None
         self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if ff.shared_expert_gate else None
         self.latent_in = nn.Linear(config.hidden_size, ff.latent_size, bias=ff.bias) if ff.latent_size else None
         self.latent_out = nn.Linear(ff.latent_size, config.hidden_size, bias=ff.bias) if ff.latent_size else None
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """The experts: whole ones by rank (expert parallel) or every expert's gate_r | up_r rows and down
+        columns; latent_out's bias on rank 0 (it projects a partial). The shared MLP states its own."""
+        if not self.tp.parallel:
+            return {}
+        tp, local = self.tp, self.packed.intermediate_size if self.packed is not None else self.experts_down.shape[2]
+        if tp.expert_parallel:
+            experts = (self.first_expert, self.num_local_experts)
+            stated = {"experts_up": rows(experts), "experts_down": rows(experts)}
+        else:
+            pieces = [share(tp, local), share(tp, local, local * tp.size)] if self.gated else [share(tp, local)]
+            stated = {"experts_up": rows(*pieces, dim=1), "experts_down": rows(share(tp, local), dim=2)}
+        if self.latent_out is not None and self.latent_out.bias is not None:
+            stated["latent_out.bias"] = RANK0_ONLY
+        return stated
+
+    def _local_slots(
+        self, weights: torch.Tensor, ids: torch.Tensor, native_ids: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: (weights, local expert ids) with the other ranks' slots as id -1 (`native_ids`: the
+        native and eager paths skip them) or as local expert 0 at weight 0 (the static path's fixed shapes)."""
+        local_ids = ids - self.first_expert
+        here = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        if native_ids:
+            return weights, torch.where(here, local_ids, -1).contiguous()
+        return torch.where(here, weights, 0.0), torch.where(here, local_ids, 0)
 
     def pack(self, weight_format: str | None) -> None:
         """Pack the experts for the native kernels in `weight_format` (None: float32, "int8_weight_only",
@@ -165,11 +210,13 @@ class MoE(nn.Module):
         tokens = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [t, d]
         weights, expert_ids = self.router(tokens)
         x = self.latent_in(tokens) if self.latent_in is not None else tokens
+        # On CUDA the static form runs eager steps too: no host sync per expert.
+        static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
+        if self.partial_experts:
+            weights, expert_ids = self._local_slots(weights, expert_ids, self.packed is not None or not static)
         if self.packed is not None:
             routed = native_moe.experts(x.contiguous(), weights, expert_ids, self.packed)
         else:
-            # On CUDA the static form runs eager steps too: no host sync per expert.
-            static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
             rows = _rows_static if static else _rows_eager
             out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
             k = expert_ids.shape[1]
@@ -188,10 +235,14 @@ class MoE(nn.Module):
 
 
 def _rows_eager(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gated: bool) -> torch.Tensor:
-    """Each (token, slot) pair's expert output [t · k, w], one pair of matmuls per used expert."""
+    """Each (token, slot) pair's expert output [t · k, w], one pair of matmuls per used expert; zeros for an id
+    of -1 (expert parallel: another rank's expert)."""
     k, flat = ids.shape[1], ids.reshape(-1)
-    out = x.new_empty(flat.shape[0], down.shape[1])
+    skipped = bool((flat < 0).any())
+    out = x.new_zeros(flat.shape[0], down.shape[1]) if skipped else x.new_empty(flat.shape[0], down.shape[1])
     for expert in flat.unique().tolist():
+        if expert < 0:
+            continue
         pairs = (flat == expert).nonzero().squeeze(1)
         out[pairs] = F.linear(activate(F.linear(x[pairs // k], up[expert]), gated), down[expert])
     return out

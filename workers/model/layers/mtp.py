@@ -9,6 +9,9 @@ Qwen names them `mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}` arou
 `mtp.layers.{last}.final_layernorm`, one block per `mtp.layers.i` in the order of the MTP pattern (e.g. "*E").
 Chaining feeds `out` back as the next h with the drafted token. Each attention block's KV cache is indexed by
 position t (vLLM's convention: the drafter's positions are the target positions of the hidden states it reads).
+Tensor parallel (`tp`, built from the rank's local config): fc and the pre-fc norms are whole on every rank (their
+inputs are), the blocks are split by the same rules as the model's, and each block's partial output is all-reduced
+before its residual add; the embedding and LM head are the model's vocabulary-parallel ones.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import ATTENTION, GDN, MAMBA, MLP, MOE, RECURRENT_KINDS, HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
 from workers.model.layers.block import Block
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
@@ -49,14 +53,16 @@ def check_mtp_layout(config: HybridConfig) -> None:
 class MtpHead(nn.Module):
     """One MTP layer; embedding and LM head are the target's (passed to `forward` / applied by the caller)."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         check_mtp_layout(config)
+        self.tp = tp
         d, eps = config.hidden_size, config.rms_norm_eps
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(d, eps)
         self.pre_fc_norm_hidden = RMSNorm(d, eps)
-        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.mtp_block_kinds)
+        self.blocks = nn.ModuleList(Block(config, kind, tp=tp) for kind in config.mtp_block_kinds)
         self.norm = RMSNorm(d, eps)
 
     @property
@@ -82,5 +88,6 @@ class MtpHead(nn.Module):
         cache_iter = iter(caches)
         for block in self.blocks:
             normed = block.norm(x)
-            x = x + (block.mixer(normed, batch, next(cache_iter)) if block.kind == ATTENTION else block.mixer(normed))
+            out = block.mixer(normed, batch, next(cache_iter)) if block.kind == ATTENTION else block.mixer(normed)
+            x = x + self.tp.group.all_reduce_(out)  # a block's output is this rank's partial sum
         return self.norm(x)

@@ -12,6 +12,12 @@ The shared weights are the same modules in every use (registered under each, lik
 each alias, `prepare_linears` replaces a shared Linear once); each use has its own KV cache, adapters and linear.
 On the native path (CPU float32) gelu(gate) · up runs through the native kernel a decode plan records
 (`steps/shared_block_records.py`), so plan and module compute the same bits.
+
+Tensor parallel (`tp`, built from the rank's local config): q, k, v by heads (an adapter's `down` whole, its `up`
+cut like the projection it adds to), o_proj row-parallel, the MLP's [gate | up] rows by rank and its down_proj
+row-parallel. A use all-reduces twice inside — the attention's partial before `pre_ff_norm`, and T, the use's
+`linear` applied to the MLP's partial (it is linear) — and returns the **whole** T: the model's Zamba2 branch feeds
+it to `next_norm(hidden + T)` without the central all-reduce.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import SHARED_ATTENTION, HybridConfig, SharedBlockConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention
+from workers.model.layers.head_split import column_parallel, head_rows, row_parallel, share
 from workers.model.layers.norm import RMSNorm
 from workers.model.state import ForwardBatch, KVCache
 
@@ -88,9 +97,11 @@ class SharedBlockUse(nn.Module):
     adapters (`bind_shared_blocks` does it for a whole model).
     """
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the group."""
         super().__init__()
         self.config = config
+        self.tp = tp
         self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.use_index = -1  # this use's position among the model's uses (its adapters' index); set by `bind`
         self.native = False  # the MLP's gelu(gate) · up through the native kernel (set at load for CPU float32)
@@ -107,7 +118,7 @@ class SharedBlockUse(nn.Module):
         self.use_index = use_index
         self.input_norm, self.pre_ff_norm, self.down_proj = shared.input_norm, shared.pre_ff_norm, shared.down_proj
         self.gate_up_proj = AdaptedLinear(shared.gate_up_proj, adapter(d, 2 * s.intermediate_size, s.mlp_adapters))
-        attention = Attention(replace(self.config, hidden_size=2 * d))
+        attention = Attention(replace(self.config, hidden_size=2 * d), tp=self.tp)
         q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         attention.q_proj = AdaptedLinear(shared.q_proj, adapter(2 * d, q_width, s.attention_adapters))
         attention.k_proj = AdaptedLinear(shared.k_proj, adapter(2 * d, kv_width, s.attention_adapters))
@@ -129,10 +140,21 @@ class SharedBlockUse(nn.Module):
         # 1. Attention over the normalised [hidden, embeddings].
         x = self.input_norm(torch.cat([hidden, embeddings], dim=-1))
         attend = self.attention.forward_static if static_shapes else self.attention
-        attended = attend(x, batch, cache)
+        attended = self.tp.group.all_reduce_(attend(x, batch, cache))  # the norm below needs whole rows
         # 2. Gated-GELU MLP on its norm (no residual inside the block), then this use's projection.
         gate_up = self.gate_up_proj(self.pre_ff_norm(attended))
-        return self.linear(self.down_proj(gelu_mul(gate_up, self.native)))
+        return self.tp.group.all_reduce_(self.linear(self.down_proj(gelu_mul(gate_up, self.native))))
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """The MLP's [gate | up] rows by rank (with its adapter's `up`), down_proj row-parallel; the attention
+        (a submodule) states its own."""
+        if not self.tp.parallel:
+            return {}
+        tp, local = self.tp, self.down_proj.in_features
+        gate_up = column_parallel(
+            "gate_up_proj", self.gate_up_proj, head_rows(tp, (local, 0), (local, local * tp.size))
+        )
+        return gate_up | row_parallel("down_proj", self.down_proj, share(tp, local))
 
 
 def bind_shared_blocks(blocks: nn.ModuleList, config: HybridConfig) -> None:

@@ -14,7 +14,9 @@
  * result never depends on the other rows of the batch: the panel kernels compute each row alone (same k order in
  * any tile), and the sum runs in a fixed order — which greedy speculative decoding equal to plain decoding needs.
  * Shapes: x [t, width], weights [t, k] float32, ids [t, k] int64, out [t, width]; the up panels of expert e start
- * e · up_stride elements in (scales: e · up_n), the down panels e · down_stride.
+ * e · up_stride elements in (scales: e · up_n), the down panels e · down_stride. Under expert parallelism an id
+ * of -1 marks a slot whose expert another rank holds: it is skipped, and the row's sum runs over the other slots in
+ * slot order (the rank's partial sum).
  */
 #include <math.h>
 #include <stdint.h>
@@ -177,16 +179,22 @@ static void experts_pass(const float *x, const float *weights, const int64_t *id
     const int64_t pairs = t * k, up_n = activation == ACTIVATION_SILU_GATED ? 2 * inter : inter;
     float *xs = scratch, *h = xs + pairs * width, *act = h + pairs * up_n, *o = act + pairs * inter;
     memset(offsets, 0, (E + 1) * sizeof(int64_t));
-    for (int64_t p = 0; p < pairs; ++p) offsets[ids[p] + 1] += 1;
+    for (int64_t p = 0; p < pairs; ++p)
+        if (ids[p] >= 0) offsets[ids[p] + 1] += 1;
     for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+    const int64_t local_pairs = offsets[E]; /* pairs whose expert this call holds (id -1: another rank's) */
     for (int64_t p = 0; p < pairs; ++p) { /* token-major walk: within an expert, tokens stay in order */
+        if (ids[p] < 0) {
+            row_of[p] = -1;
+            continue;
+        }
         const int64_t row = offsets[ids[p]]++;
         order[row] = p;
         row_of[p] = row;
     }
     for (int64_t e = E; e > 0; --e) offsets[e] = offsets[e - 1]; /* back to each expert's first row */
     offsets[0] = 0;
-    for (int64_t r = 0; r < pairs; ++r) memcpy(xs + r * width, x + (order[r] / k) * width, width * sizeof(float));
+    for (int64_t r = 0; r < local_pairs; ++r) memcpy(xs + r * width, x + (order[r] / k) * width, width * sizeof(float));
     int64_t num_used = 0;
     for (int64_t e = 0; e < E; ++e)
         if (offsets[e + 1] > offsets[e]) used[num_used++] = e;
@@ -205,20 +213,22 @@ static void experts_pass(const float *x, const float *weights, const int64_t *id
         float *y = out + r * width;
         for (int64_t i = 0; i < width; ++i) y[i] = 0.0f;
         for (int64_t s = 0; s < k; ++s) {
+            if (row_of[r * k + s] < 0) continue; /* an expert another rank holds: its share of the partial sum */
             const float w = weights[r * k + s], *src = o + row_of[r * k + s] * width;
             for (int64_t i = 0; i < width; ++i) y[i] += w * src[i];
         }
     }
 }
 
-/* out [t, width] = Σ_s weights[r, s] · expert_{ids[r, s]}(x[r]); 1 when an id is outside [0, E), 2 when the
- * scratch cannot be allocated (nothing written then), else 0. */
+/* out [t, width] = Σ_s weights[r, s] · expert_{ids[r, s]}(x[r]) over the slots whose id is not -1 (expert
+ * parallel: an expert another rank holds, skipped); 1 when an id is outside [-1, E), 2 when the scratch cannot be
+ * allocated (nothing written then), else 0. */
 int64_t moe_experts(const float *x, const float *weights, const int64_t *ids, float *out, int64_t t, int64_t k,
                     int64_t E, int64_t width, int64_t inter, int64_t activation, int64_t format, int64_t path,
                     const void *up, const float *up_scale, int64_t up_stride, const void *down,
                     const float *down_scale, int64_t down_stride, int num_threads) {
     for (int64_t p = 0; p < t * k; ++p)
-        if (ids[p] < 0 || ids[p] >= E) return 1;
+        if (ids[p] < -1 || ids[p] >= E) return 1;
     const int64_t chunk = k >= CHUNK_PAIRS ? 1 : CHUNK_PAIRS / k, max_pairs = (t < chunk ? t : chunk) * k;
     const int64_t up_n = activation == ACTIVATION_SILU_GATED ? 2 * inter : inter;
     float *scratch = malloc(max_pairs * (2 * width + up_n + inter) * sizeof(float));

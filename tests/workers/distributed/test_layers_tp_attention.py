@@ -24,7 +24,7 @@ from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import prepare_linears
 from workers.model.layers.mla import MultiHeadLatentAttention
-from workers.model.layers.moe import MoE
+from workers.model.layers.moe import MoE, grouped_gemm_fits
 from workers.model.layers.shared_block import SharedBlockUse
 from workers.model.state import RecurrentState
 
@@ -149,6 +149,9 @@ def run_moe(config, full, mine, tp: TensorParallel, packed: bool) -> list[tuple[
     expected = full(hidden)
     partial = mine(hidden)
     checks.append(("output", cases.error(expected, tp.group.all_reduce_(partial.clone()))))
+    if not packed and grouped_gemm_fits(hidden.device, hidden.dtype):  # the static (CUDA graph) form, on the CPU
+        static = tp.group.all_reduce_(mine(hidden, static_shapes=True).clone())
+        checks.append(("static form output", cases.error(expected, static)))
     if tp.expert_parallel:  # bitwise on the native path (the torch path's GEMMs round by batch size even at T = 1)
         alone = mine(hidden[1:2, 2:3])[0, 0]
         summed = tp.group.all_reduce_(mine(hidden[1:2, 2:3]).clone())[0, 0]

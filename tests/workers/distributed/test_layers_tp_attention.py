@@ -15,6 +15,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
 from tests.workers.distributed import tp_layer_cases as cases
 from workers.model.distributed.group import make_group
@@ -25,6 +26,7 @@ from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import prepare_linears
 from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.moe import MoE, grouped_gemm_fits
+from workers.model.layers.mtp import MtpHead
 from workers.model.layers.shared_block import SharedBlockUse
 from workers.model.state import RecurrentState
 
@@ -162,6 +164,33 @@ def run_moe(config, full, mine, tp: TensorParallel, packed: bool) -> list[tuple[
     return checks
 
 
+def run_mtp(config, full, mine, tp: TensorParallel, use_native: bool) -> list[tuple[str, float]]:
+    """The MTP head (its blocks' partials all-reduced inside) over prefill, decode and verification, with a
+    replicated embedding (the vocabulary-parallel one is the model's); the MoE's routing margin on the oracle."""
+    for head in (full, mine):
+        head.blocks[0].mixer.native = use_native
+    g = torch.Generator().manual_seed(4)
+    embed = nn.Embedding(config.vocab_size, cases.D)
+    embed.weight.copy_(torch.randn(embed.weight.shape, generator=g))
+    heads, local_heads = config.attention.num_kv_heads, mine.blocks[0].mixer.config.num_kv_heads
+    full_cache, mine_cache = cases.caches(heads, 8, 8), cases.caches(local_heads, 8, 8)
+    moe_inputs = []
+    full.blocks[1].mixer.register_forward_pre_hook(lambda _, args: moe_inputs.append(args[0]))
+    checks = []
+    for step, (batch, length) in enumerate(cases.batches()):
+        tokens = torch.randint(0, config.vocab_size, (3, length), generator=g)
+        hidden = torch.randn(3, length, cases.D, generator=g)
+        expected = full(tokens, hidden, embed, batch, [full_cache])
+        got = mine(tokens, hidden, embed, batch, [mine_cache])
+        valid = torch.arange(length)[None, :] < batch.num_tokens[:, None]
+        checks.append((f"step {step} output", cases.error(expected[valid], got[valid])))
+        margin = router_margin(full.blocks[1].mixer, moe_inputs[-1].reshape(-1, cases.D)[valid.reshape(-1)])
+        checks.append((f"step {step} router margin shortfall", max(0.0, cases.MIN_ROUTER_MARGIN - margin)))
+    pieces = _kv_pieces(mine.blocks[0].mixer)
+    checks.append(("keys", cases.error(cases.narrow(full_cache.key, 0, pieces), mine_cache.key)))
+    return checks
+
+
 def run_case(name: str, tp: TensorParallel) -> dict[str, list[tuple[str, float]]]:
     """Every path of one case on this rank: {path: checks}."""
     config, ep = cases.CONFIGS[name]
@@ -172,7 +201,9 @@ def run_case(name: str, tp: TensorParallel) -> dict[str, list[tuple[str, float]]
         for use_native in kinds:
             full, mine = cases.pair(config, tp)
             path = "native" if use_native else "torch"
-            if isinstance(mine, MoE):
+            if isinstance(mine, MtpHead):
+                out[path] = run_mtp(config, full, mine, tp, use_native)
+            elif isinstance(mine, MoE):
                 out[path] = run_moe(config, full, mine, tp, use_native)
             elif isinstance(mine, (GatedDeltaNetMixer, KimiDeltaAttentionMixer)):
                 out[path] = run_recurrent(config, full, mine, tp, "native" if use_native else "torch")

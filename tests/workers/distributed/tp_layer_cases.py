@@ -68,7 +68,7 @@ CONFIGS: dict[str, tuple[HybridConfig, bool]] = {  # (global config, expert para
     "mla": (
         dataclasses.replace(
             BASE,
-            mla=MlaConfig(4, 16, 16, 8, 4, 8, False),
+            mla=MlaConfig(4, 16, 16, 8, 4, 8, True),
             attention=dataclasses.replace(ATTN, num_kv_heads=1, head_dim=20, cache_value_dim=0),
         ),
         False,
@@ -111,6 +111,10 @@ CONFIGS: dict[str, tuple[HybridConfig, bool]] = {  # (global config, expert para
         ),
         True,
     ),
+    "mtp head (attention + moe)": (
+        dataclasses.replace(BASE, mtp_block_kinds=(ATTENTION, MOE), feed_forward=MOE_FF),
+        False,
+    ),
     "zamba2 shared block use, adapters": (
         dataclasses.replace(
             BASE,
@@ -136,8 +140,11 @@ def seeded_state(layer: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 def build(config: HybridConfig, tp: TensorParallel) -> nn.Module:
     """The layer of `config`'s one block for `tp`, from the rank's local config (`shard_config`)."""
     from workers.model.layers.block import Block
+    from workers.model.layers.mtp import MtpHead
 
     local = shard_config(config, tp)
+    if config.mtp_block_kinds:
+        return MtpHead(local, tp=tp)
     block = Block(local, config.block_kinds[0], tp=tp)
     layer = block.mixer
     if config.shared_block is not None:

@@ -226,6 +226,27 @@ def test_triton_grouped_experts_match_the_eager_experts(tokens, k, experts, gate
     assert find_capture_hazards(lambda: triton_moe.expert_rows(x, ids, up, down, gated, activate)) == []
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_triton_grouped_experts_give_zeros_for_another_ranks_experts(gated):
+    """Expert parallel's static form: a pair whose id is E (another rank's expert) gets zeros and no GEMM rows; the
+    other pairs are what the eager experts give with those slots skipped (id -1)."""
+    from workers.model.kernels.triton_kernels import moe as triton_moe
+    from workers.model.layers import moe
+    from workers.model.layers.feed_forward import activate
+
+    g = torch.Generator().manual_seed(5)
+    experts, width, inter, tokens, k = 3, 40, 24, 19, 2
+    up = torch.randn(experts, inter * (2 if gated else 1), width, generator=g) * 0.3
+    down = torch.randn(experts, width, inter, generator=g) * 0.3
+    x = torch.randn(tokens, width, generator=g)
+    ids = torch.randint(0, experts + 1, (tokens, k), generator=g)  # experts (the sentinel): another rank's
+    assert bool((ids == experts).any()) and bool((ids < experts).any())
+    got = triton_moe.expert_rows(x, ids, up, down, gated, activate)
+    skipped = torch.where(ids == experts, -1, ids)
+    torch.testing.assert_close(got, moe._rows_eager(x, skipped, up, down, gated), **TOL)
+    assert not bool(got.view(tokens, k, width)[ids == experts].any())
+
+
 @pytest.mark.parametrize("family", ["lfm2", "jamba_dense", "kimi_linear_dense", "olmo_hybrid"])
 @torch.inference_mode()
 def test_graph_steps_through_the_triton_kernels_equal_the_torch_module_path(checkpoint_dir, family):

@@ -18,8 +18,9 @@ the model all-reduces once:
   (`experts_up [E, 2·I_e/T, w]` = gate_r | up_r rows, `experts_down [E, w, I_e/T]`);
 - expert parallel (`tp.expert_parallel`): rank r holds `local_experts(E, tp)` whole. The router is whole on every
   rank, and the hidden states are the same bits there, so every rank picks the same experts; only the (token, slot)
-  pairs whose expert is local run (the others: id -1 on the native path, zero weight on the static one), summed in
-  slot order. A row's partial depends only on its own routing, never on the batch.
+  pairs whose expert is local run (the others: id -1 on the native and eager paths, on the static one the id one
+  past the last local expert, which no GEMM computes, and weight 0), summed in slot order. A row's partial depends
+  only on its own routing, never on the batch.
 The router, its score bias and the shared gate are whole on every rank; the shared MLP is split like an MLP;
 Nemotron-H's latent_in / latent_out are whole, latent_out applied to the partial (it is linear; its bias rank 0's).
 """
@@ -190,12 +191,13 @@ class MoE(nn.Module):
         self, weights: torch.Tensor, ids: torch.Tensor, native_ids: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallel: (weights, local expert ids) with the other ranks' slots as id -1 (`native_ids`: the
-        native and eager paths skip them) or as local expert 0 at weight 0 (the static path's fixed shapes)."""
+        native and eager paths skip them) or, in the static path's fixed shapes, as the id one past the last local
+        expert, whose rows no grouped GEMM computes (zeros), at weight 0."""
         local_ids = ids - self.first_expert
         here = (local_ids >= 0) & (local_ids < self.num_local_experts)
         if native_ids:
             return weights, torch.where(here, local_ids, -1).contiguous()
-        return torch.where(here, weights, 0.0), torch.where(here, local_ids, 0)
+        return torch.where(here, weights, 0.0), torch.where(here, local_ids, self.num_local_experts)
 
     def pack(self, weight_format: str | None) -> None:
         """Pack the experts for the native kernels in `weight_format` (None: float32, "int8_weight_only",
@@ -249,7 +251,8 @@ def _rows_eager(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torc
 
 
 def _rows_static(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gated: bool) -> torch.Tensor:
-    """`_rows_eager` in static shapes: `torch._grouped_mm` where it runs, else the Triton grouped GEMM."""
+    """`_rows_eager` in static shapes: `torch._grouped_mm` where it runs, else the Triton grouped GEMM. An id of
+    E (the experts held here; expert parallel: another rank's expert) gives zeros, no GEMM rows."""
     if grouped_gemm_fits(x.device, x.dtype):
         return _rows_grouped(x, ids, up, down, gated)
     from workers.model.kernels.triton_kernels import moe as triton_moe  # imports triton: only where it runs
@@ -261,12 +264,14 @@ def _rows_grouped(
     x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gated: bool
 ) -> torch.Tensor:
     """As `_rows_eager`, in static shapes: pairs sorted by expert on the device, each projection one grouped GEMM
-    over all experts' rows (`offs`: where each expert's rows end)."""
-    k, flat = ids.shape[1], ids.reshape(-1)
+    over all experts' rows (`offs`: where each expert's rows end). Pairs of id E sort last, past the last offset:
+    the GEMMs leave their rows unwritten, and they are zeroed."""
+    k, flat, num_experts = ids.shape[1], ids.reshape(-1), up.shape[0]
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
     h = activate(grouped_mm(x[order // k], up.transpose(1, 2), offs=offsets), gated)
     sorted_out = grouped_mm(h, down.transpose(1, 2), offs=offsets)
-    return torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    return torch.where((flat < num_experts)[:, None], out, 0.0)

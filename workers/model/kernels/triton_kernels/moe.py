@@ -114,9 +114,11 @@ def _(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, block_expert: t
 def expert_rows(
     x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gated: bool, activate
 ) -> torch.Tensor:
-    """Each (token, slot) pair's expert output [t · k, w], as `layers/moe._rows_eager` computes it."""
+    """Each (token, slot) pair's expert output [t · k, w], as `layers/moe._rows_eager` computes it. An id of E
+    (the experts held here; expert parallel: another rank's expert) gives zeros: it is aligned as one more expert,
+    whose blocks the kernel skips (it multiplies only experts below E)."""
     k = ids.shape[1]
-    pair_of_slot, slot_of_pair, block_expert = align(ids.reshape(-1), up.shape[0])
+    pair_of_slot, slot_of_pair, block_expert = align(ids.reshape(-1), up.shape[0] + 1)
     token_rows = torch.where(pair_of_slot >= 0, pair_of_slot // k, -1)
     h = activate(grouped_gemm(x.contiguous(), token_rows, up, block_expert), gated)
     slot_rows = torch.where(pair_of_slot >= 0, torch.arange(pair_of_slot.shape[0], device=x.device), -1)

@@ -20,6 +20,7 @@ from torch import nn
 from tests.workers.distributed import tp_layer_cases as cases
 from workers.model.distributed.group import make_group
 from workers.model.distributed.layout import TensorParallel
+from workers.model.distributed.slices import cut_state_dict
 from workers.model.kernels import native
 from workers.model.layers.gdn import GatedDeltaNetMixer
 from workers.model.layers.kda import KimiDeltaAttentionMixer
@@ -249,3 +250,41 @@ def test_split_layer_matches_the_whole(rank_results, name: str) -> None:
         for path, checks in result.items():
             bad = [(check, err) for check, err in checks if not err <= cases.TOLERANCE]
             assert not bad, f"rank {rank}, {path}: {bad}"
+
+
+def _my_mixers(config, tp: TensorParallel) -> list[torch.nn.Module]:
+    """This slice's mixers (attention, MLA, GDN, KDA, MoE, Zamba2 uses, the MTP blocks') of every block of `config`,
+    built for `tp` from its local config."""
+    from workers.model.checkpoint.config import ATTENTION, GDN, KDA, MOE, SHARED_ATTENTION
+    from workers.model.distributed.layout import shard_config
+    from workers.model.layers.block import Block
+    from workers.model.layers.shared_block import SharedTransformer
+
+    local = shard_config(config, tp)
+    mine = (ATTENTION, GDN, KDA, MOE, SHARED_ATTENTION)
+    kinds = [(kind, local.attention_of(i)) for i, kind in enumerate(local.block_kinds) if kind in mine]
+    kinds += [(kind, None) for kind in local.mtp_block_kinds if kind in mine]
+    mixers = [Block(local, kind, attention=attention, tp=tp).mixer for kind, attention in kinds]
+    for mixer in mixers:
+        if isinstance(mixer, SharedBlockUse):
+            mixer.bind(SharedTransformer(local), 0)
+    return mixers
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "kimi_linear", "olmo_hybrid", "lfm3", "zamba2_lora"])
+def test_every_familys_mixers_cut_to_their_local_shapes(checkpoint_dir, family: str) -> None:
+    """The real layouts (GQA with v ≠ k heads, the MoE and MTP of Qwen, Kimi's KDA and MLA, LFM3's layer types,
+    Zamba2's adapters): the full mixers' state dicts cut by the local mixers' rules have the local shapes, on both
+    ranks, with and without expert parallelism; no parameter has two rules."""
+    from tests.workers.distributed.test_layout import config_of
+
+    config = config_of(checkpoint_dir, family)
+    for ep in (False, True) if config.feed_forward.num_experts else (False,):
+        with torch.device("meta"):
+            full = _my_mixers(config, TensorParallel())
+            ranks = [_my_mixers(config, TensorParallel(rank, SIZE, ep)) for rank in range(SIZE)]
+        assert full, f"{family} has no mixer of this slice"
+        for rank, mixers in enumerate(ranks):
+            for whole, mixer in zip(full, mixers, strict=True):
+                cut = cut_state_dict(mixer, whole.state_dict(), rank)
+                assert {k: v.shape for k, v in cut.items()} == {k: v.shape for k, v in mixer.state_dict().items()}

@@ -56,7 +56,7 @@ class _Fp8Bytes:
     def read(self, key: str) -> torch.Tensor:
         return self.tensors.read_fp8_rows(key, [(0, self.shapes[key][0])])
 
-    def read_rows(self, key: str, pieces: Pieces, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_rows(self, key: str, pieces: Pieces, out: torch.Tensor | None = None, flat: int = 1) -> torch.Tensor:
         return self.tensors.read_fp8_rows(key, pieces)
 
     def read_dtype(self, key: str) -> torch.dtype:

@@ -258,7 +258,7 @@ def load_checkpoint(
             match_weights(meta_model if reference is None else reference, dict(handles.shapes)), handles
         )
         fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
-        fp8.choose(kept, qualified_rules(meta_model))
+        fp8.choose(kept, qualified_rules(meta_model) if tp.parallel else {})
         fp8_linear.keep_fp8_linears(meta_model, fp8.kept, fp8)
 
     model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None, tp)

@@ -32,7 +32,7 @@ class TensorReader(Protocol):
 
     def read(self, key: str) -> torch.Tensor: ...
 
-    def read_rows(self, key: str, pieces: Pieces, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def read_rows(self, key: str, pieces: Pieces, out: torch.Tensor | None = None, flat: int = 1) -> torch.Tensor: ...
 
     def read_dtype(self, key: str) -> torch.dtype: ...
 
@@ -157,7 +157,11 @@ def _stack_items(
     item_rows, item_rest = leading_rows(item_cuts)
     out: torch.Tensor | None = None
     for i, e in enumerate(experts):
-        if fused:
+        if fused and item_rows is not None:  # the item's rows of the fused [E, R, …] as rows of [E·R, …]
+            size = tensors.shapes[items[e][0]][1]
+            flat_rows = [(e * size + start, length) for start, length in item_rows]
+            item = apply_cuts(tensors.read_rows(items[e][0], flat_rows, flat=2), item_rest)
+        elif fused:
             item = apply_cuts(tensors.read_rows(items[e][0], [(e, 1)])[0], item_cuts)
         else:
             item = read_rows_of_cat(items[e], item_rows, item_rest, tensors)

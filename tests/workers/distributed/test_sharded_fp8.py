@@ -22,16 +22,10 @@ from workers.model.shard_reads import read_shard, read_source
 from workers.model.weight_fill import Source
 
 
-@pytest.fixture(scope="module")
-def small_block_fp8(checkpoint_dir, tmp_path_factory):
-    """qwen3_5_text in FP8 with 32 × 16 blocks (several per tiny weight), read dequantized."""
-    target = tmp_path_factory.mktemp("fp8_32x16")
-    write_fp8(checkpoint_dir("qwen3_5_text"), target, [32, 16])
-    return target
-
-
-def test_dequantized_fp8_shares_equal_the_full_tensor_cut(small_block_fp8):
-    check_every_share(small_block_fp8, "qwen3_5_text", exact_bytes=False)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])  # dense; per-expert FP8 keys
+def test_dequantized_fp8_shares_equal_the_full_tensor_cut(family, checkpoint_dir, tmp_path):
+    write_fp8(checkpoint_dir(family), tmp_path, [32, 16])  # several blocks per tiny weight, cut at the edges
+    check_every_share(tmp_path, family, exact_bytes=False)
 
 
 @pytest.fixture(scope="module")

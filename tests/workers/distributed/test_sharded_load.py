@@ -126,7 +126,7 @@ def test_experts_read_only_the_local_experts_or_each_expert_cut(family, checkpoi
         local = rows(halves(num_experts, 1))  # expert parallel: rank 1 holds the second half whole
         got, got_bytes = _bytes(tensors, partial(read_shard, source, local, 1, tensors, shapes[name]))
         assert torch.equal(got, local.apply(full, 1)) and 2 * got_bytes == full_bytes
-        if source.combine == "stack" and name.endswith("experts_up"):  # per-expert keys: only gate_r and up_r
+        if name.endswith("experts_up"):  # per-expert keys or one fused tensor: only gate_r and up_r of each
             inside = synthetic_rules(shapes[name], 1)["inside_experts"]
             got, got_bytes = _bytes(tensors, partial(read_shard, source, inside, 1, tensors, shapes[name]))
             assert torch.equal(got, inside.apply(full, 1)) and 2 * got_bytes == full_bytes

@@ -137,16 +137,21 @@ class CheckpointTensors:
         """The dtype `read(key)` returns (float32 for an FP8 weight, else the stored one); reads nothing."""
         return torch.float32 if self._entries[key].dtype in FP8_DTYPES else self._entries[key].dtype
 
-    def read_rows(self, key: str, pieces: Sequence[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_rows(
+        self, key: str, pieces: Sequence[tuple[int, int]], out: torch.Tensor | None = None, flat: int = 1
+    ) -> torch.Tensor:
         """The rows `(start, length)` of `key`'s dim 0, concatenated in order, reading only their bytes (a row of an
         `[out, in]` weight, or an expert of an `[E, …]` stack, is contiguous); an FP8 weight's rows dequantized
-        with their scale rows, to exactly the values `read(key)` gives them. `out`: a contiguous CPU tensor of the
-        result's shape and stored dtype to read into (not for FP8)."""
+        with their scale rows, to exactly the values `read(key)` gives them. `flat`: how many leading dims count
+        as one (2: the rows of every expert of `[E, R, W]` as `[E·R, W]`). `out`: a contiguous CPU tensor of the
+        result's shape and stored dtype to read into (used where it fits; the result is returned either way)."""
         entry = self._entries[key]
-        shape = (sum(length for _, length in pieces), *entry.shape[1:])
+        shape = (sum(length for _, length in pieces), *entry.shape[flat:])
+        ranges = _row_ranges(entry, pieces, math.prod(entry.shape[:flat]))
         if entry.dtype not in FP8_DTYPES:
-            return self._raw(entry, out, _row_ranges(entry, pieces), shape)
-        weight = self._raw(entry, None, _row_ranges(entry, pieces), shape)
+            fits = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
+            return self._raw(entry, out if fits and tuple(out.shape) == shape else None, ranges, shape)
+        weight = self._raw(entry, None, ranges, shape)
         scale = self._raw(self._fp8_scale_entry(key))
         rows, cols = self.fp8_block or DEFAULT_BLOCK
         if weight.dim() != 2 or tuple(scale.shape) != _scale_shape(entry.shape, rows, cols):
@@ -160,7 +165,7 @@ class CheckpointTensors:
         if not self.is_fp8(key):
             raise ValueError(f"weight {key!r} is not a block-wise FP8 weight (e4m3 with {key + SCALE_SUFFIX!r})")
         shape = (sum(length for _, length in pieces), *entry.shape[1:])
-        return self._raw(entry, None, _row_ranges(entry, pieces), shape).view(torch.uint8)
+        return self._raw(entry, None, _row_ranges(entry, pieces, entry.shape[0]), shape).view(torch.uint8)
 
     def read_scale(self, key: str) -> torch.Tensor:
         """An FP8 weight's float32 `scale_inv` per block."""
@@ -238,9 +243,10 @@ def _scale_shape(shape: Sequence[int], rows: int, cols: int) -> tuple[int, ...]:
     return tuple(-(-n // b) for n, b in zip(shape, (rows, cols))) if len(shape) == 2 else ()
 
 
-def _row_ranges(entry: _Entry, pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The file byte ranges of the rows `(start, length)` of `entry`'s dim 0; `ValueError` for rows it lacks."""
-    num_rows = entry.shape[0] if entry.shape else 0
+def _row_ranges(entry: _Entry, pieces: Sequence[tuple[int, int]], num_rows: int) -> list[tuple[int, int]]:
+    """The file byte ranges of the rows `(start, length)` of `entry` seen as `num_rows` rows; `ValueError` for rows
+    it lacks."""
+    num_rows = num_rows if entry.shape else 0
     row_bytes = (entry.end - entry.begin) // max(num_rows, 1)
     ranges = []
     for start, length in pieces:

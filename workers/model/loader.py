@@ -1,4 +1,5 @@
-"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code."""
+"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code; the whole
+model, or one tensor-parallel rank's share of it (`load_checkpoint(..., tp=...)`)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ whole `load_checkpoint(..., tp=...)` path runs with a stand-in model whose MLPs 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from functools import partial
 
 import pytest
@@ -175,13 +176,15 @@ def _load(path, rank: int = 0, size: int = 1, **options) -> loader.LoadedCheckpo
     return loader.load_checkpoint(str(path), linear_backend="torch", decode_kernel="torch", tp=tp, **options)
 
 
-def test_a_rank_loads_its_share_of_every_parameter(halved_mlps, checkpoint_dir):
+def test_a_rank_loads_its_share_of_every_parameter(halved_mlps, checkpoint_dir, caplog):
     path = checkpoint_dir("qwen3_5_text")
     whole = _load(path)
     full_state = whole.model.state_dict()
     outputs = []
     for rank in (0, 1):
-        share = _load(path, rank, 2)
+        with caplog.at_level(logging.INFO, logger=loader.__name__):
+            share = _load(path, rank, 2)
+        assert f"rank {rank}/2 read " in caplog.text
         mlps = [m for m in share.model.modules() if isinstance(m, MLP)]
         assert mlps and all(m.down_proj.in_features == whole.config.feed_forward.intermediate_size // 2 for m in mlps)
         expected = cut_state_dict(share.model, full_state, rank)

@@ -134,6 +134,11 @@ def _fill(
         return
     if rule is None:
         tensor = read_source(source, tensors)
+    elif plain and _rows_only(rule):  # the rank's rows, read straight into the parameter where it fits
+        data = param.data
+        tensor = tensors.read_rows(source.keys[0], rule.cuts[0].pieces, data)
+        if tensor is data:
+            return
     else:
         full_shape = sharding.reference.get_parameter(name).shape
         tensor = read_shard(source, rule, sharding.rank, tensors, full_shape)
@@ -143,6 +148,11 @@ def _fill(
             + ("" if sharding is None else f" (rank {sharding.rank}, rule {rule})")
         )
     param.data.copy_(tensor)
+
+
+def _rows_only(rule: ShardRule) -> bool:
+    """Whether `rule` only keeps some rows (one cut of dim 0, nothing padded or zeroed)."""
+    return len(rule.cuts) == 1 and rule.cuts[0].dim == 0 and not rule.pad_rows and not rule.rank0_only
 
 
 def _block_of(name: str) -> str:

@@ -176,8 +176,9 @@ def _load(path, rank: int = 0, size: int = 1, **options) -> loader.LoadedCheckpo
     return loader.load_checkpoint(str(path), linear_backend="torch", decode_kernel="torch", tp=tp, **options)
 
 
-def test_a_rank_loads_its_share_of_every_parameter(halved_mlps, checkpoint_dir, caplog):
-    path = checkpoint_dir("qwen3_5_text")
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granite_dense"])  # gate and up: two keys; one fused key
+def test_a_rank_loads_its_share_of_every_parameter(family, halved_mlps, checkpoint_dir, caplog):
+    path = checkpoint_dir(family)
     whole = _load(path)
     full_state = whole.model.state_dict()
     outputs = []

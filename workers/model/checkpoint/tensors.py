@@ -152,11 +152,19 @@ class CheckpointTensors:
             fits = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
             return self._raw(entry, out if fits and tuple(out.shape) == shape else None, ranges, shape)
         weight = self._raw(entry, None, ranges, shape)
-        scale = self._raw(self._fp8_scale_entry(key))
+        scale_entry = self._fp8_scale_entry(key)
         rows, cols = self.fp8_block or DEFAULT_BLOCK
-        if weight.dim() != 2 or tuple(scale.shape) != _scale_shape(entry.shape, rows, cols):
+        if weight.dim() != 2 or scale_entry.shape != _scale_shape(entry.shape, rows, cols):
             self.read(key)  # raises the ValueError that names the mismatch
-        scale_rows = torch.cat([scale.float().repeat_interleave(rows, 0).narrow(0, s, n) for s, n in pieces])
+        blocks = [(start // rows, -(-(start + length) // rows) - start // rows) for start, length in pieces]
+        scale_shape = (sum(n for _, n in blocks), scale_entry.shape[1])
+        scale = self._raw(scale_entry, None, _row_ranges(scale_entry, blocks, scale_entry.shape[0]), scale_shape)
+        parts, first = [], 0  # each piece's scale rows, one per weight row
+        for (start, length), (_, num_blocks) in zip(pieces, blocks):
+            block_rows = scale.narrow(0, first, num_blocks).float().repeat_interleave(rows, 0)
+            parts.append(block_rows.narrow(0, start % rows, length))
+            first += num_blocks
+        scale_rows = torch.cat(parts) if parts else scale.new_zeros((0, scale.shape[1]))
         return weight.float().mul_(scale_rows.repeat_interleave(cols, 1)[:, : entry.shape[1]])
 
     def read_fp8_rows(self, key: str, pieces: Sequence[tuple[int, int]]) -> torch.Tensor:

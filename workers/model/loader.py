@@ -16,7 +16,7 @@ from workers.model.checkpoint.families import MTP_MODEL_TYPES
 from workers.model.checkpoint.tensors import CheckpointTensors, fp8_block_size, without_scales
 from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
 from workers.model.kernels import heap, native, triton_kernels
-from workers.model.layers import fp8_linear
+from workers.model.layers import fp8_experts, fp8_linear
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -351,8 +351,8 @@ def load_checkpoint(
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
     FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
     dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
-    per weight, the GEMM dequantizing per tile on CUDA; MoE experts and projections fused off 128-row blocks load
-    dequantized.
+    per weight, the GEMM dequantizing per tile on CUDA; so do MoE experts (`layers/fp8_experts.py`); projections
+    fused off 128-row blocks load dequantized.
     """
     directory = resolve_model_dir(path_or_repo, revision)
     config_path = directory / "config.json"
@@ -372,12 +372,15 @@ def load_checkpoint(
     kept: dict[str, tuple[str, ...]] = {}  # parameter → its FP8 checkpoint keys, with quantization "fp8"
 
     def keep_fp8_on_meta(meta_model: HybridModel) -> None:
-        kept.update(fp8_linear.fp8_kept_sources(match_weights(meta_model, dict(handles.shapes)), handles))
+        plan = match_weights(meta_model, dict(handles.shapes))
+        kept.update(fp8_linear.fp8_kept_sources(plan, handles))
+        kept.update(fp8_experts.keep_fp8_experts(meta_model, plan, handles))  # `MoE.fp8_experts`
         fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
         fp8_linear.keep_fp8_linears(meta_model, kept, handles)
 
     model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None)
     fp8_linear.fill_fp8_linears(model, kept, handles)
+    fp8_experts.fill_fp8_experts(model, kept, handles)  # and logs the bytes kept in FP8 (if any)
     device = torch.device(device)
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 

@@ -380,7 +380,7 @@ def load_checkpoint(
 
     model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None)
     fp8_linear.fill_fp8_linears(model, kept, handles)
-    fp8_experts.fill_fp8_experts(model, kept, handles)  # and logs the bytes kept in FP8 (if any)
+    fp8_experts.fill_fp8_experts(model, handles)  # and logs the bytes kept in FP8 (if any)
     device = torch.device(device)
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 

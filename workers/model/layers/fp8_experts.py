@@ -24,19 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model.distributed.slices import REPLICATED, qualified_rules
 from workers.model.kernels import triton_kernels
-from workers.model.kernels.fp8 import FP8_BLOCK, dequantize_fp8_blocks, dequantize_split_blocks, split_scale_rows
+from workers.model.kernels.fp8 import dequantize_fp8_blocks, dequantize_split_blocks, split_scale_rows
 from workers.model.layers.feed_forward import activate
+from workers.model.layers.fp8_expert_reads import ExpertRead, blocks, plan_read, read_experts, stacks_pairs
 from workers.model.layers.fp8_linear import Fp8BlockLinear
 from workers.model.layers.moe import MoE
 
 logger = logging.getLogger(__name__)
 
 FP8_EXPERTS_GRAPH_REASON = "MoE experts kept in FP8 (quantization='fp8') are not captured in CUDA graphs yet"
-
-
-def _blocks(size: int) -> int:
-    return -(-size // FP8_BLOCK)
 
 
 class Fp8Experts(nn.Module):
@@ -51,9 +49,10 @@ class Fp8Experts(nn.Module):
         self.gated, self.up_split = gated, up_split
         up_blocks = split_scale_rows(up_rows, up_split)
         self.register_buffer("up", torch.empty(num_experts, up_rows, width, dtype=torch.uint8))
-        self.register_buffer("up_scale", torch.empty(num_experts, up_blocks, _blocks(width)))
+        self.register_buffer("up_scale", torch.empty(num_experts, up_blocks, blocks(width)))
         self.register_buffer("down", torch.empty(num_experts, width, inner, dtype=torch.uint8))
-        self.register_buffer("down_scale", torch.empty(num_experts, _blocks(width), _blocks(inner)))
+        self.register_buffer("down_scale", torch.empty(num_experts, blocks(width), blocks(inner)))
+        self.reads: tuple[ExpertRead, ExpertRead] | None = None  # where the loader reads the bytes (set on meta)
 
     def expert(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `index`'s (up [rows, W], down [W, I]) dequantized to float32."""
@@ -84,98 +83,62 @@ class Fp8Experts(nn.Module):
         return f"experts={num_experts}, up_rows={up_rows}, width={width}, inner={inner}, up_split={self.up_split}"
 
 
-def _stacks_pairs(transform: Any, num_experts: int) -> bool:
-    """Whether `transform` stacks [gate_0, up_0, gate_1, up_1, …] into [E, gate rows then up rows, …]: tried on
-    one-element stand-ins numbered by position."""
-    stand_ins = [torch.full((1, 1), float(i)) for i in range(2 * num_experts)]
-    try:
-        stacked = transform(stand_ins)
-    except Exception:  # a transform written for other shapes: not a plain stacking, so not kept
-        return False
-    return torch.equal(stacked, torch.arange(2.0 * num_experts).view(num_experts, 2, 1))
-
-
-def _layout(source: Any, shape: tuple[int, ...], gated: bool, tensors: Any) -> tuple[int, str | None]:
-    """(up_split, None) when the parameter of `shape` [E, rows, cols] reads `source` as FP8 bytes, else (0, why)."""
-    num_experts, rows, cols = shape
-    keys = source.keys
-    if not keys or not all(tensors.is_fp8(key) for key in keys):
-        return 0, "not every expert tensor is block-wise FP8"
-    found = {tuple(tensors.shapes[key]) for key in keys}
-    if len(keys) == 1 and source.transform is None and found == {shape}:
-        return rows, None  # fused [E, rows, cols]
-    if source.combine == "stack" and source.transform is None and len(keys) == num_experts and found == {shape[1:]}:
-        return rows, None
-    pairs = gated and len(keys) == 2 * num_experts and rows % 2 == 0 and found == {(rows // 2, cols)}
-    if pairs and source.transform is not None and _stacks_pairs(source.transform, num_experts):
-        return rows // 2, None
-    return 0, f"the layout {keys[0]!r}, … ({len(keys)} tensors) is not one the FP8 experts read"
+def _reads(name: str, moe: MoE, plan: dict[str, Any], rules: dict, tensors: Any) -> tuple[ExpertRead, ...] | str:
+    """How the MoE `name` reads its up and down experts in FP8 on this rank, or why it cannot."""
+    up, down = plan.get(f"{name}.experts_up"), plan.get(f"{name}.experts_down")
+    if up is None or down is None:
+        return "no checkpoint source"
+    num_experts = moe.router.ff.num_experts  # global: a rank's experts are a cut of them
+    pairs = len(up.keys) == 2 * num_experts and up.transform is not None
+    if pairs and not (moe.gated and stacks_pairs(up.transform, num_experts)):
+        return "its per-expert tensors are not gate and up stacked gate rows first"
+    if (up.transform is not None and not pairs) or down.transform is not None:
+        return "its checkpoint tensors are transformed as they load"
+    sources = {"experts_up": up, "experts_down": down}
+    reads = [plan_read(s.keys, num_experts, tensors, rules.get(f"{name}.{p}", REPLICATED)) for p, s in sources.items()]
+    why = next((r for r in reads if isinstance(r, str)), None)
+    if why is not None:
+        return why
+    if (reads[0].shape, reads[1].shape) != (tuple(moe.experts_up.shape), tuple(moe.experts_down.shape)):
+        return "its checkpoint tensors, cut for this rank, do not have the model's expert shapes"
+    return tuple(reads)  # type: ignore[arg-type]
 
 
 def keep_fp8_experts(model: nn.Module, plan: dict[str, Any], tensors: Any) -> dict[str, tuple[str, ...]]:
     """On the model still on the meta device: give each MoE whose experts the checkpoint stores in block-wise FP8 an
-    empty `Fp8Experts` in place of its float experts (`plan`: parameter name → `checkpoint.weights.Source`;
-    `tensors`: the `CheckpointTensors`). Returns `experts_up` / `experts_down` names → their checkpoint keys, which
-    `fill_fp8_experts` reads; experts it cannot keep load dequantized, with a log line saying why."""
-    tp = getattr(model, "tp", None)
+    empty `Fp8Experts` in place of its float experts, cut for this rank by the MoE's `shard_rules()` where it states
+    them (`plan`: parameter name → `checkpoint.weights.Source`; `tensors`: the `CheckpointTensors`). Returns the
+    `experts_up` / `experts_down` names → their checkpoint keys (which the loader then skips); experts it cannot keep
+    load dequantized, with a log line saying why."""
+    rules = qualified_rules(model)
     kept: dict[str, tuple[str, ...]] = {}
     for name, moe in model.named_modules():
         if not isinstance(moe, MoE) or moe.packed is not None or getattr(moe, "experts_up", None) is None:
             continue
-        up, down = plan.get(f"{name}.experts_up"), plan.get(f"{name}.experts_down")
-        split, why = _layout(up, tuple(moe.experts_up.shape), moe.gated, tensors) if up else (0, "no source")
-        if why is None:
-            why = _layout(down, tuple(moe.experts_down.shape), False, tensors)[1] if down else "no source"
-        if tp is not None and tp.size > 1:
-            why = "FP8 experts are not sliced for tensor parallelism yet"
-        if why is not None:
-            logger.info("quantization='fp8': the experts of %s load dequantized: %s", name, why)
+        reads = _reads(name, moe, plan, rules, tensors)
+        if isinstance(reads, str):
+            logger.info("quantization='fp8': the experts of %s load dequantized: %s", name, reads)
             continue
-        (num_experts, up_rows, width), inner = moe.experts_up.shape, moe.experts_down.shape[2]
+        (num_experts, up_rows, width), inner = reads[0].shape, reads[1].shape[2]
         with torch.device("meta"):
-            moe.fp8_experts = Fp8Experts(num_experts, up_rows, width, inner, moe.gated, split)
+            moe.fp8_experts = Fp8Experts(num_experts, up_rows, width, inner, moe.gated, reads[0].split)
+        moe.fp8_experts.reads = reads
         del moe.experts_up, moe.experts_down
-        kept[f"{name}.experts_up"], kept[f"{name}.experts_down"] = up.keys, down.keys
+        kept[f"{name}.experts_up"], kept[f"{name}.experts_down"] = reads[0].keys, reads[1].keys
     return kept
 
 
-def _fill(weight: torch.Tensor, scale: torch.Tensor, keys: tuple[str, ...], tensors: Any) -> None:
-    """Read `keys` (one fused [E, …] tensor, or E · p tensors: p parts per expert stacked along its rows) into the
-    uint8 `weight` [E, rows, cols] and float32 `scale`, one checkpoint tensor at a time."""
-    if len(keys) == 1:
-        _stack_rows(weight, scale, [tensors.read_fp8(keys[0])], keys[0])
-        return
-    per_expert = len(keys) // weight.shape[0]
-    for e in range(weight.shape[0]):
-        own = keys[e * per_expert : (e + 1) * per_expert]
-        _stack_rows(weight[e], scale[e], (tensors.read_fp8(key) for key in own), own[0])
-
-
-def _stack_rows(weight: torch.Tensor, scale: torch.Tensor, parts: Any, key: str) -> None:
-    """Copy (bytes, scales) `parts` one after the other along the rows of `weight` and of `scale`."""
-    row = block = 0
-    for bytes_, blocks in parts:
-        rows, num_blocks = bytes_.shape[-2], blocks.shape[-2]
-        expected = (*bytes_.shape[:-2], _blocks(rows), _blocks(bytes_.shape[-1]))
-        if tuple(blocks.shape) != expected:
-            shapes = f"{tuple(blocks.shape)}, not the 128 × 128 block scales {expected}"
-            raise ValueError(f"{key}_scale_inv has shape {shapes} of a {tuple(bytes_.shape)} weight")
-        weight.narrow(-2, row, rows).copy_(bytes_)
-        scale.narrow(-2, block, num_blocks).copy_(blocks)
-        row, block = row + rows, block + num_blocks
-
-
-def fill_fp8_experts(model: nn.Module, kept: dict[str, tuple[str, ...]], tensors: Any) -> None:
-    """Read each `Fp8Experts`' bytes and scales from the checkpoint (`kept`, from `keep_fp8_experts`) into its
+def fill_fp8_experts(model: nn.Module, tensors: Any) -> None:
+    """Read each `Fp8Experts`' bytes and scales from the checkpoint (as `keep_fp8_experts` planned) into its
     buffers on their device (the scales back to float32, which the model's `.to(dtype)` changed), then log how many
     bytes stay FP8 (`fp8_summary`) when any do."""
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, Fp8Experts):
-                moe = name.rpartition(".")[0]
+        for module in model.modules():
+            if isinstance(module, Fp8Experts) and module.reads is not None:
                 module.up_scale, module.down_scale = module.up_scale.float(), module.down_scale.float()
-                _fill(module.up, module.up_scale, kept[f"{moe}.experts_up"], tensors)
-                _fill(module.down, module.down_scale, kept[f"{moe}.experts_down"], tensors)
+                read_experts(module.reads[0], module.up, module.up_scale, tensors)
+                read_experts(module.reads[1], module.down, module.down_scale, tensors)
+                module.reads = None
     if any(isinstance(m, (Fp8BlockLinear, Fp8Experts)) for m in model.modules()):
         logger.info("quantization='fp8': %s", fp8_summary(model))
 

@@ -10,6 +10,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.workers.model.interpreted import assert_cases_pass_in_the_interpreter
 from tests.workers.model.test_fp8_checkpoint import NOT_CONVERTED, ROWS, to_fp8
 from workers import ModelRunner, SamplingParams
 from workers.model.checkpoint.tensors import CheckpointTensors
+from workers.model.distributed.slices import columns, rows
 from workers.model.kernels.fp8 import dequantize_split_blocks
 from workers.model.layers.fp8_experts import FP8_EXPERTS_GRAPH_REASON, Fp8Experts, fp8_bytes
 from workers.model.layers.fp8_linear import FP8_KEPT_REASON
@@ -220,3 +222,50 @@ def test_fp8_experts_on_cuda_match_the_dequantized_load(pairs):
     model = load_checkpoint(str(fp8), device="cuda", quantization="fp8").model
     assert all(m.fp8_experts is not None and m.fp8_experts.up.is_cuda for m in moes(model).values())
     torch.testing.assert_close(_scores(fp8, device="cuda", quantization="fp8"), _scores(plain), atol=2e-3, rtol=0)
+
+
+def fake_checkpoint(layout: str, num_experts: int, inner: int, width: int) -> tuple[SimpleNamespace, torch.Tensor]:
+    """(FP8 expert tensors as `CheckpointTensors` serves them, the full [E, 2I, W] up weight they dequantize to) in
+    the "pairs" (per-expert gate and up) or "fused" (`gate_up_proj`) layout."""
+    full = torch.randn(num_experts, 2 * inner, width, generator=torch.Generator().manual_seed(inner))
+    if layout == "fused":
+        weight, scale, dequantized = quantize(full)
+        stored = {"gate_up": (weight.view(torch.uint8), scale)}
+    else:
+        stored, dequantized = {}, torch.empty_like(full)
+        for e in range(num_experts):
+            for part, rows in (("gate", slice(0, inner)), ("up", slice(inner, None))):
+                weight, scale, dequantized[e, rows] = quantize(full[e, rows])
+                stored[f"{e}.{part}"] = (weight.view(torch.uint8), scale)
+    shapes = {key: tuple(weight.shape) for key, (weight, _) in stored.items()}
+    return SimpleNamespace(shapes=shapes, is_fp8=stored.__contains__, read_fp8=stored.__getitem__), dequantized
+
+
+@pytest.mark.parametrize(
+    "layout, inner, rule, kept",
+    [
+        ("pairs", 256, rows((128, 128), (384, 128), dim=1), True),  # TP rank 1 of 2: gate and up rows 128-255
+        ("fused", 256, rows((0, 128), (256, 128), dim=1), True),  # rank 0; gate and up pieces join on a block
+        ("fused", 160, rows((0, 4), dim=0), True),  # expert parallel: all of experts 0-3 of 8
+        ("pairs", 256, columns((128, 72), dim=2), True),  # the last columns (a row-parallel down's, W = 200)
+        ("pairs", 160, rows((80, 80), (240, 80), dim=1), False),  # I/T = 80: a block would mix two ranks' rows
+        ("fused", 256, columns((100, 100), dim=2), False),
+        ("fused", 192, rows((0, 96), (192, 96), dim=1), False),  # the up rows start inside a fused block
+    ],
+)
+def test_a_rank_keeps_the_block_aligned_cut_of_the_experts(layout, inner, rule, kept):
+    from workers.model.layers.fp8_expert_reads import plan_read, read_experts
+
+    tensors, full = fake_checkpoint(layout, 8, inner, 200)
+    keys = ("gate_up",) if layout == "fused" else tuple(f"{e}.{p}" for e in range(8) for p in ("gate", "up"))
+    read = plan_read(keys, 8, tensors, rule)
+    if not kept:
+        assert read == "this rank's rows or columns of the experts do not fall on whole 128 × 128 blocks"
+        return
+    expected = rule.apply(full, 1)  # the float weights this rank would hold: the oracle
+    assert read.shape == tuple(expected.shape)
+    experts = Fp8Experts(*read.shape, 160, gated=True, up_split=read.split)
+    experts.up_scale = experts.up_scale.float()
+    read_experts(read, experts.up, experts.up_scale, tensors)
+    for local in range(read.shape[0]):
+        torch.testing.assert_close(experts.expert(local)[0], expected[local], rtol=0, atol=0)

@@ -7,7 +7,8 @@ bytes and scales into it expert by expert. The layouts read: the fused `experts.
 `experts.down_proj [E, W, I]` (or Granite's `input_linear` / `output_linear`) with their `[E, ⌈rows/128⌉, ⌈W/128⌉]`
 scales, per-expert matrices stacked, and per-expert gate and up matrices stacked gate rows first: those were
 quantized apart, so their scales stay apart (`up_split`: the row where the up rows' blocks start), and no block
-mixes two scales when I is not a multiple of 128. Other layouts, and experts sliced for tensor parallelism, load
+mixes two scales when I is not a multiple of 128. A rank under tensor or expert parallelism keeps the cut its MoE's
+`shard_rules()` states when it falls on whole blocks (`fp8_expert_reads.py`). Other layouts and cuts load
 dequantized as before, with a log line.
 
 Compute: CUDA (where Triton runs) a grouped GEMM over the routed pairs that decodes each tile inside the kernel

@@ -57,7 +57,7 @@ def _fp8_grouped_gemm_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)  # E · N · K passes 2³¹ on the large models
     if expert < num_experts:
-        slots = pid_m * BM + tl.arange(0, BM)
+        slots = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)  # slots · N passes 2³¹ in long prompts
         rows = tl.load(rows_ptr + slots)
         valid = rows >= 0
         cols = pid_n * BN + tl.arange(0, BN)

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from workers.model.distributed.layout import SINGLE_TP, TensorParallel, check_di
 from workers.model.distributed.slices import qualified_rules
 from workers.model.fp8_shards import Fp8Shards
 from workers.model.kernels import heap, native
-from workers.model.layers import fp8_linear
+from workers.model.layers import fp8_experts, fp8_linear
 from workers.model.layers.fp8_linear import Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import check_quantization, prepare_linears
@@ -204,6 +204,39 @@ def build_model(config: HybridConfig, mtp: bool, tp: TensorParallel = SINGLE_TP)
     return HybridModel(config, mtp=mtp, tp=tp)
 
 
+@dataclass
+class Fp8Kept:
+    """With quantization "fp8": the weights that stay FP8 — linears (`Fp8Shards`, cut along the 128-blocks for this
+    rank) and MoE experts (`layers/fp8_experts.py`) — chosen on the meta model and filled once it is on its device."""
+
+    shards: Fp8Shards
+    handles: CheckpointTensors
+    reference: HybridModel | None  # the whole model on meta when this rank holds a share (the checkpoint's shapes)
+    tp: TensorParallel
+    directory: Path
+    expert_keys: set[str] = field(default_factory=set)  # the checkpoint keys of the experts kept in FP8
+
+    def keep_on_meta(self, meta_model: HybridModel) -> None:
+        """Swap the kept linears and experts of `meta_model` (nothing allocated yet) for their FP8 forms."""
+        handles = self.handles
+        plan = match_weights(meta_model if self.reference is None else self.reference, dict(handles.shapes))
+        kept = fp8_linear.fp8_kept_sources(plan, handles)
+        experts = fp8_experts.keep_fp8_experts(meta_model, plan, handles)  # `MoE.fp8_experts`, cut for this rank
+        self.expert_keys.update(key for keys in experts.values() for key in keys)
+        fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept) + len(experts), self.directory)
+        self.shards.choose(kept, qualified_rules(meta_model) if self.tp.parallel else {})
+        fp8_linear.keep_fp8_linears(meta_model, self.shards.kept, self.shards)
+
+    def fill(self, model: HybridModel) -> None:
+        """Read the kept weights' bytes and scales into `model` (on its device)."""
+        fp8_linear.fill_fp8_linears(model, self.shards.kept, self.shards)
+        fp8_experts.fill_fp8_experts(model, self.handles)  # and logs the bytes kept in FP8 (if any)
+
+    def checkpoint_keys(self) -> set[str]:
+        """The checkpoint keys read as kept FP8 weights, which the generic load skips."""
+        return self.shards.checkpoint_keys() | self.expert_keys
+
+
 def load_checkpoint(
     path_or_repo: str,
     device: str | torch.device = "cpu",
@@ -228,8 +261,8 @@ def load_checkpoint(
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
     FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
     dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
-    per weight, the GEMM dequantizing per tile on CUDA; MoE experts and projections fused off 128-row blocks load
-    dequantized.
+    per weight, the GEMM dequantizing per tile on CUDA; so do MoE experts (`layers/fp8_experts.py`);
+    projections fused off 128-row blocks load dequantized.
     `tp`: load rank `tp.rank`'s share of a model split over `tp.size` ranks: the layers' `shard_rules` say which
     rows and columns each parameter keeps, the checkpoint is checked against the whole model, and this rank reads
     only its rows where the layout allows (`shard_reads.py`; every rank reads the files itself). A kept FP8
@@ -252,18 +285,9 @@ def load_checkpoint(
     if tp.parallel:
         with torch.device("meta"):
             reference = build_model(config, mtp)
-    fp8 = Fp8Shards(handles, tp.rank)  # the linears kept in FP8, with quantization "fp8"
-
-    def keep_fp8_on_meta(meta_model: HybridModel) -> None:
-        kept = fp8_linear.fp8_kept_sources(
-            match_weights(meta_model if reference is None else reference, dict(handles.shapes)), handles
-        )
-        fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
-        fp8.choose(kept, qualified_rules(meta_model) if tp.parallel else {})
-        fp8_linear.keep_fp8_linears(meta_model, fp8.kept, fp8)
-
-    model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None, tp)
-    fp8_linear.fill_fp8_linears(model, fp8.kept, fp8)
+    fp8 = Fp8Kept(Fp8Shards(handles, tp.rank), handles, reference, tp, directory)
+    model = empty_model(config, mtp, torch_dtype, device, fp8.keep_on_meta if keep_fp8 else None, tp)
+    fp8.fill(model)
     device = torch.device(device)
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
@@ -279,7 +303,7 @@ def load_checkpoint(
     # take the blocks' format
     prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
-    summary = _summary(tp, handles, model, fp8)
+    summary = _summary(tp, handles, model, fp8.shards)
     logger.info("loaded %s: %s", directory.name, summary.line())
     return LoadedCheckpoint(model, config, directory, _read_json(directory, "generation_config.json"), summary)
 

@@ -145,6 +145,7 @@ class MoE(nn.Module):
         self.experts_up = nn.Parameter(torch.zeros(ff.num_experts, up_rows, width))
         self.experts_down = nn.Parameter(torch.zeros(ff.num_experts, width, ff.expert_intermediate_size))
         self.packed: native_moe.PackedExperts | None = None  # set by `pack` (the Parameters then go)
+        self.fp8_experts: nn.Module | None = None  # experts kept FP8 (`layers/fp8_experts.py`; the Parameters go)
         # No shared MLP when its width is 0 (Jamba's and LFM2-MoE's MoE have none).
         shared_size = ff.shared_expert_intermediate_size
         self.shared = MLP(config.hidden_size, shared_size, ff.gated, ff.bias) if shared_size else None
@@ -154,7 +155,10 @@ class MoE(nn.Module):
 
     def pack(self, weight_format: str | None) -> None:
         """Pack the experts for the native kernels in `weight_format` (None: float32, "int8_weight_only",
-        "bfloat16") and the router's weight as float32 panels; the float32 Parameters (experts and router) are freed."""
+        "bfloat16") and the router's weight as float32 panels; the float32 Parameters (experts and router) are freed.
+        Experts kept in FP8 are not packed (they run `Fp8Experts`)."""
+        if self.fp8_experts is not None:
+            return
         with torch.no_grad():
             self.packed = native_moe.pack_experts(self.experts_up, self.experts_down, self.gated, weight_format)
             self.router.panels = native.pack_panels(self.router.weight.detach().float())
@@ -168,10 +172,13 @@ class MoE(nn.Module):
         if self.packed is not None:
             routed = native_moe.experts(x.contiguous(), weights, expert_ids, self.packed)
         else:
-            # On CUDA the static form runs eager steps too: no host sync per expert.
-            static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
-            rows = _rows_static if static else _rows_eager
-            out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
+            if self.fp8_experts is not None:
+                out = self.fp8_experts(x, expert_ids)
+            else:
+                # On CUDA the static form runs eager steps too: no host sync per expert.
+                static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
+                rows = _rows_static if static else _rows_eager
+                out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
             k = expert_ids.shape[1]
             routed = (out.view(-1, k, out.shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
         if self.latent_out is not None:

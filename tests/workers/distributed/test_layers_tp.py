@@ -246,53 +246,63 @@ def model_case(tp: TensorParallel, kinds: tuple[str, ...], changes: dict) -> dic
     return {name: _difference(e, g) for name, e, g in zip(("prefill", "decode"), expected, got)}
 
 
-def _follower(store: str, conn) -> None:
-    group = make_group(store, 1, 2, timeout_s=60)
-    tp = TensorParallel(1, 2, group=group)
+def _follower(store: str, rank: int, size: int, conn) -> None:
+    group = make_group(store, rank, size, timeout_s=60)
+    tp = TensorParallel(rank, size, group=group)
     while (message := conn.recv()) is not None:
         function, args = message
         try:
             with torch.no_grad():
                 conn.send(function(tp, *args))
         except Exception as error:  # noqa: BLE001 - reported to rank 0, which fails the test with it
-            conn.send(RuntimeError(f"rank 1: {error!r}"))
+            conn.send(RuntimeError(f"rank {rank}: {error!r}"))
     group.close()
 
 
-class RankPair:
-    """Rank 0 (this process) and a spawned rank 1 that run the same case function; returns both ranks' results."""
+class Ranks:
+    """Rank 0 (this process) and `size - 1` spawned ranks that run the same case function; returns every rank's
+    result."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         context = mp.get_context("spawn")
-        self.conn, child = context.Pipe()
         store = os.path.join(tempfile.mkdtemp(), "store")
-        self.process = context.Process(target=_follower, args=(store, child), daemon=True)
-        self.process.start()
-        self.group = make_group(store, 0, 2, timeout_s=60)
-        self.tp = TensorParallel(0, 2, group=self.group)
+        self.conns, self.processes = [], []
+        for rank in range(1, size):
+            conn, child = context.Pipe()
+            process = context.Process(target=_follower, args=(store, rank, size, child), daemon=True)
+            process.start()
+            self.conns.append(conn)
+            self.processes.append(process)
+        self.group = make_group(store, 0, size, timeout_s=60)
+        self.tp = TensorParallel(0, size, group=self.group)
 
     def run(self, function, *args) -> list[dict[str, float]]:
-        """`function(tp, *args)` on both ranks; [rank 0's result, rank 1's]."""
-        self.conn.send((function, args))
+        """`function(tp, *args)` on every rank; their results in rank order."""
+        for conn in self.conns:
+            conn.send((function, args))
         with torch.no_grad():
-            mine = function(self.tp, *args)
-        if not self.conn.poll(60):
-            raise TimeoutError("rank 1 did not answer")
-        theirs = self.conn.recv()
-        if isinstance(theirs, Exception):
-            raise theirs
-        return [mine, theirs]
+            results = [function(self.tp, *args)]
+        for rank, conn in enumerate(self.conns, start=1):
+            if not conn.poll(120):
+                raise TimeoutError(f"rank {rank} did not answer")
+            results.append(conn.recv())
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
 
     def close(self) -> None:
-        """Stop rank 1 and release the group."""
-        self.conn.send(None)
-        self.process.join(timeout=30)
+        """Stop the spawned ranks and release the group."""
+        for conn in self.conns:
+            conn.send(None)
+        for process in self.processes:
+            process.join(timeout=30)
         self.group.close()
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    pair = RankPair()
+    pair = Ranks(2)
     yield pair
     pair.close()
 
@@ -319,16 +329,16 @@ RECURRENT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(RECURRENT_CASES))
-def test_recurrent_layer_matches_unsplit(ranks: RankPair, case: str) -> None:
+def test_recurrent_layer_matches_unsplit(ranks: Ranks, case: str) -> None:
     _assert_close(ranks.run(recurrent_case, *RECURRENT_CASES[case]), LAYER_TOLERANCE)
 
 
 @pytest.mark.parametrize("gated, use_native", [(True, False), (False, False), (True, True)])
-def test_mlp_matches_unsplit(ranks: RankPair, gated: bool, use_native: bool) -> None:
+def test_mlp_matches_unsplit(ranks: Ranks, gated: bool, use_native: bool) -> None:
     _assert_close(ranks.run(mlp_case, gated, use_native and native.available()), LAYER_TOLERANCE)
 
 
-def test_vocabulary_parallel_embedding_and_head(ranks: RankPair) -> None:
+def test_vocabulary_parallel_embedding_and_head(ranks: Ranks) -> None:
     results = ranks.run(vocabulary_case)
     assert all(r["embed"] == 0.0 and r["pad rows"] == 0.0 and r["logits shape"] == 0.0 for r in results)
     _assert_close(results, LAYER_TOLERANCE)
@@ -351,5 +361,27 @@ MODELS = {
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_whole_model_logits_match_unsplit(ranks: RankPair, name: str) -> None:
+def test_whole_model_logits_match_unsplit(ranks: Ranks, name: str) -> None:
     _assert_close(ranks.run(model_case, *MODELS[name]), MODEL_TOLERANCE)
+
+
+def test_spanning_norm_keeps_the_fused_kernels_off() -> None:
+    """The native / Triton Mamba2 kernels norm locally, so a norm spanning ranks must take the torch path."""
+    config = _config((MAMBA,), num_groups=1)
+    assert config.mamba.fused_kernels_fit
+    assert not shard_config(config, TensorParallel(0, 2)).mamba.fused_kernels_fit
+    assert shard_config(_config((MAMBA,), num_groups=2), TensorParallel(1, 2)).mamba.fused_kernels_fit
+
+
+@pytest.mark.slow
+def test_four_ranks_replicated_groups_and_ordered_sums() -> None:
+    """T = 4 (two B/C groups, each replicated on two ranks; the spanning norm's [t, g] sums with zeros in the other
+    group; ordered all-reduces over four parts) and a whole model."""
+    four = Ranks(4)
+    try:
+        _assert_close(four.run(recurrent_case, MAMBA, {"num_groups": 2, "num_heads": 8}, "torch"), LAYER_TOLERANCE)
+        kinds, changes = MODELS["mamba2 spanning + relu² MLP, tied, multipliers"]
+        wider = {"num_groups": 2, "num_heads": 8, "feed_forward": FeedForwardConfig(12, gated=False, bias=True)}
+        _assert_close(four.run(model_case, kinds, changes | wider), MODEL_TOLERANCE)
+    finally:
+        four.close()

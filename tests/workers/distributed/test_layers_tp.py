@@ -5,21 +5,22 @@ Each case builds the full layer from a seed on both ranks, builds the rank's lay
 engine runs: a ragged prefill (l = 5), an in-place decode step and a verification of k = 3 drafts with
 `state_after`. The ranks' partial outputs are all-reduced and compared with the full layer's, and each rank's state
 with its cut of the full layer's state (so the ranks' states together are the full state). Whole models made of
-these kinds compare their logits at T = 2 with T = 1. One follower process serves the module (spawned once): every
-case runs on both ranks, rank 0 being the pytest process.
+these kinds compare their logits at T = 2 with T = 1. One follower process serves the module (spawned once,
+`layer_ranks.Ranks`): every case runs on both ranks, rank 0 being the pytest process.
+
+Falcon-H1's parallel mixer: while `Attention` takes no `tp` (slice S2b adds it with its shard rules), its attention
+branch is built from the local config and cut by this file's `_attention_rules`; afterwards by its own rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.workers.distributed.layer_ranks import Ranks, assert_close, difference
 from workers.model.checkpoint.config import (
     MAMBA,
     MAMBA1,
@@ -33,7 +34,6 @@ from workers.model.checkpoint.config import (
     MambaConfig,
     ShortConvConfig,
 )
-from workers.model.distributed.group import make_group
 from workers.model.distributed.layout import SINGLE_TP, TensorParallel, shard_config, vocab_rows
 from workers.model.distributed.slices import Cut, ShardRule, columns, cut_state_dict, qualified_rules, rows
 from workers.model.kernels import native
@@ -148,13 +148,6 @@ def _clone(state: RecurrentState) -> RecurrentState:
     return RecurrentState(state.conv.clone(), state.ssm.clone())
 
 
-def _difference(expected: torch.Tensor, got: torch.Tensor) -> float:
-    """Max |expected − got| (inf when the shapes differ; 0 for empty tensors)."""
-    if expected.shape != got.shape:
-        return float("inf")
-    return (expected - got).abs().max().item() if expected.numel() else 0.0
-
-
 def recurrent_case(tp: TensorParallel, kind: str, changes: dict, kernel: str) -> dict[str, float]:
     """Max |full − split| of outputs and states over prefill, in-place decode, verification and state_after."""
     config = _config((kind,), **changes)
@@ -170,10 +163,10 @@ def recurrent_case(tp: TensorParallel, kind: str, changes: dict, kernel: str) ->
     errors: dict[str, float] = {}
 
     def compare(name, outs, states):
-        errors[name] = _difference(outs[0], tp.group.all_reduce_(outs[1].clone()))
-        errors[f"{name} conv"] = _difference(conv_rule.apply(states[0].conv, tp.rank), states[1].conv)
+        errors[name] = difference(outs[0], tp.group.all_reduce_(outs[1].clone()))
+        errors[f"{name} conv"] = difference(conv_rule.apply(states[0].conv, tp.rank), states[1].conv)
         ssm = states[0].ssm if ssm_rule is None else ssm_rule.apply(states[0].ssm, tp.rank)
-        errors[f"{name} ssm"] = _difference(ssm, states[1].ssm)
+        errors[f"{name} ssm"] = difference(ssm, states[1].ssm)
 
     zeros, ones, lens = torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long), PREFILL_TOKENS
     prefill = [run(prompt, None, PREFILL_TOKENS, False, zeros) for run in runs]
@@ -198,7 +191,7 @@ def mlp_case(tp: TensorParallel, gated: bool, use_native: bool) -> dict[str, flo
     local.load_state_dict(cut_state_dict(local, full.state_dict(), tp.rank))
     full.native = local.native = use_native
     x = torch.randn(3, 5, WIDTH, generator=torch.Generator().manual_seed(2))
-    return {"out": _difference(full(x), tp.group.all_reduce_(local(x)))}
+    return {"out": difference(full(x), tp.group.all_reduce_(local(x)))}
 
 
 def vocabulary_case(tp: TensorParallel) -> dict[str, float]:
@@ -213,8 +206,8 @@ def vocabulary_case(tp: TensorParallel) -> dict[str, float]:
     logits = gather_logits(hidden @ local_head.T, VOCAB, tp)
     present = vocab_rows(VOCAB, tp)[1]
     return {
-        "embed": _difference(full(ids), local(ids)),
-        "logits": _difference(hidden @ head.T, logits),
+        "embed": difference(full(ids), local(ids)),
+        "logits": difference(hidden @ head.T, logits),
         "logits shape": float(logits.shape != (2, 3, VOCAB)),
         "pad rows": local.weight[present:].abs().sum().item(),
         "rows": float(local.weight.shape[0] != 19),
@@ -243,61 +236,7 @@ def model_case(tp: TensorParallel, kinds: tuple[str, ...], changes: dict) -> dic
         torch.randint(0, VOCAB, (3, 1), generator=generator),
     )
     expected, got = _model_logits(full, ids, next_ids), _model_logits(local, ids, next_ids)
-    return {name: _difference(e, g) for name, e, g in zip(("prefill", "decode"), expected, got)}
-
-
-def _follower(store: str, rank: int, size: int, conn) -> None:
-    group = make_group(store, rank, size, timeout_s=60)
-    tp = TensorParallel(rank, size, group=group)
-    while (message := conn.recv()) is not None:
-        function, args = message
-        try:
-            with torch.no_grad():
-                conn.send(function(tp, *args))
-        except Exception as error:  # noqa: BLE001 - reported to rank 0, which fails the test with it
-            conn.send(RuntimeError(f"rank {rank}: {error!r}"))
-    group.close()
-
-
-class Ranks:
-    """Rank 0 (this process) and `size - 1` spawned ranks that run the same case function; returns every rank's
-    result."""
-
-    def __init__(self, size: int) -> None:
-        context = mp.get_context("spawn")
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        self.conns, self.processes = [], []
-        for rank in range(1, size):
-            conn, child = context.Pipe()
-            process = context.Process(target=_follower, args=(store, rank, size, child), daemon=True)
-            process.start()
-            self.conns.append(conn)
-            self.processes.append(process)
-        self.group = make_group(store, 0, size, timeout_s=60)
-        self.tp = TensorParallel(0, size, group=self.group)
-
-    def run(self, function, *args) -> list[dict[str, float]]:
-        """`function(tp, *args)` on every rank; their results in rank order."""
-        for conn in self.conns:
-            conn.send((function, args))
-        with torch.no_grad():
-            results = [function(self.tp, *args)]
-        for rank, conn in enumerate(self.conns, start=1):
-            if not conn.poll(120):
-                raise TimeoutError(f"rank {rank} did not answer")
-            results.append(conn.recv())
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
-        return results
-
-    def close(self) -> None:
-        """Stop the spawned ranks and release the group."""
-        for conn in self.conns:
-            conn.send(None)
-        for process in self.processes:
-            process.join(timeout=30)
-        self.group.close()
+    return {name: difference(e, g) for name, e, g in zip(("prefill", "decode"), expected, got)}
 
 
 @pytest.fixture(scope="module")
@@ -305,12 +244,6 @@ def ranks():
     pair = Ranks(2)
     yield pair
     pair.close()
-
-
-def _assert_close(results: list[dict[str, float]], tolerance: float) -> None:
-    for rank, errors in enumerate(results):
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= tolerance, f"rank {rank}: {worst} differs by {errors[worst]:.2e} ({errors})"
 
 
 NATIVE = "native" if native.available() else "torch"
@@ -330,18 +263,18 @@ RECURRENT_CASES = {
 
 @pytest.mark.parametrize("case", list(RECURRENT_CASES))
 def test_recurrent_layer_matches_unsplit(ranks: Ranks, case: str) -> None:
-    _assert_close(ranks.run(recurrent_case, *RECURRENT_CASES[case]), LAYER_TOLERANCE)
+    assert_close(ranks.run(recurrent_case, *RECURRENT_CASES[case]), LAYER_TOLERANCE)
 
 
 @pytest.mark.parametrize("gated, use_native", [(True, False), (False, False), (True, True)])
 def test_mlp_matches_unsplit(ranks: Ranks, gated: bool, use_native: bool) -> None:
-    _assert_close(ranks.run(mlp_case, gated, use_native and native.available()), LAYER_TOLERANCE)
+    assert_close(ranks.run(mlp_case, gated, use_native and native.available()), LAYER_TOLERANCE)
 
 
 def test_vocabulary_parallel_embedding_and_head(ranks: Ranks) -> None:
     results = ranks.run(vocabulary_case)
     assert all(r["embed"] == 0.0 and r["pad rows"] == 0.0 and r["logits shape"] == 0.0 for r in results)
-    _assert_close(results, LAYER_TOLERANCE)
+    assert_close(results, LAYER_TOLERANCE)
 
 
 MODELS = {
@@ -362,7 +295,7 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_whole_model_logits_match_unsplit(ranks: Ranks, name: str) -> None:
-    _assert_close(ranks.run(model_case, *MODELS[name]), MODEL_TOLERANCE)
+    assert_close(ranks.run(model_case, *MODELS[name]), MODEL_TOLERANCE)
 
 
 def test_spanning_norm_keeps_the_fused_kernels_off() -> None:
@@ -379,9 +312,9 @@ def test_four_ranks_replicated_groups_and_ordered_sums() -> None:
     group; ordered all-reduces over four parts) and a whole model."""
     four = Ranks(4)
     try:
-        _assert_close(four.run(recurrent_case, MAMBA, {"num_groups": 2, "num_heads": 8}, "torch"), LAYER_TOLERANCE)
+        assert_close(four.run(recurrent_case, MAMBA, {"num_groups": 2, "num_heads": 8}, "torch"), LAYER_TOLERANCE)
         kinds, changes = MODELS["mamba2 spanning + relu² MLP, tied, multipliers"]
         wider = {"num_groups": 2, "num_heads": 8, "feed_forward": FeedForwardConfig(12, gated=False, bias=True)}
-        _assert_close(four.run(model_case, kinds, changes | wider), MODEL_TOLERANCE)
+        assert_close(four.run(model_case, kinds, changes | wider), MODEL_TOLERANCE)
     finally:
         four.close()

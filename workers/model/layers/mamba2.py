@@ -63,7 +63,23 @@ class Mamba2Mixer(nn.Module):
             self.norm = SiluGate()
         out_bias = m.proj_bias if m.out_proj_bias is None else m.out_proj_bias
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=out_bias)
-        self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile", "native" or "triton" (set at load)
+        self.decode_kernel = "torch"
+
+    @property
+    def decode_kernel(self) -> str:
+        """How one-token steps run: "torch", "compile", "native" or "triton" (set at load)."""
+        return self._decode_kernel
+
+    @decode_kernel.setter
+    def decode_kernel(self, kernel: str) -> None:
+        # The fused kernels norm rmsnorm(y · silu(z)) over groups on this rank: refuse them where that is not the
+        # mixer's norm (another variant, or a norm spanning ranks) rather than compute something else.
+        if kernel in ("native", "triton") and not self.config.fused_kernels_fit:
+            raise ValueError(
+                f"decode_kernel={kernel!r} cannot compute this Mamba2 mixer's norm (rms_norm={self.config.rms_norm}, "
+                f"norm_before_gate={self.config.norm_before_gate}, norm_span={self.config.norm_span}); use 'torch'"
+            )
+        self._decode_kernel = kernel
 
     def shard_rules(self) -> dict[str, ShardRule]:
         """How each parameter of this rank is cut from the unsplit mixer's (the layout in the module docstring)."""

@@ -83,30 +83,7 @@ class Mamba2Mixer(nn.Module):
 
     def shard_rules(self) -> dict[str, ShardRule]:
         """How each parameter of this rank is cut from the unsplit mixer's (the layout in the module docstring)."""
-        m, tp = self.config, self.tp
-        heads, width, n = m.num_heads, m.intermediate_size, m.state_size  # this rank's h_l, I_l
-        full_width = width * tp.size
-        num_groups = m.num_groups * tp.size if m.norm_span == 1 else tp.size // m.norm_span  # global g
-        first_group, local_groups = mamba_groups(num_groups, tp)
-        mine = (tp.rank * width, width)
-        x_rows = (full_width + tp.rank * width, width)
-        b_rows = (2 * full_width + first_group * n, local_groups * n)
-        c_rows = (b_rows[0] + num_groups * n, local_groups * n)
-        dt_rows = (2 * full_width + 2 * num_groups * n + tp.rank * heads, heads)
-        projection = rows(mine, x_rows, b_rows, c_rows, dt_rows)
-        conv = rows(mine, (full_width + first_group * n, local_groups * n), (c_rows[0] - full_width, c_rows[1]))
-        by_head = rows((tp.rank * heads, heads))
-        rules = {"in_proj.weight": projection, "conv1d.weight": conv, "out_proj.weight": columns(mine)}
-        rules.update({"dt_bias": by_head, "A_log": by_head, "D": by_head})
-        if self.in_proj.bias is not None:
-            rules["in_proj.bias"] = projection
-        if self.conv1d.bias is not None:
-            rules["conv1d.bias"] = conv
-        if self.out_proj.bias is not None:
-            rules["out_proj.bias"] = ShardRule(rank0_only=True)
-        if isinstance(self.norm, (GatedRMSNorm, SpanningGatedRMSNorm)):
-            rules["norm.weight"] = rows(mine)
-        return rules
+        return mamba2_shard_rules(self)
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
@@ -299,3 +276,33 @@ class Mamba2Mixer(nn.Module):
         return MambaState(
             conv_window_after(state.conv, scan.conv_in, num_tokens), ssm_state_after(scan.x, dt, A, scan.B, state.ssm)
         )
+
+
+def mamba2_shard_rules(mixer: Mamba2Mixer) -> dict[str, ShardRule]:
+    """The cuts of a rank's Mamba2 parameters from the full ones: in_proj rows [z_r | x_r | B_r | C_r | dt_r], conv
+    channels [x_r | B_r | C_r], A_log / D / dt_bias by head, the norm by channel, out_proj's input columns (its bias
+    on rank 0 only). The global sizes follow from the local config and the group size."""
+    m, tp = mixer.config, mixer.tp
+    heads, width, n = m.num_heads, m.intermediate_size, m.state_size  # this rank's h_l, I_l
+    full_width = width * tp.size
+    num_groups = m.num_groups * tp.size if m.norm_span == 1 else tp.size // m.norm_span  # global g
+    first_group, local_groups = mamba_groups(num_groups, tp)
+    mine = (tp.rank * width, width)
+    x_rows = (full_width + tp.rank * width, width)
+    b_rows = (2 * full_width + first_group * n, local_groups * n)
+    c_rows = (b_rows[0] + num_groups * n, local_groups * n)
+    dt_rows = (2 * full_width + 2 * num_groups * n + tp.rank * heads, heads)
+    projection = rows(mine, x_rows, b_rows, c_rows, dt_rows)
+    conv = rows(mine, (full_width + first_group * n, local_groups * n), (c_rows[0] - full_width, c_rows[1]))
+    by_head = rows((tp.rank * heads, heads))
+    rules = {"in_proj.weight": projection, "conv1d.weight": conv, "out_proj.weight": columns(mine)}
+    rules.update({"dt_bias": by_head, "A_log": by_head, "D": by_head})
+    if mixer.in_proj.bias is not None:
+        rules["in_proj.bias"] = projection
+    if mixer.conv1d.bias is not None:
+        rules["conv1d.bias"] = conv
+    if mixer.out_proj.bias is not None:
+        rules["out_proj.bias"] = ShardRule(rank0_only=True)
+    if isinstance(mixer.norm, (GatedRMSNorm, SpanningGatedRMSNorm)):
+        rules["norm.weight"] = rows(mine)
+    return rules

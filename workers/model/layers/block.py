@@ -22,6 +22,7 @@ from workers.model.checkpoint.config import (
     AttentionConfig,
     HybridConfig,
 )
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
 from workers.model.layers.attention import Attention
 from workers.model.layers.feed_forward import MLP as DenseMLP
 from workers.model.layers.gdn import GatedDeltaNetMixer
@@ -40,10 +41,16 @@ class Block(nn.Module):
     """x + residual_multiplier · mixer(norm(x)), the mixer being Mamba2, Gated DeltaNet, attention, an MLP or a MoE."""
 
     def __init__(
-        self, config: HybridConfig, kind: str, post_norm: bool = False, attention: AttentionConfig | None = None
+        self,
+        config: HybridConfig,
+        kind: str,
+        post_norm: bool = False,
+        attention: AttentionConfig | None = None,
+        tp: TensorParallel = SINGLE_TP,
     ):
         """`post_norm`: the norm follows the mixer instead of preceding it (OLMo). `attention`: this block's attention
-        config where it differs from the model's (LFM3's layer types)."""
+        config where it differs from the model's (LFM3's layer types). `config` is the rank's local config and `tp`
+        its place in the tensor-parallel group: the mixer returns a partial sum that the model all-reduces."""
         super().__init__()
         self.kind = kind
         self.norm: nn.Module = PassThroughNorm() if post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -52,11 +59,11 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if with_post_norm else None
         ff = config.feed_forward
         if kind == MAMBA:
-            self.mixer: nn.Module = Mamba2Mixer(config)
+            self.mixer: nn.Module = Mamba2Mixer(config, tp=tp)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config)
         elif kind == MAMBA1:
-            self.mixer = Mamba1Mixer(config)
+            self.mixer = Mamba1Mixer(config, tp=tp)
         elif kind == KDA:
             self.mixer = KimiDeltaAttentionMixer(config)
         elif kind == ATTENTION and config.mla is not None:
@@ -64,11 +71,11 @@ class Block(nn.Module):
         elif kind == ATTENTION:
             self.mixer = Attention(config, attention)
         elif kind == SHORT_CONV:
-            self.mixer = ShortConvMixer(config)
+            self.mixer = ShortConvMixer(config, tp=tp)
         elif kind == PARALLEL:
-            self.mixer = ParallelMixer(config)
+            self.mixer = ParallelMixer(config, tp=tp)
         elif kind == MLP:
-            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias)
+            self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias, tp=tp)
         elif kind == SHARED_ATTENTION:  # a use of a Zamba2 shared block; it normalises its own input
             self.norm = PassThroughNorm()
             self.mixer = SharedBlockUse(config)

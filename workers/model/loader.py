@@ -1,11 +1,13 @@
-"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code."""
+"""Load a hybrid checkpoint: a local HF model directory or a hub repo id, safetensors only, no remote code; the whole
+model, or one tensor-parallel rank's share of it (`load_checkpoint(..., tp=...)`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,27 +15,24 @@ import torch
 
 from workers.model.checkpoint.config import HybridConfig
 from workers.model.checkpoint.families import MTP_MODEL_TYPES
-from workers.model.checkpoint.tensors import CheckpointTensors, fp8_block_size, without_scales
-from workers.model.checkpoint.weights import Source, checkpoint_sources, is_ignored, mtp_head_keys
-from workers.model.kernels import heap, native, triton_kernels
-from workers.model.layers import fp8_linear
-from workers.model.layers.attention import Attention
-from workers.model.layers.feed_forward import MLP
-from workers.model.layers.gdn import GatedDeltaNetMixer
+from workers.model.checkpoint.tensors import CheckpointTensors, fp8_block_size
+from workers.model.checkpoint.weights import mtp_head_keys
+from workers.model.decode_kernel import DECODE_KERNELS as DECODE_KERNELS
+from workers.model.decode_kernel import prepare_decode_kernel
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel, check_divisible
+from workers.model.distributed.slices import qualified_rules
+from workers.model.fp8_shards import Fp8Shards
+from workers.model.kernels import heap, native
+from workers.model.layers import fp8_experts, fp8_linear
+from workers.model.layers.fp8_linear import Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
-from workers.model.layers.kda import KimiDeltaAttentionMixer
 from workers.model.layers.linear import check_quantization, prepare_linears
-from workers.model.layers.mamba1 import Mamba1Mixer
-from workers.model.layers.mamba2 import Mamba2Mixer
-from workers.model.layers.mla import MultiHeadLatentAttention
 from workers.model.layers.mtp import check_mtp_layout, mtp_pattern
 from workers.model.layers.norm import RMSNorm
-from workers.model.layers.shared_block import SharedBlockUse
-from workers.model.layers.short_conv import ShortConvMixer
+from workers.model.weight_fill import Sharding, load_weights, parameter_rules
+from workers.model.weight_fill import match_weights as match_weights
 
-# Mixers with Triton decode steps besides Mamba2 and Gated DeltaNet (`decode_kernel` "triton" selects them).
-TRITON_STEP_MIXERS = (Mamba1Mixer, KimiDeltaAttentionMixer, ShortConvMixer)
-DECODE_KERNELS = ("auto", "torch", "compile", "native", "triton")
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Parameters kept in float32 whatever the weight dtype (tiny, and precision-critical in the SSM).
 FLOAT32_SUFFIXES = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
@@ -45,14 +44,38 @@ QUANTIZED_HEADS = ("int8", "w8a8")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
+@dataclass(frozen=True)
+class LoadSummary:
+    """What one rank's load read and kept: checkpoint bytes read, bytes held in FP8 (weights and scales), and the
+    FP8 weights dequantized because the rank's cut of them is off the 128 × 128 blocks."""
+
+    rank: int = 0
+    size: int = 1
+    bytes_read: int = 0
+    fp8_kept_bytes: int = 0
+    fp8_dequantized: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """One log line."""
+        text = f"rank {self.rank}/{self.size} read {self.bytes_read / 1e6:.1f} MB of checkpoint data"
+        if self.fp8_kept_bytes or self.fp8_dequantized:
+            text += f"; {self.fp8_kept_bytes / 1e6:.1f} MB kept in FP8"
+        if self.fp8_dequantized:
+            names = ", ".join(self.fp8_dequantized[:3]) + (", …" if len(self.fp8_dequantized) > 3 else "")
+            text += f"; {len(self.fp8_dequantized)} FP8 weights dequantized (cut off the 128-blocks: {names})"
+        return text
+
+
 @dataclass
 class LoadedCheckpoint:
-    """A model with its weights, the directory it came from, and its raw generation config."""
+    """A model with its weights, the directory it came from, its raw generation config, and what the load read.
+    `config` is the checkpoint's (the whole model's); a rank's model holds its share (`model.config` after S2)."""
 
     model: HybridModel
     config: HybridConfig
     directory: Path
     generation_config: dict[str, Any]
+    summary: LoadSummary = LoadSummary()
 
 
 def resolve_model_dir(path_or_repo: str, revision: str | None = None) -> Path:
@@ -106,7 +129,7 @@ def resolve_weight_format(
     return dtype, quantization
 
 
-def _open_shards(directory: Path, fp8_block: tuple[int, int] | None = None) -> CheckpointTensors:
+def open_tensors(directory: Path, fp8_block: tuple[int, int] | None = None) -> CheckpointTensors:
     """The checkpoint's tensors (read on demand, FP8 weights dequantized with blocks of `fp8_block`)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -120,162 +143,6 @@ def _open_shards(directory: Path, fp8_block: tuple[int, int] | None = None) -> C
             "hybridgen loads safetensors weights only"
         )
     return CheckpointTensors([directory / name for name in files], fp8_block)
-
-
-def _pick(sources: list[Source], available: dict[str, Any]) -> Source | None:
-    return next((s for s in sources if all(k in available for k in s.keys)), None)
-
-
-def _read(source: Source, tensors_in: CheckpointTensors) -> torch.Tensor:
-    tensors = [tensors_in.read(key) for key in source.keys]
-    if source.transform is not None:
-        return source.transform(tensors)
-    if source.combine == "cat":
-        return torch.cat(tensors, dim=0)
-    if source.combine == "stack":
-        return torch.stack(tensors, dim=0)
-    return tensors[0]
-
-
-def match_weights(
-    model: HybridModel, shapes: dict[str, tuple[int, ...]], preloaded: Collection[str] = ()
-) -> dict[str, Source]:
-    """Parameter name → where it comes from, given the checkpoint's key → shape (its safetensors headers); the keys
-    `preloaded` are read otherwise (FP8 kept: `layers/fp8_linear.py`).
-
-    One `ValueError` listing every missing, extra or mis-shaped key; reads no tensor data.
-    """
-    config = model.config
-    shapes = without_scales(shapes)  # an FP8 weight's block scales are read with it
-    sources = checkpoint_sources(config, set(shapes))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if config.tie_word_embeddings:
-        params.pop("lm_head.weight")
-    problems, used = [], set(preloaded)
-    plan = {}
-    for name, param in params.items():
-        options = sources.get(name, [])
-        source = _pick(options, shapes)
-        if source is None:  # name what is missing from the layout the checkpoint comes closest to
-            closest = max(options, key=lambda s: sum(k in shapes for k in s.keys), default=None)
-            wanted = [k for k in closest.keys if k not in shapes][:2] if closest else []
-            problems.append(f"missing weight {wanted or name} for parameter {name!r} of shape {tuple(param.shape)}")
-            continue
-        used.update(source.keys)
-        plan[name] = source
-    if config.tie_word_embeddings:
-        used.add("lm_head.weight")  # a tied checkpoint may still carry a copy
-    for key in sorted(set(shapes) - used):
-        if not is_ignored(key):
-            problems.append(f"unexpected weight {key!r} with shape {tuple(shapes[key])} in the checkpoint")
-    for name, source in plan.items():
-        plain = source.combine == "one" and source.transform is None
-        expected = source.shapes or ((tuple(params[name].shape),) if plain else ())
-        for key, shape in zip(source.keys, expected):
-            found = tuple(shapes[key])
-            if found != tuple(shape):
-                problems.append(f"weight {key!r} has shape {found} in the checkpoint, model expects {tuple(shape)}")
-        if source.cat_shape is not None:
-            found = [tuple(shapes[key]) for key in source.keys]
-            joined = (sum(shape[0] for shape in found), *found[0][1:]) if found else ()
-            if any(shape[1:] != found[0][1:] for shape in found) or joined != tuple(source.cat_shape):
-                problems.append(
-                    f"weights {list(source.keys)} have shapes {found} in the checkpoint; concatenated "
-                    f"they must give {tuple(source.cat_shape)}"
-                )
-    if problems:
-        shown = "\n  ".join(problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise ValueError(f"checkpoint does not match the {config.model_type} architecture:\n  {shown}")
-    return plan
-
-
-def load_weights(
-    model: HybridModel,
-    tensors: CheckpointTensors,
-    prepare: Callable[[torch.nn.Module], Any] | None = None,
-    preloaded: Collection[str] = (),
-) -> None:
-    """Fill every parameter from the checkpoint; one `ValueError` listing every missing, extra or mis-shaped key.
-
-    `prepare(block)` is called on each block as soon as its parameters are filled (the loader packs or quantizes
-    its linears there), so that the checkpoint's layout of one block at a time, not of the whole model, is held
-    beside the packed weights."""
-    plan = match_weights(model, dict(tensors.shapes), preloaded)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    blocks: dict[str, list[str]] = {}  # block prefix → its parameters, in plan order
-    for name in plan:
-        if name.startswith("blocks."):
-            blocks.setdefault(_block_of(name), []).append(name)
-    with torch.no_grad():
-        for name, source in plan.items():
-            plain = source.combine == "one" and source.transform is None
-            if not (plain and tensors.read_into(source.keys[0], params[name].data)):  # else read, then copied
-                tensor = _read(source, tensors)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(
-                        f"weight {source.keys} has combined shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
-                    )
-                params[name].copy_(tensor)
-                del tensor
-            block = _block_of(name)
-            if prepare is not None and block in blocks and name == blocks[block][-1]:
-                for done in blocks[block]:  # no reference left to the weights `prepare` replaces
-                    params.pop(done)
-                prepare(model.get_submodule(block))
-
-
-def _block_of(name: str) -> str:
-    """'blocks.3' for 'blocks.3.mixer.in_proj.weight'."""
-    return ".".join(name.split(".")[:2])
-
-
-def prepare_decode_kernel(model: torch.nn.Module, kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose how `model` runs its decode steps (Mamba2, Mamba1 and Gated DeltaNet mixers, attention, norms, MLPs); returns
-    the choice made.
-
-    "torch": the reference PyTorch path. "compile": the SSM update fused by `torch.compile` (any device; compiles
-    at first use). "native": the C kernels of `workers/model/kernels/csrc` (CPU, float32; built at first use) for the
-    Mamba2, Gated DeltaNet and Kimi Delta Attention steps (KDA prompts too), the attention and latent attention
-    decode steps and the per-token elementwise work around them (RMSNorm fused with the residual add, the MLP's
-    silu(gate) · up, Zamba2's gelu(gate) · up). "triton": the fused Triton kernels of
-    `workers/model/kernels/triton_kernels` for the Mamba2, Gated DeltaNet, Mamba1, Kimi Delta Attention and short conv
-    decode steps and their state shifts after verification (CUDA; CPU only under TRITON_INTERPRET=1). "auto": native
-    where it applies and builds, triton on CUDA where triton imports, else torch.
-    """
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel={kernel!r} is invalid: must be one of {', '.join(DECODE_KERNELS)}")
-    device = torch.device(device)
-    native_fits = device.type == "cpu" and dtype == torch.float32
-    if kernel == "native":
-        if not native_fits:
-            raise ValueError(f"decode_kernel='native' needs a CPU and float32 weights, not {device} / {dtype}")
-        native.load()  # raises NativeKernelError with the compiler's message
-    if kernel == "triton" and not triton_kernels.available(device):
-        raise ValueError(f"decode_kernel='triton' cannot run here: {triton_kernels.unavailable_reason(device)}")
-    if kernel == "auto":
-        if native_fits and native.available():
-            kernel = "native"
-        elif device.type == "cuda" and triton_kernels.available(device):
-            kernel = "triton"
-        else:
-            kernel = "torch"
-    for module in model.modules():
-        if isinstance(module, Mamba2Mixer):
-            fused = kernel in ("native", "triton")  # their fused gated norm is rmsnorm(y · silu(z)) only
-            module.decode_kernel = "torch" if fused and not module.config.fused_kernels_fit else kernel
-        elif isinstance(module, GatedDeltaNetMixer):
-            module.decode_kernel = kernel if kernel in ("native", "triton") else "torch"  # no compiled GDN step
-        elif isinstance(module, KimiDeltaAttentionMixer):  # native (C, CPU float32), triton (below) or torch
-            module.decode_kernel = "native" if kernel == "native" else "torch"
-        elif isinstance(module, Mamba1Mixer):  # native (C, CPU float32), triton (below) or the torch reference
-            module.decode_kernel = "native" if kernel == "native" else "torch"
-        elif isinstance(module, ShortConvMixer):
-            module.decode_kernel = "native" if kernel == "native" else "torch"  # "triton": set below
-        elif isinstance(module, (RMSNorm, MLP, Attention, SharedBlockUse, MultiHeadLatentAttention)):
-            module.native = kernel == "native"  # the per-token elementwise work goes native along with it
-        if kernel == "triton" and isinstance(module, TRITON_STEP_MIXERS):
-            module.decode_kernel = "triton"  # their one-token steps and state shifts (kernels/triton_kernels)
-    return kernel
 
 
 def check_mtp_head(config: HybridConfig, keys: Any, directory: Path | str) -> None:
@@ -307,12 +174,13 @@ def empty_model(
     dtype: torch.dtype,
     device: str | torch.device,
     on_meta: Callable[[HybridModel], Any] | None = None,
+    tp: TensorParallel = SINGLE_TP,
 ) -> HybridModel:
     """The model's modules on `device` with uninitialised weights in `dtype` (the weights that stay float32 in
     float32), the LM head tied to the embeddings where the config says so; `on_meta(model)` changes the modules
-    before any memory is allocated (FP8 kept linears)."""
+    before any memory is allocated (FP8 kept linears). `tp`: rank `tp.rank`'s share of the model."""
     with torch.device("meta"):
-        model = HybridModel(config, mtp=mtp)
+        model = build_model(config, mtp, tp)
     if on_meta is not None:
         on_meta(model)
     model = model.to(dtype).to_empty(device=device)
@@ -328,6 +196,47 @@ def empty_model(
     return model
 
 
+def build_model(config: HybridConfig, mtp: bool, tp: TensorParallel = SINGLE_TP) -> HybridModel:
+    """`HybridModel` of the global `config`, rank `tp.rank`'s share of it when `tp` splits it (on the current
+    device: the loader builds it on meta)."""
+    if not tp.parallel:  # the one-rank model, built as before tensor parallelism
+        return HybridModel(config, mtp=mtp)
+    return HybridModel(config, mtp=mtp, tp=tp)
+
+
+@dataclass
+class Fp8Kept:
+    """With quantization "fp8": the weights that stay FP8 — linears (`Fp8Shards`, cut along the 128-blocks for this
+    rank) and MoE experts (`layers/fp8_experts.py`) — chosen on the meta model and filled once it is on its device."""
+
+    shards: Fp8Shards
+    handles: CheckpointTensors
+    reference: HybridModel | None  # the whole model on meta when this rank holds a share (the checkpoint's shapes)
+    tp: TensorParallel
+    directory: Path
+    expert_keys: set[str] = field(default_factory=set)  # the checkpoint keys of the experts kept in FP8
+
+    def keep_on_meta(self, meta_model: HybridModel) -> None:
+        """Swap the kept linears and experts of `meta_model` (nothing allocated yet) for their FP8 forms."""
+        handles = self.handles
+        plan = match_weights(meta_model if self.reference is None else self.reference, dict(handles.shapes))
+        kept = fp8_linear.fp8_kept_sources(plan, handles)
+        experts = fp8_experts.keep_fp8_experts(meta_model, plan, handles)  # `MoE.fp8_experts`, cut for this rank
+        self.expert_keys.update(key for keys in experts.values() for key in keys)
+        fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept) + len(experts), self.directory)
+        self.shards.choose(kept, qualified_rules(meta_model) if self.tp.parallel else {})
+        fp8_linear.keep_fp8_linears(meta_model, self.shards.kept, self.shards)
+
+    def fill(self, model: HybridModel) -> None:
+        """Read the kept weights' bytes and scales into `model` (on its device)."""
+        fp8_linear.fill_fp8_linears(model, self.shards.kept, self.shards)
+        fp8_experts.fill_fp8_experts(model, self.handles)  # and logs the bytes kept in FP8 (if any)
+
+    def checkpoint_keys(self) -> set[str]:
+        """The checkpoint keys read as kept FP8 weights, which the generic load skips."""
+        return self.shards.checkpoint_keys() | self.expert_keys
+
+
 def load_checkpoint(
     path_or_repo: str,
     device: str | torch.device = "cpu",
@@ -337,6 +246,7 @@ def load_checkpoint(
     mtp: bool = False,
     revision: str | None = None,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE_TP,
 ) -> LoadedCheckpoint:
     """Read config.json, build the model on `device` in `dtype` and load its safetensors weights.
 
@@ -351,33 +261,33 @@ def load_checkpoint(
     dtype="bfloat16" on CPU: bfloat16 linear weights, float32 elsewhere (`resolve_weight_format`). Block-wise
     FP8 checkpoints load dequantized (`tensors.py`), or with `quantization="fp8"` (vLLM's name; any device and
     dtype; 128 × 128 blocks) their linears stored as one FP8 tensor stay FP8 (`layers/fp8_linear.py`): one byte
-    per weight, the GEMM dequantizing per tile on CUDA; MoE experts and projections fused off 128-row blocks load
-    dequantized.
+    per weight, the GEMM dequantizing per tile on CUDA; so do MoE experts (`layers/fp8_experts.py`);
+    projections fused off 128-row blocks load dequantized.
+    `tp`: load rank `tp.rank`'s share of a model split over `tp.size` ranks: the layers' `shard_rules` say which
+    rows and columns each parameter keeps, the checkpoint is checked against the whole model, and this rank reads
+    only its rows where the layout allows (`shard_reads.py`; every rank reads the files itself). A kept FP8
+    weight whose share is off the 128 × 128 blocks loads dequantized (`fp8_shards.py`); `summary` says so.
     """
     directory = resolve_model_dir(path_or_repo, revision)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"no config.json in {directory}")
-    raw_config = json.loads(config_path.read_text())
+    raw_config = _read_json(directory, "config.json", required=True)
     config = HybridConfig.from_hf_dict(raw_config)
+    check_divisible(config, tp.size, tp.expert_parallel)
     keep_fp8 = quantization == fp8_linear.KEEP_FP8
     quantization = None if keep_fp8 else quantization
     torch_dtype, weight_format = resolve_weight_format(
         resolve_dtype(dtype, config, device), quantization, device, linear_backend
     )
     check_quantization(quantization, device, torch_dtype)
-    handles = _open_shards(directory, fp8_block_size(raw_config))
+    handles = open_tensors(directory, fp8_block_size(raw_config))
     if mtp:
         check_mtp_head(config, handles, directory)
-    kept: dict[str, tuple[str, ...]] = {}  # parameter → its FP8 checkpoint keys, with quantization "fp8"
-
-    def keep_fp8_on_meta(meta_model: HybridModel) -> None:
-        kept.update(fp8_linear.fp8_kept_sources(match_weights(meta_model, dict(handles.shapes)), handles))
-        fp8_linear.check_fp8_checkpoint(handles.fp8_block, len(kept), directory)
-        fp8_linear.keep_fp8_linears(meta_model, kept, handles)
-
-    model = empty_model(config, mtp, torch_dtype, device, keep_fp8_on_meta if keep_fp8 else None)
-    fp8_linear.fill_fp8_linears(model, kept, handles)
+    reference = None  # the whole model on meta, which the checkpoint must match, when this rank holds a share
+    if tp.parallel:
+        with torch.device("meta"):
+            reference = build_model(config, mtp)
+    fp8 = Fp8Kept(Fp8Shards(handles, tp.rank), handles, reference, tp, directory)
+    model = empty_model(config, mtp, torch_dtype, device, fp8.keep_on_meta if keep_fp8 else None, tp)
+    fp8.fill(model)
     device = torch.device(device)
     replaced: dict = {}  # shared Linears (Zamba2) are replaced once across the blocks
 
@@ -386,12 +296,29 @@ def load_checkpoint(
         heap.return_freed_memory()
         return backend
 
-    load_weights(model, handles, prepare, {key for keys in kept.values() for key in keys})
+    sharding = None if reference is None else Sharding(reference, parameter_rules(model), tp.rank)
+    load_weights(model, handles, prepare, fp8.checkpoint_keys(), sharding)
     head_format = weight_format if weight_format == "bfloat16" or weight_format in QUANTIZED_HEADS else None
     prepare(model, head_format)  # the LM head (and an MTP head's linears): bfloat16, int8 and w8a8 too; its experts
     # take the blocks' format
     prepare_decode_kernel(model, decode_kernel, torch.device(device), torch_dtype)
     model.eval().requires_grad_(False)
-    generation_path = directory / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
-    return LoadedCheckpoint(model, config, directory, generation)
+    summary = _summary(tp, handles, model, fp8.shards)
+    logger.info("loaded %s: %s", directory.name, summary.line())
+    return LoadedCheckpoint(model, config, directory, _read_json(directory, "generation_config.json"), summary)
+
+
+def _read_json(directory: Path, name: str, required: bool = False) -> dict[str, Any]:
+    """`directory / name` parsed; {} when it is absent, `FileNotFoundError` when it is `required`."""
+    path = directory / name
+    if not path.exists():
+        if required:
+            raise FileNotFoundError(f"no {name} in {directory}")
+        return {}
+    return json.loads(path.read_text())
+
+
+def _summary(tp: TensorParallel, tensors: CheckpointTensors, model: HybridModel, fp8: Fp8Shards) -> LoadSummary:
+    kept = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
+    kept_bytes = sum(t.numel() * t.element_size() for m in kept for t in (m.weight, m.scale_inv))
+    return LoadSummary(tp.rank, tp.size, tensors.bytes_read, kept_bytes, tuple(fp8.dequantized))

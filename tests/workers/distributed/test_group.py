@@ -20,7 +20,9 @@ def _collectives(rank: int, store: str, size: int, queue) -> None:
     alone = group.all_reduce_(batch[2:3].clone())  # one row alone: the same bits as inside the batch
     gathered = group.all_gather(torch.full((2, 3), float(rank)), dim=-1)
     low = group.all_reduce_min([10 + rank, 20 - rank])
-    queue.put((rank, summed, alone, gathered, low, group.stats.calls))
+    # Plain lists: a tensor on the queue shares memory through a descriptor this process may close before the
+    # parent reads it.
+    queue.put((rank, summed.tolist(), alone.tolist(), gathered.tolist(), low, group.stats.calls))
     group.barrier()
     group.close()
 
@@ -55,10 +57,10 @@ def test_ordered_all_reduce_all_gather_and_min() -> None:
     items = sorted(run_ranks(_collectives, 3), key=lambda item: item[0])
     expected = sum(torch.manual_seed(rank) and torch.randn(5, 33) for rank in range(3))
     for _rank, summed, alone, gathered, low, calls in items:
-        assert torch.equal(summed, items[0][1]), "every rank holds the same bits"
-        assert torch.allclose(summed, expected, atol=1e-6)
-        assert torch.equal(alone[0], summed[2]), "a row's sum does not depend on its batch"
-        assert gathered.tolist() == [[0.0] * 3 + [1.0] * 3 + [2.0] * 3] * 2
+        assert summed == items[0][1], "every rank holds the same bits"
+        assert torch.allclose(torch.tensor(summed), expected, atol=1e-6)
+        assert alone[0] == summed[2], "a row's sum does not depend on its batch"
+        assert gathered == [[0.0] * 3 + [1.0] * 3 + [2.0] * 3] * 2
         assert low == [10, 18] and calls == 4
 
 

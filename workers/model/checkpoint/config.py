@@ -54,8 +54,9 @@ class MambaConfig:
 
     @property
     def fused_kernels_fit(self) -> bool:
-        """Whether the native and Triton Mamba2 kernels compute this mixer (they fuse rmsnorm(y · silu(z)))."""
-        return self.rms_norm and not self.norm_before_gate
+        """Whether the native and Triton Mamba2 kernels compute this mixer (they fuse rmsnorm(y · silu(z)) over
+        norm groups that lie on one rank, so not a norm spanning tensor-parallel ranks)."""
+        return self.rms_norm and not self.norm_before_gate and self.norm_span == 1
 
     @property
     def intermediate_size(self) -> int:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,8 @@ class CheckpointTensors:
     """The tensors of a checkpoint's safetensors files, read on demand (no memory mapping).
 
     `shapes` maps every key a model may ask for to its shape (FP8 scales left out); `read(key)` returns a new CPU
-    tensor, FP8 weights dequantized to float32 with their block scales.
+    tensor, FP8 weights dequantized to float32 with their block scales; `read_rows(key, pieces)` only some rows of
+    dim 0 (a tensor-parallel rank's share), reading only their bytes. `bytes_read` counts the bytes read so far.
     """
 
     def __init__(self, files: list[Path], fp8_block: tuple[int, int] | None = None):
@@ -108,6 +110,7 @@ class CheckpointTensors:
             self._entries.update(_read_header(path))
         self.fp8_block = fp8_block
         self.shapes = without_scales({key: entry.shape for key, entry in self._entries.items()})
+        self.bytes_read = 0
 
     def keys(self) -> list[str]:
         """Every tensor a model may read (FP8 scales left out)."""
@@ -130,6 +133,58 @@ class CheckpointTensors:
             return self._dequantize(key, tensor, self._raw(self._entries[scale_key]))
         return tensor
 
+    def read_dtype(self, key: str) -> torch.dtype:
+        """The dtype `read(key)` returns (float32 for an FP8 weight, else the stored one); reads nothing."""
+        return torch.float32 if self._entries[key].dtype in FP8_DTYPES else self._entries[key].dtype
+
+    def read_rows(
+        self, key: str, pieces: Sequence[tuple[int, int]], out: torch.Tensor | None = None, flat: int = 1
+    ) -> torch.Tensor:
+        """The rows `(start, length)` of `key`'s dim 0, concatenated in order, reading only their bytes (a row of an
+        `[out, in]` weight, or an expert of an `[E, …]` stack, is contiguous); an FP8 weight's rows dequantized
+        with their scale rows, to exactly the values `read(key)` gives them. `flat`: how many leading dims count
+        as one (2: the rows of every expert of `[E, R, W]` as `[E·R, W]`). `out`: a contiguous CPU tensor of the
+        result's shape and stored dtype to read into (used where it fits; the result is returned either way)."""
+        entry = self._entries[key]
+        shape = (sum(length for _, length in pieces), *entry.shape[flat:])
+        ranges = _row_ranges(entry, pieces, math.prod(entry.shape[:flat]))
+        if entry.dtype not in FP8_DTYPES:
+            fits = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
+            return self._raw(entry, out if fits and tuple(out.shape) == shape else None, ranges, shape)
+        weight = self._raw(entry, None, ranges, shape)
+        scale_entry = self._fp8_scale_entry(key)
+        rows, cols = self.fp8_block or DEFAULT_BLOCK
+        if weight.dim() != 2 or scale_entry.shape != _scale_shape(entry.shape, rows, cols):
+            self.read(key)  # raises the ValueError that names the mismatch
+        blocks = [(start // rows, -(-(start + length) // rows) - start // rows) for start, length in pieces]
+        scale_shape = (sum(n for _, n in blocks), scale_entry.shape[1])
+        scale = self._raw(scale_entry, None, _row_ranges(scale_entry, blocks, scale_entry.shape[0]), scale_shape)
+        parts, first = [], 0  # each piece's scale rows, one per weight row
+        for (start, length), (_, num_blocks) in zip(pieces, blocks):
+            block_rows = scale.narrow(0, first, num_blocks).float().repeat_interleave(rows, 0)
+            parts.append(block_rows.narrow(0, start % rows, length))
+            first += num_blocks
+        scale_rows = torch.cat(parts) if parts else scale.new_zeros((0, scale.shape[1]))
+        return weight.float().mul_(scale_rows.repeat_interleave(cols, 1)[:, : entry.shape[1]])
+
+    def read_fp8_rows(self, key: str, pieces: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The rows `(start, length)` of an FP8 weight as stored, e4m3 bytes as uint8, reading only their bytes."""
+        entry = self._entries[key]
+        if not self.is_fp8(key):
+            raise ValueError(f"weight {key!r} is not a block-wise FP8 weight (e4m3 with {key + SCALE_SUFFIX!r})")
+        shape = (sum(length for _, length in pieces), *entry.shape[1:])
+        return self._raw(entry, None, _row_ranges(entry, pieces, entry.shape[0]), shape).view(torch.uint8)
+
+    def read_scale(self, key: str) -> torch.Tensor:
+        """An FP8 weight's float32 `scale_inv` per block."""
+        return self._raw(self._fp8_scale_entry(key)).float()
+
+    def _fp8_scale_entry(self, key: str) -> _Entry:
+        scale_key = key + SCALE_SUFFIX
+        if scale_key not in self._entries:
+            raise ValueError(f"FP8 weight {key!r} has no {scale_key!r}: only block-wise FP8 checkpoints load")
+        return self._entries[scale_key]
+
     def is_fp8(self, key: str) -> bool:
         """Whether `key` is stored as a block-wise FP8 weight (e4m3 with a `<key>_scale_inv`)."""
         entry = self._entries.get(key)
@@ -151,16 +206,28 @@ class CheckpointTensors:
         self._raw(entry, out)
         return True
 
-    def _raw(self, entry: _Entry, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
+    def _raw(
+        self,
+        entry: _Entry,
+        out: torch.Tensor | None = None,
+        ranges: list[tuple[int, int]] | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """`entry`'s bytes in `ranges` (file offsets `(begin, end)`; all of them by default), one after the other,
+        as a tensor of `shape` (`entry.shape` by default), read into `out` when given."""
+        out = torch.empty(shape or entry.shape, dtype=entry.dtype) if out is None else out
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         with open(entry.path, "rb", buffering=0) as f:
-            done, total = 0, entry.end - entry.begin
-            while done < total:
-                n = os.preadv(f.fileno(), [buffer[done : min(total, done + READ_CHUNK)]], entry.begin + done)
-                if n <= 0:
-                    raise ValueError(f"{entry.path.name} ends before its tensor data does (truncated?)")
-                done += n
+            done = 0
+            for begin, end in ranges or [(entry.begin, entry.end)]:
+                position = begin
+                while position < end:
+                    chunk = buffer[done : done + min(end - position, READ_CHUNK)]
+                    n = os.preadv(f.fileno(), [chunk], position)
+                    if n <= 0:
+                        raise ValueError(f"{entry.path.name} ends before its tensor data does (truncated?)")
+                    done, position = done + n, position + n
+        self.bytes_read += done
         return out
 
     def _dequantize(self, key: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -169,7 +236,7 @@ class CheckpointTensors:
         if weight.dim() != 2:
             raise ValueError(f"FP8 weight {key!r} has shape {tuple(weight.shape)}; block scales need a matrix")
         out_features, in_features = weight.shape
-        expected = (-(-out_features // rows), -(-in_features // cols))
+        expected = _scale_shape(weight.shape, rows, cols)
         if tuple(scale.shape) != expected:
             raise ValueError(
                 f"{key}{SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected {expected} for a "
@@ -177,3 +244,21 @@ class CheckpointTensors:
             )
         full = scale.float().repeat_interleave(rows, 0)[:out_features].repeat_interleave(cols, 1)[:, :in_features]
         return weight.float().mul_(full)
+
+
+def _scale_shape(shape: Sequence[int], rows: int, cols: int) -> tuple[int, ...]:
+    """The block scales' shape of a weight of `shape` in `rows` × `cols` blocks (the last blocks cut at the edges)."""
+    return tuple(-(-n // b) for n, b in zip(shape, (rows, cols))) if len(shape) == 2 else ()
+
+
+def _row_ranges(entry: _Entry, pieces: Sequence[tuple[int, int]], num_rows: int) -> list[tuple[int, int]]:
+    """The file byte ranges of the rows `(start, length)` of `entry` seen as `num_rows` rows; `ValueError` for rows
+    it lacks."""
+    num_rows = num_rows if entry.shape else 0
+    row_bytes = (entry.end - entry.begin) // max(num_rows, 1)
+    ranges = []
+    for start, length in pieces:
+        if start < 0 or length < 0 or start + length > num_rows:
+            raise ValueError(f"rows {start}…{start + length} are outside the {num_rows} rows of a {entry.shape} tensor")
+        ranges.append((entry.begin + start * row_bytes, entry.begin + (start + length) * row_bytes))
+    return ranges

@@ -31,9 +31,16 @@ class Source:
 
     keys: tuple[str, ...]
     combine: str = "one"  # "one" | "cat" (along dim 0) | "stack" (new dim 0)
+    group: int = 1  # "stack": keys per stacked item, concatenated along dim 0 (2: an expert's gate and up)
     transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # replaces `combine` when set
     shapes: tuple[tuple[int, ...], ...] | None = None  # each key's expected shape, checked before reading
     cat_shape: tuple[int, ...] | None = None  # the keys' shape once concatenated along dim 0, checked before reading
+
+
+def stacked_pairs(keys: tuple[str, ...], shapes: tuple[tuple[int, ...], ...] | None = None) -> Source:
+    """Per-expert matrices `(gate_0, up_0, gate_1, up_1, …)` → `[E, gate rows + up rows, in]`: each expert's pair
+    concatenated, the experts stacked (a tensor-parallel rank reads one expert's share at a time)."""
+    return Source(keys, "stack", group=2, shapes=shapes)
 
 
 def single(*alternatives: str) -> list[Source]:

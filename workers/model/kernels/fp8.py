@@ -1,4 +1,5 @@
-"""Block-wise FP8 weights in PyTorch: the reference for `triton_kernels/fp8_gemm.py` and its CPU path."""
+"""Block-wise FP8 weights in PyTorch: the reference for `triton_kernels/fp8_gemm.py` and `fp8_moe.py`, and the CPU
+path of `layers/fp8_linear.py` and `layers/fp8_experts.py`."""
 
 from __future__ import annotations
 
@@ -19,3 +20,22 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
         raise ValueError(f"scale_inv has shape {shapes} in {block} × {block} blocks")
     full = scale_inv.float().repeat_interleave(block, 0)[:num_out].repeat_interleave(block, 1)[:, :num_in]
     return weight.view(torch.float8_e4m3fn).float().mul_(full)
+
+
+def split_scale_rows(num_rows: int, split: int, block: int = FP8_BLOCK) -> int:
+    """Scale rows of a weight whose row blocks restart at row `split` (see `dequantize_split_blocks`)."""
+    return -(-split // block) + -(-(num_rows - split) // block)
+
+
+def dequantize_split_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, split: int, block: int = FP8_BLOCK
+) -> torch.Tensor:
+    """float32 [N, K] of a weight stacked from two FP8 tensors quantized apart (an expert's gate rows [0, split),
+    then its up rows): rows before `split` take the first ⌈split/block⌉ scale rows, the rest the others. When `split`
+    is not a multiple of `block` one stored block of each part is cut short, so no block mixes the two parts' scales.
+    `split` ≥ N: one tensor (`dequantize_fp8_blocks`)."""
+    if split >= weight.shape[0]:
+        return dequantize_fp8_blocks(weight, scale_inv, block)
+    first = -(-split // block)
+    head = dequantize_fp8_blocks(weight[:split], scale_inv[:first], block)
+    return torch.cat([head, dequantize_fp8_blocks(weight[split:], scale_inv[first:], block)])

@@ -59,11 +59,11 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if with_post_norm else None
         ff = config.feed_forward
         if kind == MAMBA:
-            self.mixer: nn.Module = Mamba2Mixer(config)
+            self.mixer: nn.Module = Mamba2Mixer(config, tp=tp)
         elif kind == GDN:
             self.mixer = GatedDeltaNetMixer(config, tp=tp)
         elif kind == MAMBA1:
-            self.mixer = Mamba1Mixer(config)
+            self.mixer = Mamba1Mixer(config, tp=tp)
         elif kind == KDA:
             self.mixer = KimiDeltaAttentionMixer(config, tp=tp)
         elif kind == ATTENTION and config.mla is not None:
@@ -71,9 +71,9 @@ class Block(nn.Module):
         elif kind == ATTENTION:
             self.mixer = Attention(config, attention, tp=tp)
         elif kind == SHORT_CONV:
-            self.mixer = ShortConvMixer(config)
+            self.mixer = ShortConvMixer(config, tp=tp)
         elif kind == PARALLEL:
-            self.mixer = ParallelMixer(config)
+            self.mixer = ParallelMixer(config, tp=tp)
         elif kind == MLP:
             self.mixer = DenseMLP(config.hidden_size, ff.intermediate_size, ff.gated, ff.bias, tp=tp)
         elif kind == SHARED_ATTENTION:  # a use of a Zamba2 shared block; it normalises its own input

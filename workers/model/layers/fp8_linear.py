@@ -3,8 +3,9 @@ scale per 128 × 128 block, half the bytes of bfloat16.
 
 Before the model is materialized (on the meta device, so no float copy is ever allocated), the loader replaces each
 `nn.Linear` whose weight comes from FP8 tensors (one, or several concatenated along the outputs at 128-row block
-boundaries) by an `Fp8BlockLinear`, then reads those bytes and scales into it. Other assembled weights (a fused projection cut inside a block, a
-transform, stacked MoE experts) and the modules the checkpoint left unconverted load as before (dequantized).
+boundaries) by an `Fp8BlockLinear`, then reads those bytes and scales into it. MoE experts stay FP8 in
+`layers/fp8_experts.py`. Other assembled weights (a fused projection cut inside a block, a transform) and the modules
+the checkpoint left unconverted load as before (dequantized).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from workers.model.kernels import triton_kernels
 from workers.model.kernels.fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 KEEP_FP8 = "fp8"  # the `quantization` that keeps a block-wise FP8 checkpoint's linears in FP8 (vLLM's name)
-FP8_KEPT_REASON = "linears kept in FP8 (quantization='fp8') have no native CPU kernel"
+FP8_KEPT_REASON = "weights kept in FP8 (quantization='fp8': linears, MoE experts) have no native CPU kernel"
 
 
 class Fp8BlockLinear(nn.Module):

@@ -2,6 +2,15 @@
 
 Recurrent blocks (Mamba2 or Gated DeltaNet) share one contract: `mixer(x, state, num_tokens, in_place)` →
 (out, new state, scan inputs), and `mixer.state_after(state, scan, num_tokens)` for speculative state shifting.
+
+Tensor parallel (`tp.size` T > 1): the model is built from the rank's local config (`shard_config`: its share of
+the heads and channels), so the state pools and kernels see local shapes. Every mixer returns a *partial sum* (its
+row-parallel output), and `forward` all-reduces each block's output once, here, before the post-norm and the
+residual add. The one exception is a Zamba2 shared-block use (SHARED_ATTENTION): its output feeds
+`next_norm(hidden + out)` directly, so the use all-reduces inside and returns the full output, which is not reduced
+again. Mixers that need a collective in their middle (a Mamba2 gated norm spanning ranks, Mamba1's x_proj) call
+the group themselves. The embedding and LM head are vocabulary-parallel (`vocabulary.py`). At T = 1 every collective
+is the identity: the same bits as a model without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -12,10 +21,13 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import ATTENTION, MOE, PARALLEL, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel, check_divisible, shard_config, vocab_shard_size
+from workers.model.distributed.slices import ShardRule
 from workers.model.layers.block import Block
 from workers.model.layers.mtp import MtpHead
 from workers.model.layers.norm import RMSNorm
 from workers.model.layers.shared_block import bind_shared_blocks
+from workers.model.layers.vocabulary import VocabParallelEmbedding, gather_logits, vocab_rule
 from workers.model.state import DeltaScanInputs, ForwardBatch, KVCache, RecurrentState, ScanInputs
 
 
@@ -31,22 +43,31 @@ class ForwardOutput:
 class HybridModel(nn.Module):
     """A causal LM over explicit state: `forward` takes recurrent states and KV caches and returns new recurrent states."""
 
-    def __init__(self, config: HybridConfig, mtp: bool = False):
-        """`mtp`: also build the checkpoint's multi-token-prediction head (`self.mtp`, a draft for speculation)."""
+    def __init__(self, config: HybridConfig, mtp: bool = False, tp: TensorParallel = SINGLE_TP):
+        """`config`: the whole model's architecture. `mtp`: also build the checkpoint's multi-token-prediction head
+        (`self.mtp`, a draft for speculation). `tp`: this rank's place in its tensor-parallel group; the model then
+        holds the rank's share (`self.config` is the local config, `self.full_config` the whole one)."""
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        check_divisible(config, tp.size, tp.expert_parallel)
+        self.full_config, self.tp = config, tp
+        self.config = config = shard_config(config, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.blocks = nn.ModuleList(
-            Block(config, kind, i in config.post_norm_blocks, config.attention_of(i))
+            Block(config, kind, i in config.post_norm_blocks, config.attention_of(i), tp=tp)
             for i, kind in enumerate(config.block_kinds)
         )
         if config.shared_block is not None:  # Zamba2: the uses of its shared transformer blocks share their weights
             bind_shared_blocks(self.blocks, config)
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_shard_size(config.vocab_size, tp), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.mtp = MtpHead(config) if mtp else None
+        # The MTP head takes `tp` for its shard rules (slice S2b); a single rank's needs none.
+        self.mtp = (MtpHead(config, tp=tp) if tp.parallel else MtpHead(config)) if mtp else None
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """The LM head's vocabulary rows (the embedding states its own; tied, they are the same rows)."""
+        return {"lm_head.weight": vocab_rule(self.config.vocab_size, self.tp)}
 
     def forward(
         self,
@@ -91,7 +112,8 @@ class HybridModel(nn.Module):
                 attend = block.mixer.forward_static if static_shapes else block.mixer
                 out = attend(normed, batch, next(kv_iter))
             elif block.kind == SHARED_ATTENTION:
-                # Zamba2: the next (Mamba2) block reads norm(hidden + T); its residual stays `hidden`.
+                # Zamba2: the next (Mamba2) block reads norm(hidden + T); its residual stays `hidden`. The use
+                # returns its full output (it all-reduces inside under tensor parallelism), not a partial sum.
                 out = block.mixer(hidden, embeddings, batch, next(kv_iter), static_shapes)
                 normed = next_norm(hidden + out)
                 continue
@@ -99,6 +121,7 @@ class HybridModel(nn.Module):
                 out = block.mixer(normed, static_shapes)
             else:
                 out = block.mixer(normed)
+            out = self.tp.group.all_reduce_(out)  # the ranks' partial sums (the identity at one rank)
             if block.post_norm is not None:  # OLMo 2/3: the norm follows the mixer
                 out = block.post_norm(out)
             # The residual connection, fused with the next block's pre-norm (or the final norm).
@@ -123,6 +146,7 @@ class HybridModel(nn.Module):
         ]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [..., d] → float32 logits [..., vocab]."""
+        """Final hidden states [..., d] → float32 logits [..., vocab] (the whole vocabulary on every rank)."""
         logits = self.lm_head(hidden).float()
-        return logits if self.config.logits_divisor == 1.0 else logits / self.config.logits_divisor
+        logits = logits if self.config.logits_divisor == 1.0 else logits / self.config.logits_divisor
+        return gather_logits(logits, self.config.vocab_size, self.tp)

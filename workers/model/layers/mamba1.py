@@ -11,6 +11,11 @@ verification from a kept state) through the native prefill scan; the decode plan
 the same linears, so the two agree bit for bit. "triton" (CUDA, set at load): the in-place decode step and the
 state shift after verification through `kernels/triton_kernels/mamba1.py`. "torch" is the reference (any dtype, any
 device).
+
+Tensor parallel (built from a rank's local config, d_inner i_l = i/T): the rank holds channels `[r·i_l, +i_l)` of x,
+z, the conv, dt_proj's rows, A_log, D, and x_proj's input columns. x_proj's output (dt, B, C) is then a partial sum,
+all-reduced here before the inner norms (every rank needs the whole dt, B, C); out_proj is row-parallel, its output
+a partial sum the model all-reduces (its bias on rank 0 only). Two all-reduces per block.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule, columns, rows
 from workers.model.kernels import native_mamba1
 from workers.model.kernels.selective_scan import selective_scan, selective_state_after, selective_step_
 from workers.model.kernels.ssd import causal_conv, conv_step_, conv_window_after
@@ -42,10 +49,12 @@ class SelectiveScanInputs:
 class Mamba1Mixer(nn.Module):
     """Selective state-space mixer (Mamba1, Jamba); `forward` has the same contract as `Mamba2Mixer.forward`."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the tensor-parallel group."""
         super().__init__()
         m = config.mamba1
         self.config = m
+        self.tp = tp
         i, n, r = m.intermediate_size, m.state_size, m.dt_rank
         self.in_proj = nn.Linear(config.hidden_size, 2 * i, bias=m.proj_bias)
         self.conv1d = nn.Conv1d(i, i, m.conv_kernel, groups=i, bias=m.conv_bias)
@@ -61,6 +70,23 @@ class Mamba1Mixer(nn.Module):
         self.decode_kernel = "torch"  # "torch", "native" (C, CPU float32) or "triton"; set at load
         self._A: tuple[tuple[int, int], torch.Tensor] | None = None  # (A_log's pointer and version, −exp(A_log))
 
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """How each parameter of this rank is cut from the unsplit mixer's (the layout in the module docstring)."""
+        width = self.config.intermediate_size  # i_l
+        mine = (self.tp.rank * width, width)
+        projection = rows(mine, (self.tp.size * width + mine[0], width))
+        channels = rows(mine)
+        rules = {"in_proj.weight": projection, "x_proj.weight": columns(mine), "out_proj.weight": columns(mine)}
+        rules.update({"conv1d.weight": channels, "dt_proj.weight": channels, "dt_proj.bias": channels})
+        rules.update({"A_log": channels, "D": channels})
+        if self.in_proj.bias is not None:
+            rules["in_proj.bias"] = projection
+        if self.conv1d.bias is not None:
+            rules["conv1d.bias"] = channels
+        if self.out_proj.bias is not None:
+            rules["out_proj.bias"] = ShardRule(rank0_only=True)
+        return rules
+
     def native_A(self) -> torch.Tensor:
         """A = −exp(A_log) [i, n] float32, contiguous, as the native kernels take it: computed once (again only
         when A_log changes), the tensor the decode plan records."""
@@ -75,7 +101,8 @@ class Mamba1Mixer(nn.Module):
     def _ssm_inputs(self, x: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Conv output x [b, l, i] → (dt [b, l, i] float32 after softplus and 0 at padding, B, C [b, l, n])."""
         m = self.config
-        time_step, B, C = self.x_proj(x).split([m.dt_rank, m.state_size, m.state_size], dim=-1)
+        xdbc = self.tp.group.all_reduce_(self.x_proj(x))  # partial over the ranks' channels under TP
+        time_step, B, C = xdbc.split([m.dt_rank, m.state_size, m.state_size], dim=-1)
         B, C = self.b_layernorm(B.contiguous()), self.c_layernorm(C.contiguous())
         dt = F.softplus(self.dt_proj(self.dt_layernorm(time_step.contiguous())).float())
         valid = torch.arange(dt.shape[1], device=dt.device)[None, :] < num_tokens[:, None]  # [b, l]
@@ -125,7 +152,7 @@ class Mamba1Mixer(nn.Module):
     def _native_inner(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x_proj, the inner norms and dt_proj over the conv output xc [..., i] → (x_proj output [..., r + 2n] with B,
         C normed, dt_proj output [..., i] before softplus)."""
-        xdbc = self.x_proj(xc).contiguous()
+        xdbc = self.tp.group.all_reduce_(self.x_proj(xc).contiguous())  # partial over the ranks' channels under TP
         dt_in = native_mamba1.norms(
             xdbc, self.dt_layernorm.weight, self.b_layernorm.weight, self.c_layernorm.weight, self.dt_layernorm.eps
         )

@@ -2,6 +2,13 @@
 
 in_proj → causal depthwise conv over xBC → SSD scan → grouped gated RMSNorm → out_proj.
 State (conv window, SSM state) comes in as a `MambaState` and the new one is returned.
+
+Tensor parallel (built from a rank's local config): the rank holds heads `[r·h_l, +h_l)` with their x, z, dt, A_log,
+D, dt_bias and norm channels, and the B/C groups those heads read (g/T of them, or one group replicated on T/g
+ranks). out_proj is row-parallel: the output is a partial sum the model all-reduces (its bias on rank 0 only). The
+gated norm is local when every norm group lies on one rank; otherwise (`norm_span` > 1) it all-reduces each group's
+sum of squares (`SpanningGatedRMSNorm`), and the fused native/Triton kernels, which norm locally, are not used
+(`MambaConfig.fused_kernels_fit`).
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel, mamba_groups
+from workers.model.distributed.slices import ShardRule, columns, rows
 from workers.model.kernels import native_recurrent
 from workers.model.kernels.ssd import (
     causal_conv,
@@ -22,7 +31,7 @@ from workers.model.kernels.ssd import (
     ssm_step,
     ssm_step_,
 )
-from workers.model.layers.norm import GatedRMSNorm, SiluGate
+from workers.model.layers.norm import GatedRMSNorm, SiluGate, SpanningGatedRMSNorm
 from workers.model.state import MambaState, ScanInputs
 
 # Up to this many new tokens per row from a kept state (speculative verification: k + 1; a draft model's steps),
@@ -33,24 +42,48 @@ NATIVE_STEPWISE_MAX_TOKENS = 8
 class Mamba2Mixer(nn.Module):
     """Selective state-space mixer; parameter names follow the hub checkpoints."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the tensor-parallel group."""
         super().__init__()
         m = config.mamba
         self.config = m
+        self.tp = tp
         self.in_proj = nn.Linear(config.hidden_size, m.intermediate_size + m.conv_dim + m.num_heads, bias=m.proj_bias)
         self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
         # A_log, D and dt_bias are kept in float32 whatever the weight dtype (see loader).
         self.dt_bias = nn.Parameter(torch.zeros(m.num_heads))
         self.A_log = nn.Parameter(torch.zeros(m.num_heads))
         self.D = nn.Parameter(torch.ones(m.num_heads))
-        if m.rms_norm:
-            eps = config.rms_norm_eps if m.norm_eps is None else m.norm_eps
-            self.norm: nn.Module = GatedRMSNorm(m.intermediate_size, m.num_groups, eps, m.norm_before_gate)
+        eps = config.rms_norm_eps if m.norm_eps is None else m.norm_eps
+        if m.rms_norm and m.norm_span > 1:
+            self.norm: nn.Module = SpanningGatedRMSNorm(m.intermediate_size, eps, m.norm_before_gate, tp, m.norm_span)
+        elif m.rms_norm:
+            self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, eps, m.norm_before_gate)
         else:
             self.norm = SiluGate()
         out_bias = m.proj_bias if m.out_proj_bias is None else m.out_proj_bias
         self.out_proj = nn.Linear(m.intermediate_size, config.hidden_size, bias=out_bias)
-        self.decode_kernel = "torch"  # how one-token steps run: "torch", "compile", "native" or "triton" (set at load)
+        self.decode_kernel = "torch"
+
+    @property
+    def decode_kernel(self) -> str:
+        """How one-token steps run: "torch", "compile", "native" or "triton" (set at load)."""
+        return self._decode_kernel
+
+    @decode_kernel.setter
+    def decode_kernel(self, kernel: str) -> None:
+        # The fused kernels norm rmsnorm(y · silu(z)) over groups on this rank: refuse them where that is not the
+        # mixer's norm (another variant, or a norm spanning ranks) rather than compute something else.
+        if kernel in ("native", "triton") and not self.config.fused_kernels_fit:
+            raise ValueError(
+                f"decode_kernel={kernel!r} cannot compute this Mamba2 mixer's norm (rms_norm={self.config.rms_norm}, "
+                f"norm_before_gate={self.config.norm_before_gate}, norm_span={self.config.norm_span}); use 'torch'"
+            )
+        self._decode_kernel = kernel
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """How each parameter of this rank is cut from the unsplit mixer's (the layout in the module docstring)."""
+        return mamba2_shard_rules(self)
 
     def scan_inputs(self, hidden: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Project hidden [b, l, d] into (z [b, l, i], xbc [b, l, conv_dim], dt [b, l, h] float32).
@@ -243,3 +276,33 @@ class Mamba2Mixer(nn.Module):
         return MambaState(
             conv_window_after(state.conv, scan.conv_in, num_tokens), ssm_state_after(scan.x, dt, A, scan.B, state.ssm)
         )
+
+
+def mamba2_shard_rules(mixer: Mamba2Mixer) -> dict[str, ShardRule]:
+    """The cuts of a rank's Mamba2 parameters from the full ones: in_proj rows [z_r | x_r | B_r | C_r | dt_r], conv
+    channels [x_r | B_r | C_r], A_log / D / dt_bias by head, the norm by channel, out_proj's input columns (its bias
+    on rank 0 only). The global sizes follow from the local config and the group size."""
+    m, tp = mixer.config, mixer.tp
+    heads, width, n = m.num_heads, m.intermediate_size, m.state_size  # this rank's h_l, I_l
+    full_width = width * tp.size
+    num_groups = m.num_groups * tp.size if m.norm_span == 1 else tp.size // m.norm_span  # global g
+    first_group, local_groups = mamba_groups(num_groups, tp)
+    mine = (tp.rank * width, width)
+    x_rows = (full_width + tp.rank * width, width)
+    b_rows = (2 * full_width + first_group * n, local_groups * n)
+    c_rows = (b_rows[0] + num_groups * n, local_groups * n)
+    dt_rows = (2 * full_width + 2 * num_groups * n + tp.rank * heads, heads)
+    projection = rows(mine, x_rows, b_rows, c_rows, dt_rows)
+    conv = rows(mine, (full_width + first_group * n, local_groups * n), (c_rows[0] - full_width, c_rows[1]))
+    by_head = rows((tp.rank * heads, heads))
+    rules = {"in_proj.weight": projection, "conv1d.weight": conv, "out_proj.weight": columns(mine)}
+    rules.update({"dt_bias": by_head, "A_log": by_head, "D": by_head})
+    if mixer.in_proj.bias is not None:
+        rules["in_proj.bias"] = projection
+    if mixer.conv1d.bias is not None:
+        rules["conv1d.bias"] = conv
+    if mixer.out_proj.bias is not None:
+        rules["out_proj.bias"] = ShardRule(rank0_only=True)
+    if isinstance(mixer.norm, (GatedRMSNorm, SpanningGatedRMSNorm)):
+        rules["norm.weight"] = rows(mine)
+    return rules

@@ -156,6 +156,7 @@ class MoE(nn.Module):
             raise ValueError(f"experts_per_token={ff.experts_per_token} must lie in 1 … {ff.num_experts}")
         self.gated, self.tp = ff.gated, tp
         self.first_expert, self.num_local_experts = local_experts(ff.num_experts, tp)
+        self.intermediate_size = ff.expert_intermediate_size  # per expert, this rank's share (kept when packed)
         # Expert parallel over several ranks: some of a token's experts are another rank's.
         self.partial_experts = tp.parallel and tp.expert_parallel
         width = ff.latent_size or config.hidden_size
@@ -164,6 +165,7 @@ class MoE(nn.Module):
         self.experts_up = nn.Parameter(torch.zeros(self.num_local_experts, up_rows, width))
         self.experts_down = nn.Parameter(torch.zeros(self.num_local_experts, width, ff.expert_intermediate_size))
         self.packed: native_moe.PackedExperts | None = None  # set by `pack` (the Parameters then go)
+        self.fp8_experts: nn.Module | None = None  # experts kept FP8 (`layers/fp8_experts.py`; the Parameters go)
         # No shared MLP when its width is 0 (Jamba's and LFM2-MoE's MoE have none).
         shared_size = ff.shared_expert_intermediate_size
         self.shared = MLP(config.hidden_size, shared_size, ff.gated, ff.bias, tp=tp) if shared_size else None
@@ -176,7 +178,7 @@ class MoE(nn.Module):
         columns; latent_out's bias on rank 0 (it projects a partial). The shared MLP states its own."""
         if not self.tp.parallel:
             return {}
-        tp, local = self.tp, self.packed.intermediate_size if self.packed is not None else self.experts_down.shape[2]
+        tp, local = self.tp, self.intermediate_size
         if tp.expert_parallel:
             experts = (self.first_expert, self.num_local_experts)
             stated = {"experts_up": rows(experts), "experts_down": rows(experts)}
@@ -201,7 +203,10 @@ class MoE(nn.Module):
 
     def pack(self, weight_format: str | None) -> None:
         """Pack the experts for the native kernels in `weight_format` (None: float32, "int8_weight_only",
-        "bfloat16") and the router's weight as float32 panels; the float32 Parameters (experts and router) are freed."""
+        "bfloat16") and the router's weight as float32 panels; the float32 Parameters (experts and router) are freed.
+        Experts kept in FP8 are not packed (they run `Fp8Experts`)."""
+        if self.fp8_experts is not None:
+            return
         with torch.no_grad():
             self.packed = native_moe.pack_experts(self.experts_up, self.experts_down, self.gated, weight_format)
             self.router.panels = native.pack_panels(self.router.weight.detach().float())
@@ -215,12 +220,17 @@ class MoE(nn.Module):
         # On CUDA the static form runs eager steps too: no host sync per expert.
         static = static_shapes or (x.is_cuda and static_form_reason(x.device, x.dtype) is None)
         if self.partial_experts:
-            weights, expert_ids = self._local_slots(weights, expert_ids, self.packed is not None or not static)
+            # FP8 experts take the static form's ids on every path (their Triton GEMM aligns them like `_rows_static`).
+            skipped_as_minus_one = self.packed is not None or (not static and self.fp8_experts is None)
+            weights, expert_ids = self._local_slots(weights, expert_ids, skipped_as_minus_one)
         if self.packed is not None:
             routed = native_moe.experts(x.contiguous(), weights, expert_ids, self.packed)
         else:
-            rows = _rows_static if static else _rows_eager
-            out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
+            if self.fp8_experts is not None:
+                out = self.fp8_experts(x, expert_ids)
+            else:
+                rows = _rows_static if static else _rows_eager
+                out = rows(x, expert_ids, self.experts_up, self.experts_down, self.gated)  # [t · k, w]
             k = expert_ids.shape[1]
             routed = (out.view(-1, k, out.shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
         if self.latent_out is not None:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model.distributed.layout import TensorParallel
 from workers.model.kernels import native
 
 
@@ -59,6 +60,37 @@ class GatedRMSNorm(nn.Module):
         grouped = gated.view(*gated.shape[:-1], self.num_groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight.float() * grouped.view_as(gated)
+        if self.norm_before_gate:
+            normed = normed * F.silu(z.float())
+        return normed.to(out_dtype)
+
+
+class SpanningGatedRMSNorm(nn.Module):
+    """`GatedRMSNorm` for a rank whose channels are a slice of one norm group that spans `span` tensor-parallel
+    ranks (Mamba2 with fewer B/C groups than ranks: Granite, Bamba with g = 1).
+
+    The rank holds channels `[rank·size, +size)` of the full width, all inside global group `rank // span` (of
+    `tp.size // span` groups, each `span · size` wide). Its sum of squares per global group `[..., g]` (zero in the
+    groups it does not touch) is all-reduced, so each rank scales its slice by the whole group's mean square: one
+    all-reduce of g floats per token. The result is the unsplit norm's slice (up to float32 summation order)."""
+
+    def __init__(self, size: int, eps: float, norm_before_gate: bool, tp: TensorParallel, span: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.num_groups = 1  # local groups: the slice of one group
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+        self.tp = tp
+        self.group_index, self.global_groups = tp.rank // span, tp.size // span
+        self.group_width = size * span
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, z [..., size] (this rank's channels) → [..., size] in `out_dtype`."""
+        gated = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
+        sums = gated.new_zeros(*gated.shape[:-1], self.global_groups)  # [..., g] Σ x² per global group
+        sums[..., self.group_index] = gated.pow(2).sum(-1)
+        sums = self.tp.group.all_reduce_(sums)[..., self.group_index, None]
+        normed = self.weight.float() * (gated * torch.rsqrt(sums / self.group_width + self.eps))
         if self.norm_before_gate:
             normed = normed * F.silu(z.float())
         return normed.to(out_dtype)

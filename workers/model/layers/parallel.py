@@ -3,6 +3,9 @@
 One block holds both: a Mamba2 recurrent state and a KV cache. The μP multipliers around the two branches (SSM
 in / out, per-projection SSM multipliers, attention in / out, key) are folded into the projection weights at load
 (`families/falcon_h1.py`), so the branches are the plain `Mamba2Mixer` and `Attention`.
+
+Tensor parallel: both branches are split (heads) and each returns a partial sum (its output bias on rank 0 only),
+so their sum is a partial sum too and the model's one central all-reduce completes it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
 from workers.model.layers.attention import Attention
 from workers.model.layers.mamba2 import Mamba2Mixer
 from workers.model.state import ForwardBatch, KVCache, MambaState, ScanInputs
@@ -19,10 +23,12 @@ from workers.model.state import ForwardBatch, KVCache, MambaState, ScanInputs
 class ParallelMixer(nn.Module):
     """mamba(x) + self_attn(x); parameter names follow the hub checkpoints (`mamba.*`, `self_attn.*`)."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the tensor-parallel group."""
         super().__init__()
-        self.mamba = Mamba2Mixer(config)
-        self.self_attn = Attention(config)
+        self.mamba = Mamba2Mixer(config, tp=tp)
+        # The attention branch takes `tp` for its shard rules (slice S2b); a single rank's needs none.
+        self.self_attn = Attention(config, tp=tp) if tp.parallel else Attention(config)
 
     def forward(
         self,

@@ -6,6 +6,10 @@ state is empty ([b, 0, 0, 0]), so the state pools, slot moves and snapshots of t
 unchanged. Speculative state shifting keeps each verification's conv inputs and gathers the window after input
 num_accepted − 1 (`conv_window_after`). With `decode_kernel == "native"` (CPU float32) the decode step and the
 multi-token forwards run `csrc/short_conv.c` (the decode plan's kernels); the torch kernels are the reference.
+
+Tensor parallel (built from a rank's local config, `short_conv.channels` c = d/T): the rank holds channels
+`[r·c, +c)` of B, C, x and the conv; out_proj is row-parallel, its output a partial sum the model all-reduces (its
+bias on rank 0 only). Every channel is independent of the others, so no collective runs inside.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 from torch import nn
 
 from workers.model.checkpoint.config import HybridConfig
+from workers.model.distributed.layout import SINGLE_TP, TensorParallel
+from workers.model.distributed.slices import ShardRule, columns, rows
 from workers.model.kernels.short_conv import (
     native_short_conv_prefill,
     native_short_conv_step_,
@@ -36,15 +42,30 @@ class ConvScanInputs:
 class ShortConvMixer(nn.Module):
     """The gated short convolution over explicit state; `forward` has the same contract as `Mamba2Mixer.forward`."""
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, tp: TensorParallel = SINGLE_TP):
+        """`config`: the rank's local config (`shard_config`); `tp`: its place in the tensor-parallel group."""
         super().__init__()
         c, d = config.short_conv, config.hidden_size
-        self.in_proj = nn.Linear(d, 3 * d, bias=c.bias)
-        self.conv1d = nn.Conv1d(d, d, c.conv_kernel, groups=d, bias=c.bias)
-        self.out_proj = nn.Linear(d, d, bias=c.bias)
+        width = c.channels or d  # this rank's channels
+        self.tp = tp
+        self.in_proj = nn.Linear(d, 3 * width, bias=c.bias)
+        self.conv1d = nn.Conv1d(width, width, c.conv_kernel, groups=width, bias=c.bias)
+        self.out_proj = nn.Linear(width, d, bias=c.bias)
         # One-token steps and state shifts: "native" (`csrc/short_conv.c`, CPU float32), "triton" or "torch" (set at
         # load by the loader).
         self.decode_kernel = "torch"
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """How each parameter of this rank is cut from the unsplit mixer's (the layout in the module docstring)."""
+        width = self.conv1d.weight.shape[0]
+        full = width * self.tp.size
+        mine = (self.tp.rank * width, width)
+        projection = rows(*((third * full + mine[0], width) for third in range(3)))  # B | C | x
+        rules = {"in_proj.weight": projection, "conv1d.weight": rows(mine), "out_proj.weight": columns(mine)}
+        if self.in_proj.bias is not None:
+            rules.update({"in_proj.bias": projection, "conv1d.bias": rows(mine)})
+            rules["out_proj.bias"] = ShardRule(rank0_only=True)
+        return rules
 
     def forward(
         self, hidden: torch.Tensor, state: RecurrentState | None, num_tokens: torch.Tensor, in_place: bool = False
@@ -54,7 +75,7 @@ class ShortConvMixer(nn.Module):
         `state` None: every row starts its sequence here (zero window). `in_place` (one token per row, with a
         state): shift `state`'s window where it is and return it (no scan inputs: nothing shifts a decode step).
         """
-        b, length, d = hidden.shape
+        b, length, _ = hidden.shape
         native_step = in_place and state is not None and length == 1 and state.conv.is_contiguous()
         if self.decode_kernel == "native" and native_step:
             return self._native_decode(hidden, state), state, None
@@ -70,7 +91,7 @@ class ShortConvMixer(nn.Module):
         if in_place and state is not None and length == 1:
             return self.out_proj(gate_c * short_conv_step_(u, state.conv, weight, self.conv1d.bias)), state, None
         if state is None:
-            window = hidden.new_zeros(b, d, weight.shape[1] - 1)
+            window = hidden.new_zeros(b, weight.shape[0], weight.shape[1] - 1)
             matrix = hidden.new_zeros(b, 0, 0, 0, dtype=torch.float32)
         else:
             window, matrix = state.conv, state.ssm

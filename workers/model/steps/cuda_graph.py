@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from workers.model.checkpoint.config import MOE
+from workers.model.layers.fp8_experts import FP8_EXPERTS_GRAPH_REASON, Fp8Experts
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.moe import static_form_reason
 from workers.model.state import DeltaScanInputs, ForwardBatch, ScanInputs, StatePool
@@ -51,6 +52,8 @@ def unsupported_reason(model: HybridModel, drafts_from_hidden: bool = False) -> 
     attention with latent caches, sliding windows, post-norms or shared blocks); the reasons left are MoE experts
     where neither `torch._grouped_mm` nor Triton runs, and MTP drafting."""
     weight = model.embed_tokens.weight
+    if any(isinstance(m, Fp8Experts) for m in model.modules()):
+        return FP8_EXPERTS_GRAPH_REASON
     if any(block.kind == MOE for block in model.blocks):
         reason = static_form_reason(weight.device, weight.dtype)
         if reason is not None:

@@ -38,6 +38,7 @@ from workers.model.checkpoint.config import (
     SHORT_CONV,
 )
 from workers.model.kernels import native
+from workers.model.layers.fp8_experts import Fp8Experts
 from workers.model.layers.fp8_linear import FP8_KEPT_REASON, Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
@@ -69,7 +70,7 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
 
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
-    if any(isinstance(m, Fp8BlockLinear) for m in model.modules()):
+    if any(isinstance(m, (Fp8BlockLinear, Fp8Experts)) for m in model.modules()):
         return FP8_KEPT_REASON
     if (reason := shared_block_unsupported_reason(model)) is not None:
         return reason

@@ -32,6 +32,7 @@ import torch
 from workers.model.checkpoint.config import ATTENTION, MLP, MOE
 from workers.model.kernels import native
 from workers.model.layers.attention import Attention, inverse_frequencies
+from workers.model.layers.fp8_experts import Fp8Experts
 from workers.model.layers.fp8_linear import FP8_KEPT_REASON, Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
@@ -53,7 +54,7 @@ def unsupported_reason(model: HybridModel) -> str | None:
     head = model.mtp
     if head is None:
         return "the model has no MTP head"
-    if any(isinstance(m, Fp8BlockLinear) for m in [*head.modules(), model.lm_head]):
+    if any(isinstance(m, (Fp8BlockLinear, Fp8Experts)) for m in [*head.modules(), model.lm_head]):
         return FP8_KEPT_REASON
     norms = [head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm, *(block.norm for block in head.blocks)]
     linears = [head.fc, model.lm_head, *(m for b in head.blocks for m in b.mixer.modules() if _is_linear(m))]

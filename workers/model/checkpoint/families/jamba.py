@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from workers.model.checkpoint.config import (
     ATTENTION,
     MAMBA1,
@@ -34,7 +32,7 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.checkpoint.config_fields import common_fields
 from workers.model.checkpoint.registry import Family, register
-from workers.model.checkpoint.weights import ATTENTION_PARAMS, Source, single
+from workers.model.checkpoint.weights import ATTENTION_PARAMS, Source, single, stacked_pairs
 
 MAMBA1_PARAMS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
                  "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias", "dt_layernorm.weight",
@@ -124,11 +122,6 @@ def read_jamba(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per-expert [gate, up, gate, up, …] → [E, 2I, H] (gate rows first in each expert)."""
-    return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
-
-
 def _moe_sources(config: HybridConfig, hub: str, ours: str) -> dict[str, list[Source]]:
     """A Jamba MoE `hub.{router, experts}` → our `ours.{router, experts_up, experts_down}`; per-expert keys carry
     their expected shapes, so a mis-shaped expert tensor is named before anything is read."""
@@ -139,7 +132,7 @@ def _moe_sources(config: HybridConfig, hub: str, ours: str) -> dict[str, list[So
     return {
         f"{ours}.router.weight": single(f"{hub}.router.weight"),
         f"{ours}.experts_up": [
-            Source(gate_up, transform=_stack_gate_up, shapes=((width, d),) * len(gate_up)),
+            stacked_pairs(gate_up, shapes=((width, d),) * len(gate_up)),
             Source((f"{hub}.experts.gate_up_proj",), shapes=((num, 2 * width, d),)),
         ],
         f"{ours}.experts_down": [

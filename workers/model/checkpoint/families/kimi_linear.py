@@ -37,7 +37,7 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.checkpoint.config_fields import common_fields, first_present
 from workers.model.checkpoint.registry import Family, register
-from workers.model.checkpoint.weights import Source, single
+from workers.model.checkpoint.weights import Source, single, stacked_pairs
 
 # Features of later Kimi models (Kimi-K3) that this reader does not implement: refused by name, not ignored.
 _UNSUPPORTED_LINEAR = {"gate_lower_bound": None, "use_full_rank_gate": False}
@@ -177,11 +177,6 @@ def _per_head(num_heads: int, tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].reshape(num_heads, -1, tensors[0].shape[-1])
 
 
-def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[w1_0, w3_0, w1_1, w3_1, …] (gate, up per expert) → [E, 2I, H]."""
-    return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
-
-
 def _kda_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
     k, d = config.kda, config.hidden_size
     width, kernel = k.qkv_dim, k.conv_kernel
@@ -241,7 +236,7 @@ def _ff_sources(config: HybridConfig, layer: str, kind: str) -> dict[str, list[S
         options = {
             "router.weight": [Source((f"{hub}.gate.weight",))],
             "router.e_score_correction_bias": [Source((f"{hub}.gate.e_score_correction_bias",))],
-            "experts_up": [Source(per_gate_up, transform=_stack_gate_up, shapes=((size, d),) * 2 * num_experts),
+            "experts_up": [stacked_pairs(per_gate_up, shapes=((size, d),) * 2 * num_experts),
                            Source((f"{hub}.experts.gate_up_proj",))],
             "experts_down": [Source(per_down, "stack", shapes=((d, size),) * num_experts),
                              Source((f"{hub}.experts.down_proj",))],

@@ -35,7 +35,7 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.checkpoint.config_fields import common_fields, first_present
 from workers.model.checkpoint.registry import Family, register
-from workers.model.checkpoint.weights import Source, single
+from workers.model.checkpoint.weights import Source, single, stacked_pairs
 
 LFM_MODEL_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 _CONV, _FULL, _SLIDING = "conv", "full_attention", "sliding_attention"
@@ -157,11 +157,6 @@ def _zeros(shape: tuple[int, ...], tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros(shape)
 
 
-def _stack_w1_w3(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[w1_0, w3_0, w1_1, w3_1, …] → [E, 2I, d] (gate rows first)."""
-    return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
-
-
 def _mlp_sources(hub: str) -> dict[str, list[Source]]:
     return {
         "up_proj.weight": [Source((f"{hub}.w1.weight", f"{hub}.w3.weight"), "cat")],
@@ -180,7 +175,7 @@ def _moe_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
             Source((f"{hub}.expert_bias",)),
             Source((), transform=partial(_zeros, (num_experts,))),
         ],
-        "experts_up": [Source(w1_w3, transform=_stack_w1_w3), Source((f"{hub}.experts.gate_up_proj",))],
+        "experts_up": [stacked_pairs(w1_w3), Source((f"{hub}.experts.gate_up_proj",))],
         "experts_down": [Source(w2, "stack"), Source((f"{hub}.experts.down_proj",))],
     }
 

@@ -35,7 +35,7 @@ from workers.model.checkpoint.config import (
 )
 from workers.model.checkpoint.config_fields import common_fields, rope_fields
 from workers.model.checkpoint.registry import Family, register
-from workers.model.checkpoint.weights import Source
+from workers.model.checkpoint.weights import Source, stacked_pairs
 
 QWEN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _WRAPPER_FIELDS = ("tie_word_embeddings", "dtype", "torch_dtype", "eos_token_id", "bos_token_id")
@@ -138,11 +138,6 @@ def _plus_one(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].float() + 1.0
 
 
-def _stack_gate_up(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[gate_0, up_0, gate_1, up_1, …] → [E, 2I, H]."""
-    return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
-
-
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors)
 
@@ -197,7 +192,7 @@ def _moe_sources(config: HybridConfig, hub: str) -> dict[str, list[Source]]:
     per_expert_down = tuple(f"{hub}.experts.{e}.down_proj.weight" for e in range(num_experts))
     sources = {
         "router.weight": [Source((f"{hub}.gate.weight",))],
-        "experts_up": [Source(per_expert_gate_up, transform=_stack_gate_up), Source((f"{hub}.experts.gate_up_proj",))],
+        "experts_up": [stacked_pairs(per_expert_gate_up), Source((f"{hub}.experts.gate_up_proj",))],
         "experts_down": [Source(per_expert_down, "stack"), Source((f"{hub}.experts.down_proj",))],
         "shared_gate.weight": [Source((f"{hub}.shared_expert_gate.weight",))],
     }

@@ -56,3 +56,23 @@ def test_bad_scale_shape_is_refused():
     rows, block_expert = torch.zeros(16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"scale must be float32 \(2, 3, 1\)"):  # one tensor: 3 row blocks, not 4
         grouped_gemm(torch.randn(1, 128), rows, experts.up, experts.up_scale, block_expert, 320)
+
+
+def test_another_ranks_experts_give_zeros_on_both_paths():
+    """Expert parallel: an id of E (another rank's expert, as `MoE` passes it to kept FP8 experts) gives zeros in
+    the Triton GEMM and in the reference; the other pairs are as without those slots."""
+    from workers.model.kernels.triton_kernels.fp8_moe import fp8_expert_rows
+
+    experts = random_experts(3, 96, 136, 96, False, 96)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 136, generator=generator)
+    ids = torch.randint(0, 4, (9, 2), generator=generator)  # 3: another rank's expert
+    assert bool((ids == 3).any()) and bool((ids < 3).any())
+    out = fp8_expert_rows(
+        x, ids, (experts.up, experts.up_scale, 96), (experts.down, experts.down_scale), False, activate
+    )
+    expected = experts.reference_rows(x.double(), ids)
+    foreign = (ids == 3).reshape(-1)
+    assert not bool(out[foreign].any()) and not bool(expected[foreign].any())
+    local = experts.reference_rows(x.double(), torch.where(ids == 3, 0, ids))[~foreign]
+    torch.testing.assert_close(out.double()[~foreign], local, rtol=1e-5, atol=1e-5)

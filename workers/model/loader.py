@@ -199,8 +199,6 @@ def empty_model(
 def build_model(config: HybridConfig, mtp: bool, tp: TensorParallel = SINGLE_TP) -> HybridModel:
     """`HybridModel` of the global `config`, rank `tp.rank`'s share of it when `tp` splits it (on the current
     device: the loader builds it on meta)."""
-    if not tp.parallel:  # the one-rank model, built as before tensor parallelism
-        return HybridModel(config, mtp=mtp)
     return HybridModel(config, mtp=mtp, tp=tp)
 
 

@@ -63,7 +63,7 @@ class HybridModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # The MTP head takes `tp` for its shard rules (slice S2b); a single rank's needs none.
-        self.mtp = (MtpHead(config, tp=tp) if tp.parallel else MtpHead(config)) if mtp else None
+        self.mtp = MtpHead(config, tp=tp) if mtp else None
 
     def shard_rules(self) -> dict[str, ShardRule]:
         """The LM head's vocabulary rows (the embedding states its own; tied, they are the same rows)."""

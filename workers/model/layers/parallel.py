@@ -28,7 +28,7 @@ class ParallelMixer(nn.Module):
         super().__init__()
         self.mamba = Mamba2Mixer(config, tp=tp)
         # The attention branch takes `tp` for its shard rules (slice S2b); a single rank's needs none.
-        self.self_attn = Attention(config, tp=tp) if tp.parallel else Attention(config)
+        self.self_attn = Attention(config, tp=tp)
 
     def forward(
         self,

@@ -26,7 +26,7 @@ class StepAborted(Exception):
     """The leader failed inside a step: the follower drops the step and waits for the leader's next message."""
 
 
-ABORTED = "aborted"  # a decision's value when the leader's computation of it raised
+ABORT = "abort"  # the leader's step failed part-way (whatever the follower waits for, it drops the step)
 ERROR, DIVERGED = "error", "diverged"  # what a failing follower sends back up its pipe
 READY = "ready"  # what a follower sends once it has started, before it joins the group
 
@@ -85,10 +85,10 @@ class FollowerChannel:
         """The value of the next message, which must be `tag` (`RankDivergence` naming both tags when it is not);
         `StepAborted` when the leader failed computing it."""
         got, value = self.next()
+        if got == ABORT:
+            raise StepAborted(tag)
         if got != tag:
             raise RankDivergence(f"expected message {tag!r}, got {got!r}")
-        if isinstance(value, str) and value == ABORTED:
-            raise StepAborted(tag)
         return value
 
     def ready(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from workers.config import EngineConfig
-from workers.distributed.channel import FollowerChannel, StepAborted
+from workers.distributed.channel import ABORT, FollowerChannel, StepAborted
 from workers.distributed.lockstep import Lockstep
 from workers.model.distributed.group import make_group
 from workers.requests import Request
@@ -105,5 +105,5 @@ def _handle(runner: Any, tag: str, value: Any, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif tag == "call":  # tests: run a function on this rank's runner
         value(runner)
-    elif tag not in ("abort", "die"):
+    elif tag not in (ABORT, "die"):
         raise ValueError(f"unknown message {tag!r} from the leader")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workers.distributed.channel import FollowerChannel, LeaderChannel, RankDivergence
+from workers.distributed.channel import ABORT, FollowerChannel, LeaderChannel, RankDivergence
 from workers.executors import ModuleExecutor, Verification
 from workers.model.distributed.group import SINGLE, Collectives, RankFailure
 from workers.requests import Request
@@ -63,7 +63,7 @@ class Lockstep:
     def abort(self) -> None:
         """Leader: its step failed part-way; the followers drop theirs (best effort: one may be gone already)."""
         try:
-            self.publish("abort")
+            self.publish(ABORT)
         except RankFailure:
             pass
 

@@ -12,7 +12,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.distributed.follower import LoadSpec
-from workers.distributed.launch import RankGroup
+from workers.distributed.launch import RankGroup, RankOwner
 from workers.distributed.lockstep import SINGLE_LOCKSTEP, Lockstep, ReplayProposer
 from workers.engine import RequestEngine
 from workers.execution_summary import execution_summary
@@ -55,7 +55,23 @@ def _load_target(path: str, config: EngineConfig, lockstep: Lockstep, mtp: bool)
     return load_checkpoint(*args, tp=tp)
 
 
-class ModelRunner(RequestEngine):
+def _load_draft(config: EngineConfig, tokenizer: Any, target: HybridModel) -> HybridModel:
+    """The speculative config's draft model, whole, beside the target (same device, dtype and tokenizer)."""
+    load, speculative = config.load, config.speculative
+    draft = load_checkpoint(
+        speculative.draft_model,
+        target.embed_tokens.weight.device,
+        load.dtype,
+        load.linear_backend,
+        load.decode_kernel,
+        revision=speculative.draft_revision,
+        quantization=load.quantization,
+    )
+    check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
+    return draft.model
+
+
+class ModelRunner(RequestEngine, RankOwner):
     """Holds one hybrid model on one device and runs batched generation and scoring with it."""
 
     def __init__(
@@ -88,7 +104,6 @@ class ModelRunner(RequestEngine):
                 "a ModelRunner built from a model holds one rank"
             )
         self._lockstep = lockstep or SINGLE_LOCKSTEP
-        self._rank_group: RankGroup | None = None  # the follower processes, on rank 0 (`from_pretrained`)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or self.config.max_position_embeddings
@@ -203,6 +218,13 @@ class ModelRunner(RequestEngine):
         "torch", the reference). A speculative method whose proposer `needs_draft_model` loads
         `speculative.draft_model` too (a hub draft at `speculative.draft_revision`), on the same device and dtype,
         with the same vocabulary and tokenizer; one whose proposer `drafts_from_hidden` loads the MTP head.
+
+        Tensor parallelism (`ParallelConfig`, vLLM's names): `tensor_parallel_size` = T > 1 splits the model over T
+        ranks. This process is rank 0 and starts ranks 1 … T-1 itself (spawned processes, rank r on `cuda:r` on
+        CUDA, each loading its shard and replaying this runner's decisions: `workers/distributed/`); `close()` (or
+        `with`, or interpreter exit) stops them. `enable_expert_parallel` divides MoE experts among the ranks
+        instead of splitting each; `rank_timeout_s` bounds how long a rank waits on a silent one. A draft model
+        loads whole on rank 0.
         """
         config = (config or EngineConfig()).replace(**options)
         size = config.parallel.tensor_parallel_size
@@ -223,7 +245,7 @@ class ModelRunner(RequestEngine):
     def _load_rank(cls, path: str, config: EngineConfig, lockstep: Lockstep) -> ModelRunner:
         """Load this rank's shard and wrap it; rank 0 also loads the tokenizer and a draft model (unsharded, on
         rank 0 alone: its drafts reach the followers as decisions)."""
-        load, speculative = config.load, config.speculative
+        speculative = config.speculative
         mtp = speculative is not None and speculative.proposer_class.drafts_from_hidden
         checkpoint = _load_target(path, config, lockstep, mtp)
         needs_draft = speculative is not None and speculative.proposer_class.needs_draft_model
@@ -235,46 +257,8 @@ class ModelRunner(RequestEngine):
         if generation_eos is not None:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         tokenizer = load_tokenizer(checkpoint.directory)
-        draft_model = None
-        if needs_draft:
-            device_used = checkpoint.model.embed_tokens.weight.device
-            draft = load_checkpoint(
-                speculative.draft_model,
-                device_used,
-                load.dtype,
-                load.linear_backend,
-                load.decode_kernel,
-                revision=speculative.draft_revision,
-                quantization=load.quantization,
-            )
-            check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
-            draft_model = draft.model
+        draft_model = _load_draft(config, tokenizer, checkpoint.model) if needs_draft else None
         return cls(checkpoint.model, tokenizer, sorted(eos), config, draft_model, lockstep=lockstep)
-
-    # ------------------------------------------------------------------------------------------------- ranks
-    def watch_ranks(self, on_failure: Callable[[str], None]) -> None:
-        """Call `on_failure(why)` from a watchdog thread when a follower rank dies (the Ray actor kills itself
-        then, so the driver replaces the worker). One rank: nothing to watch."""
-        if self._rank_group is not None:
-            self._rank_group.watch(on_failure)
-
-    def kill_rank(self, rank: int) -> None:
-        """Fault injection (tests, the actor's `kill_rank_during_shard`): follower `rank` SIGKILLs itself when it
-        reaches this point of the request stream; the leader then raises `RankFailure`."""
-        if self._rank_group is None:
-            raise ValueError(f"rank={rank} is invalid: this runner has no follower ranks (tensor_parallel_size=1)")
-        self._rank_group.kill_rank(rank)
-
-    def close(self) -> None:
-        """Stop the follower ranks (nothing at one rank); the runner cannot step after this. Idempotent."""
-        if self._rank_group is not None:
-            self._rank_group.close()
-
-    def __enter__(self) -> ModelRunner:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are

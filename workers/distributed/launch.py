@@ -125,3 +125,33 @@ def _kill(processes: list[Any]) -> None:
         if process.is_alive():
             os.kill(process.pid, signal.SIGKILL)
             process.join(JOIN_TIMEOUT_S)
+
+
+class RankOwner:
+    """What a runner on rank 0 offers about its follower processes (none at one rank: `_rank_group` is None)."""
+
+    _rank_group: RankGroup | None = None  # set by `ModelRunner.from_pretrained` when it started a group
+
+    def watch_ranks(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(why)` from a watchdog thread when a follower rank dies (the Ray actor kills itself
+        then, so the driver replaces the worker). One rank: nothing to watch."""
+        if self._rank_group is not None:
+            self._rank_group.watch(on_failure)
+
+    def kill_rank(self, rank: int) -> None:
+        """Fault injection (tests, the actor's `kill_rank_during_shard`): follower `rank` SIGKILLs itself when it
+        reaches this point of the request stream; the leader then raises `RankFailure`."""
+        if self._rank_group is None:
+            raise ValueError(f"rank={rank} is invalid: this runner has no follower ranks (tensor_parallel_size=1)")
+        self._rank_group.kill_rank(rank)
+
+    def close(self) -> None:
+        """Stop the follower ranks (nothing at one rank); the runner cannot step after this. Idempotent."""
+        if self._rank_group is not None:
+            self._rank_group.close()
+
+    def __enter__(self) -> RankOwner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -55,6 +55,15 @@ def _load_target(path: str, config: EngineConfig, lockstep: Lockstep, mtp: bool)
     return load_checkpoint(*args, tp=tp)
 
 
+def _eos_token_ids(checkpoint: LoadedCheckpoint) -> list[int]:
+    """The end-of-sequence ids of the config and of generation_config.json."""
+    eos = set(checkpoint.config.eos_token_ids)
+    generation_eos = checkpoint.generation_config.get("eos_token_id")
+    if generation_eos is not None:
+        eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(eos)
+
+
 def _load_draft(config: EngineConfig, tokenizer: Any, target: HybridModel) -> HybridModel:
     """The speculative config's draft model, whole, beside the target (same device, dtype and tokenizer)."""
     load, speculative = config.load, config.speculative
@@ -219,12 +228,9 @@ class ModelRunner(RequestEngine, RankOwner):
         `speculative.draft_model` too (a hub draft at `speculative.draft_revision`), on the same device and dtype,
         with the same vocabulary and tokenizer; one whose proposer `drafts_from_hidden` loads the MTP head.
 
-        Tensor parallelism (`ParallelConfig`, vLLM's names): `tensor_parallel_size` = T > 1 splits the model over T
-        ranks. This process is rank 0 and starts ranks 1 … T-1 itself (spawned processes, rank r on `cuda:r` on
-        CUDA, each loading its shard and replaying this runner's decisions: `workers/distributed/`); `close()` (or
-        `with`, or interpreter exit) stops them. `enable_expert_parallel` divides MoE experts among the ranks
-        instead of splitting each; `rank_timeout_s` bounds how long a rank waits on a silent one. A draft model
-        loads whole on rank 0.
+        `tensor_parallel_size` = T > 1 splits the model over T ranks: this process is rank 0 and spawns ranks 1 … T-1
+        (rank r on `cuda:r`; `workers/distributed/`), which `close()` stops; `enable_expert_parallel` divides MoE
+        experts among them; a draft model loads whole on rank 0.
         """
         config = (config or EngineConfig()).replace(**options)
         size = config.parallel.tensor_parallel_size
@@ -252,13 +258,9 @@ class ModelRunner(RequestEngine, RankOwner):
         if lockstep.follows:
             proposer = ReplayProposer() if needs_draft else None
             return cls(checkpoint.model, None, (), config, None, proposer, lockstep=lockstep)
-        eos = set(checkpoint.config.eos_token_ids)
-        generation_eos = checkpoint.generation_config.get("eos_token_id")
-        if generation_eos is not None:
-            eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         tokenizer = load_tokenizer(checkpoint.directory)
         draft_model = _load_draft(config, tokenizer, checkpoint.model) if needs_draft else None
-        return cls(checkpoint.model, tokenizer, sorted(eos), config, draft_model, lockstep=lockstep)
+        return cls(checkpoint.model, tokenizer, _eos_token_ids(checkpoint), config, draft_model, lockstep=lockstep)
 
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are

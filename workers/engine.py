@@ -119,8 +119,8 @@ class RequestEngine:
         self._lockstep.publish("step")
         try:
             scheduler.step()
-        except BaseException:
-            self._lockstep.abort()  # followers drop the step they replay; `reset` follows
+        except BaseException as error:
+            self._lockstep.abort(error)  # followers drop the step they replay; `reset` follows
             raise
         self._check_capture(scheduler)
         for request in scheduler.take_finished():

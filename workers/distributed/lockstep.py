@@ -60,12 +60,16 @@ class Lockstep:
         assert self.follower is not None
         return self.follower.recv(tag)
 
-    def abort(self) -> None:
-        """Leader: its step failed part-way; the followers drop theirs (best effort: one may be gone already)."""
+    def abort(self, error: BaseException) -> None:
+        """Leader: its step failed part-way with `error`; the followers drop theirs. When `error` is a collective's
+        `RankFailure`, what a follower reported before it went (its divergence, its error) is raised instead."""
+        if self.leader is None:
+            return
         try:
-            self.publish(ABORT)
-        except RankFailure:
-            pass
+            self.leader.send(ABORT)
+        except RankFailure as report:
+            if isinstance(error, RankFailure):
+                raise report from error
 
     def decide(
         self,

@@ -8,8 +8,12 @@ Each T = 2 runner spawns one follower (~3 s of imports on 2 cores), so each conf
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -192,7 +196,45 @@ def test_a_killed_follower_fails_the_leader_and_fires_the_watchdog(runners):
 
 def test_close_stops_the_followers(runners):
     _, two = runners("mtp")
-    processes = two._rank_group.processes
+    processes, reasons = two._rank_group.processes, []
+    two.watch_ranks(reasons.append)
     two.close()
     assert [p.exitcode for p in processes] == [0]
+    time.sleep(0.2)
+    assert reasons == []  # a follower stopped by close() is no failure
     two.close()  # idempotent
+
+
+LEADER_SCRIPT = """
+import os
+import sys
+
+from workers import ModelRunner
+
+if __name__ == "__main__":
+    runner = ModelRunner.from_pretrained(sys.argv[1], tensor_parallel_size=2, replicate_model=True, max_num_seqs=1)
+    print(runner._rank_group.processes[0].pid, flush=True)
+    os._exit(0)  # no close(), no atexit: the follower must notice on its own
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie nobody reaped yet counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_follower_dies_with_its_leader(checkpoint_dir, tmp_path):
+    script = tmp_path / "leader.py"
+    script.write_text(textwrap.dedent(LEADER_SCRIPT))
+    path = str(checkpoint_dir("granite_dense"))
+    done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + FAILURE_WAIT_S
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)

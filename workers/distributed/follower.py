@@ -88,7 +88,7 @@ def _handle(runner: Any, tag: str, value: Any, rank: int) -> None:
     """One of the leader's calls, replayed."""
     if tag == "add":
         samples = [
-            Request(index, prompt, params, stop_ids, None, max_model_len, sample_index=j)
+            Request(index, prompt, params, stop_ids, _generator(runner, index), max_model_len, sample_index=j)
             for index, prompt, params, stop_ids, max_model_len, j in value
         ]
         runner._engine().add([group_requests(samples)])
@@ -107,3 +107,9 @@ def _handle(runner: Any, tag: str, value: Any, rank: int) -> None:
         value(runner)
     elif tag not in (ABORT, "die"):
         raise ValueError(f"unknown message {tag!r} from the leader")
+
+
+def _generator(runner: Any, index: int) -> torch.Generator:
+    """A follower request's own generator. Only an MTP head's replayed drafts of sampled rows draw from it (they
+    are discarded: the leader's drafts are the step's), so it need not follow the leader's stream."""
+    return torch.Generator(device=runner.device).manual_seed(index)

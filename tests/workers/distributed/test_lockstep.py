@@ -138,6 +138,8 @@ def test_speculative_equals_one_rank(runners, name):
         assert ours == tokens(runners("plain")[0].generate(PROMPTS, GREEDY))
         assert two.spec_stats()["num_accepted_draft_tokens"] > 0
     assert two.spec_stats()["num_drafts"] > 0  # the leader drafted and the follower verified with it
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)  # the follower's MTP samples
+    assert tokens(two.generate(PROMPTS, sampled)) == tokens(one.generate(PROMPTS, sampled))
 
 
 def _fail_sampling_once(runner: ModelRunner) -> None:

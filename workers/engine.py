@@ -82,7 +82,7 @@ class RequestEngine:
                 index, prompt, sampling, stop_ids, generator, self.max_model_len, sample_index=j, grammar=grammars[j]
             )
             samples.append(request)
-        # Followers build the same requests (no generator, no grammar: the leader samples) and admit them alike.
+        # Followers build the same requests (no grammar: the leader samples and masks) and admit them alike.
         specs = [(r.index, r.prompt, r.params, r.stop_token_ids, r.max_model_len, r.sample_index) for r in samples]
         self._lockstep.publish("add", specs)
         self._engine().add([group_requests(samples)])

@@ -5,3 +5,8 @@ running the same `ModelRunner` and `Scheduler` code on its shard (`follower.py`)
 and drafts; it sends those decisions and the request stream over an ordered control channel (`channel.py`), and the
 followers replay them (`lockstep.py`), so every rank runs the same forwards and the same collectives in order.
 """
+
+from workers.distributed.channel import RankDivergence
+from workers.model.distributed.group import RankFailure
+
+__all__ = ["RankDivergence", "RankFailure"]

@@ -36,6 +36,7 @@ class LeaderChannel:
 
     def __init__(self, connections: Sequence[Connection], processes: Sequence[BaseProcess] = ()):
         self.connections, self.processes = list(connections), list(processes)
+        self.failure: RankFailure | None = None  # the first failure found: every later send raises it again
 
     def send(self, tag: str, value: Any = None) -> None:
         """Send `(tag, value)` to every follower (pickled once); `RankFailure` when one has failed or died."""
@@ -46,29 +47,41 @@ class LeaderChannel:
                 connection.send_bytes(payload)
             except OSError as error:  # EPIPE: the follower's end is closed, so the process is gone
                 self.check()
-                raise RankFailure(f"rank {rank} is gone ({error}) while sending {tag!r}") from error
+                self.failure = RankFailure(f"rank {rank} is gone ({error}) while sending {tag!r}")
+                raise self.failure from error
 
     def check(self) -> None:
         """Raise what a follower reported (`RankDivergence` or `RankFailure`), or `RankFailure` for one that
-        exited; cheap (a poll and a non-blocking wait per follower)."""
+        exited; cheap (a poll and a non-blocking wait per follower). The first failure found sticks."""
+        if self.failure is None:
+            self.failure = self._find_failure()
+        if self.failure is not None:
+            raise self.failure
+
+    def _find_failure(self) -> RankFailure | None:
         for rank, connection in enumerate(self.connections, start=1):
-            report = None
-            try:
-                if connection.poll():
-                    report = connection.recv()
-            except (EOFError, OSError):
-                report = None
+            process = self.processes[rank - 1] if self.processes else None
+            exited = process is not None and process.exitcode is not None
+            report = _report(connection)  # read after the exit check: a follower reports before it exits
             if report is not None:
                 kind, text = report
-                raise (RankDivergence if kind == DIVERGED else RankFailure)(f"rank {rank}: {text}")
-        for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None:
-                raise RankFailure(f"rank {rank} exited with code {process.exitcode}")
+                return (RankDivergence if kind == DIVERGED else RankFailure)(f"rank {rank}: {text}")
+            if exited:
+                return RankFailure(f"rank {rank} exited with code {process.exitcode}")
+        return None
 
     def close(self) -> None:
         """Close the leader's ends (a follower still reading sees EOF and exits)."""
         for connection in self.connections:
             connection.close()
+
+
+def _report(connection: Connection) -> tuple[str, str] | None:
+    """A follower's report waiting in its pipe, if any."""
+    try:
+        return connection.recv() if connection.poll() else None
+    except (EOFError, OSError):
+        return None
 
 
 class FollowerChannel:

@@ -63,8 +63,8 @@ class Lockstep:
     def abort(self, error: BaseException) -> None:
         """Leader: its step failed part-way with `error`; the followers drop theirs. When `error` is a collective's
         `RankFailure`, what a follower reported before it went (its divergence, its error) is raised instead."""
-        if self.leader is None:
-            return
+        if self.leader is None or error is self.leader.failure:
+            return  # the channel's own failure: nothing better to say, nobody to tell
         try:
             self.leader.send(ABORT)
         except RankFailure as report:

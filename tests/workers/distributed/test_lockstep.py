@@ -163,8 +163,16 @@ def test_a_failed_step_resets_every_rank(runners):
 
 
 def _skip_lowest_slot(runner: ModelRunner) -> None:
-    """On the follower: its next admission takes another slot than the leader's."""
-    runner._scheduler.free_slots.pop()
+    """On the follower: its next admission loses the lowest free slot (a request lands off by one slot)."""
+    scheduler = runner._scheduler
+    admit = scheduler._admit
+
+    def skewed() -> None:
+        scheduler._admit = admit
+        scheduler.free_slots.pop()
+        admit()
+
+    scheduler._admit = skewed
 
 
 def _generate_until_failure(runner: ModelRunner) -> BaseException | None:
@@ -179,6 +187,7 @@ def _generate_until_failure(runner: ModelRunner) -> BaseException | None:
 
 def test_a_diverging_follower_fails_the_leader(runners):
     _, two = runners("ngram")
+    two.generate(PROMPTS[:1], GREEDY)  # the follower's scheduler exists
     two._rank_group.channel.send("call", _skip_lowest_slot)
     start = time.monotonic()
     error = _generate_until_failure(two)

@@ -4,7 +4,7 @@ scheduler.
 
 `EngineConfig` gathers the sections: `LoadConfig` (how the model is loaded), `SchedulerConfig` (how many requests
 and tokens a step takes), `CacheConfig` (KV cache memory and prefix caching), `ExecutionConfig` (decode plans and
-CUDA graphs), `SamplerConfig` (what the sampler reports), `ParallelConfig` (threads) and the `SpeculativeConfig` of
+CUDA graphs), `SamplerConfig` (what the sampler reports), `ParallelConfig` (threads, tensor parallelism) and the `SpeculativeConfig` of
 `workers/spec_decode/config.py`. Sampling defaults are `workers.SamplingParams`'s.
 """
 
@@ -113,13 +113,30 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How a worker's work is spread: torch threads on CPU (None: torch's choice)."""
+    """How a worker's work is spread: torch threads on CPU, and tensor parallelism — the model split over
+    `tensor_parallel_size` ranks, one process each, rank 0 the caller's (`workers/distributed/`)."""
 
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch threads per rank (None: torch's choice; followers: the leader's / T)
+    tensor_parallel_size: int = 1  # vLLM's name: ranks the model is split over (GPUs on CUDA, processes on CPU)
+    enable_expert_parallel: bool = False  # vLLM's name: MoE experts divided among the ranks instead of split
+    rank_timeout_s: float = 60.0  # a collective waiting this long on a silent rank fails (`RankFailure`)
+    # Tests only: every rank loads the whole unsplit model (its collectives the identity) while the T rank processes
+    # and their lockstep run for real, to check the control path apart from the split layers.
+    replicate_model: bool = False
 
     def __post_init__(self) -> None:
         ok = self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1)
         _check("ParallelConfig", "num_threads", ok, self.num_threads, "an integer ≥ 1 or None")
+        size = self.tensor_parallel_size
+        ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+        _check("ParallelConfig", "tensor_parallel_size", ok, size, "an integer ≥ 1")
+        ok = isinstance(self.enable_expert_parallel, bool)
+        _check("ParallelConfig", "enable_expert_parallel", ok, self.enable_expert_parallel, "True or False")
+        value = self.rank_timeout_s
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        _check("ParallelConfig", "rank_timeout_s", ok, value, "a number of seconds > 0")
+        ok = isinstance(self.replicate_model, bool)
+        _check("ParallelConfig", "replicate_model", ok, self.replicate_model, "True or False")
 
 
 @dataclass(frozen=True)

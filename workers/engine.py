@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from workers.executors import tensor_parallel_size
 from workers.requests import GenerationResult, Request
 from workers.samples import group_requests, sample_generators
 from workers.sampling import SamplingParams
@@ -81,6 +82,9 @@ class RequestEngine:
                 index, prompt, sampling, stop_ids, generator, self.max_model_len, sample_index=j, grammar=grammars[j]
             )
             samples.append(request)
+        # Followers build the same requests (no grammar: the leader samples and masks) and admit them alike.
+        specs = [(r.index, r.prompt, r.params, r.stop_token_ids, r.max_model_len, r.sample_index) for r in samples]
+        self._lockstep.publish("add", specs)
         self._engine().add([group_requests(samples)])
 
     def _request_grammars(
@@ -112,7 +116,12 @@ class RequestEngine:
         scheduler = self._scheduler
         if scheduler is None or not scheduler.has_work():
             return done
-        scheduler.step()
+        self._lockstep.publish("step")
+        try:
+            scheduler.step()
+        except BaseException as error:
+            self._lockstep.abort(error)  # followers drop the step they replay; `reset` follows
+            raise
         self._check_capture(scheduler)
         for request in scheduler.take_finished():
             self._spec_stats.merge(request.spec)
@@ -128,6 +137,7 @@ class RequestEngine:
     def reset(self) -> None:
         """Drop every request not returned yet and the engine's slots (after a failed step: the next request starts
         on a fresh engine; what the runner learnt — policy, proposers — stays)."""
+        self._lockstep.publish("reset")
         if self._scheduler is not None and self._scheduler.workspace is not None:
             self._scheduler.workspace.release()
             if self._scheduler.proposer is not None:
@@ -178,7 +188,7 @@ class RequestEngine:
                 config.prompt_lookup_min,
                 config.prompt_lookup_max,
                 self.draft_model,
-                self.decode_plan,
+                self.decode_plan and tensor_parallel_size(self.model) == 1,  # a split model's MTP runs unplanned
             )
             self._proposer = registry.method(config.method).build(context)
         return self._proposer
@@ -196,5 +206,6 @@ class RequestEngine:
                 self.tokenizer,
                 self.num_kv_blocks,
                 self.memory_plan.num_prefix_checkpoints,
+                lockstep=self._lockstep,
             )
         return self._scheduler

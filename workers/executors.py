@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import ForwardBatch, HybridModel, StatePool
+from workers.model.distributed import SINGLE_TP
 from workers.model.steps import cuda_graph, decode_plan
 from workers.model.steps.cuda_graph import GraphCaptureError, GraphPlan
 from workers.model.steps.decode_plan import DecodePlan
@@ -148,9 +149,17 @@ def _compacted(requests: list[Request]) -> bool:
     return [r.slot for r in requests] == list(range(len(requests)))
 
 
+def tensor_parallel_size(model: HybridModel) -> int:
+    """The ranks `model` is split over (1: the whole model on this rank)."""
+    return getattr(model, "tp", SINGLE_TP).size  # `HybridModel.tp` arrives with the split layers; until then, whole
+
+
 def choose_executor(model: HybridModel, decode_plan_on: bool, cuda_graphs: bool, drafts_from_hidden: bool) -> str:
     """The executor for this model: graphs when asked and possible, else the decode plan when asked and
-    possible, else the module path. `drafts_from_hidden`: the proposer drafts from the target's hidden states."""
+    possible, else the module path. `drafts_from_hidden`: the proposer drafts from the target's hidden states.
+    A model split over ranks runs module by module: the plans hold no collectives yet."""
+    if tensor_parallel_size(model) > 1:
+        return MODULE
     if cuda_graphs and cuda_graph.unsupported_reason(model, drafts_from_hidden) is None:
         return GRAPH
     if decode_plan_on and decode_plan.unsupported_reason(model) is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.model.checkpoint.config import ATTENTION, ATTENTION_KINDS, RECURRENT_KINDS, SHARED_ATTENTION, HybridConfig
+from workers.model.distributed.group import Collectives
 from workers.model.kernels.selective_scan import CHUNK_ELEMENTS
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.spec_decode.mtp import pending_bytes
@@ -180,6 +181,22 @@ def plan_memory(
         )
     blocks = num_kv_blocks(budget - needed, per_block)
     return MemoryPlan(budget, needed, per_block, blocks, checkpoints, checkpoints * state_bytes)
+
+
+def agree_memory_plan(plan: MemoryPlan, group: Collectives) -> MemoryPlan:
+    """The plan every rank of a tensor-parallel group holds: the fewest KV blocks and prefix checkpoints any rank
+    has room for (budgets and weights differ by rank — a draft model lives on rank 0 alone), so block tables and
+    admission are alike on every rank. One rank: `plan` itself."""
+    if group.size == 1:
+        return plan
+    num_blocks, num_checkpoints = group.all_reduce_min([plan.num_kv_blocks, plan.num_prefix_checkpoints])
+    per_checkpoint = plan.prefix_checkpoint_bytes // max(1, plan.num_prefix_checkpoints)
+    return dataclasses.replace(
+        plan,
+        num_kv_blocks=num_blocks,
+        num_prefix_checkpoints=num_checkpoints,
+        prefix_checkpoint_bytes=per_checkpoint * num_checkpoints,
+    )
 
 
 def num_kv_blocks(free_bytes: int, bytes_per_block: int) -> int:

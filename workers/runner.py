@@ -11,11 +11,16 @@ from typing import Any
 import torch
 
 from workers.config import EngineConfig
+from workers.distributed.follower import LoadSpec
+from workers.distributed.launch import RankGroup, RankOwner
+from workers.distributed.lockstep import SINGLE_LOCKSTEP, Lockstep, ReplayProposer
 from workers.engine import RequestEngine
 from workers.execution_summary import execution_summary
-from workers.memory import plan_memory, runner_budget
+from workers.memory import agree_memory_plan, plan_memory, runner_budget
 from workers.model import HybridModel, load_checkpoint
+from workers.model.distributed import TensorParallel
 from workers.model.kernels import heap, native
+from workers.model.loader import LoadedCheckpoint
 from workers.model.state import DEFAULT_BLOCK_SIZE
 from workers.prefix_sharing import scan_chunk
 from workers.requests import GenerationResult, ScoreResult
@@ -36,7 +41,46 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-class ModelRunner(RequestEngine):
+def _load_target(path: str, config: EngineConfig, lockstep: Lockstep, mtp: bool) -> LoadedCheckpoint:
+    """This rank's shard of the target (the whole model at one rank, or in the tests' replicated mode); rank r of
+    a CUDA group on `cuda:r`."""
+    load, parallel = config.load, config.parallel
+    device = _resolve_device(load.device)
+    if lockstep.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", lockstep.rank)
+    args = (path, device, load.dtype, load.linear_backend, load.decode_kernel, mtp, load.revision, load.quantization)
+    if lockstep.size == 1 or parallel.replicate_model:
+        return load_checkpoint(*args)
+    tp = TensorParallel(lockstep.rank, lockstep.size, parallel.enable_expert_parallel, lockstep.group)
+    return load_checkpoint(*args, tp=tp)
+
+
+def _eos_token_ids(checkpoint: LoadedCheckpoint) -> list[int]:
+    """The end-of-sequence ids of the config and of generation_config.json."""
+    eos = set(checkpoint.config.eos_token_ids)
+    generation_eos = checkpoint.generation_config.get("eos_token_id")
+    if generation_eos is not None:
+        eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(eos)
+
+
+def _load_draft(config: EngineConfig, tokenizer: Any, target: HybridModel) -> HybridModel:
+    """The speculative config's draft model, whole, beside the target (same device, dtype and tokenizer)."""
+    load, speculative = config.load, config.speculative
+    draft = load_checkpoint(
+        speculative.draft_model,
+        target.embed_tokens.weight.device,
+        load.dtype,
+        load.linear_backend,
+        load.decode_kernel,
+        revision=speculative.draft_revision,
+        quantization=load.quantization,
+    )
+    check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
+    return draft.model
+
+
+class ModelRunner(RequestEngine, RankOwner):
     """Holds one hybrid model on one device and runs batched generation and scoring with it."""
 
     def __init__(
@@ -47,6 +91,7 @@ class ModelRunner(RequestEngine):
         config: EngineConfig | None = None,
         draft_model: HybridModel | None = None,
         proposer: Proposer | None = None,
+        lockstep: Lockstep | None = None,
         **options: Any,
     ):
         """Wrap a loaded model; `from_pretrained` is the usual way in.
@@ -57,9 +102,17 @@ class ModelRunner(RequestEngine):
         vocabulary). `proposer` replaces the configured proposer (tests force acceptance patterns through it).
         Memory: weights + activations + KV cache stay within `max_memory` (CPU) or `gpu_memory_utilization` (CUDA);
         requests wait for KV room, and one that can never fit gets an error result (`workers/memory.py`). A CUDA
-        graph capture that fails is logged once and the steps run eagerly.
+        graph capture that fails is logged once and the steps run eagerly. `lockstep`: this rank's place in a
+        tensor-parallel group (`from_pretrained` starts the group; a model built here holds one rank).
         """
         config = (config or EngineConfig()).replace(**options)
+        size = config.parallel.tensor_parallel_size
+        if lockstep is None and size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs the rank processes ModelRunner.from_pretrained starts; "
+                "a ModelRunner built from a model holds one rank"
+            )
+        self._lockstep = lockstep or SINGLE_LOCKSTEP
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or self.config.max_position_embeddings
@@ -107,6 +160,7 @@ class ModelRunner(RequestEngine):
             mtp=self._drafts_from_hidden,
             prefix_caching=cache.enable_prefix_caching,
         )
+        self.memory_plan = agree_memory_plan(self.memory_plan, self._lockstep.group)
         self.num_kv_blocks = self.memory_plan.num_kv_blocks
         self._scorer = Scorer(
             model,
@@ -173,40 +227,40 @@ class ModelRunner(RequestEngine):
         "torch", the reference). A speculative method whose proposer `needs_draft_model` loads
         `speculative.draft_model` too (a hub draft at `speculative.draft_revision`), on the same device and dtype,
         with the same vocabulary and tokenizer; one whose proposer `drafts_from_hidden` loads the MTP head.
+
+        `tensor_parallel_size` = T > 1 splits the model over T ranks: this process is rank 0 and spawns ranks 1 … T-1
+        (rank r on `cuda:r`; `workers/distributed/`), which `close()` stops; `enable_expert_parallel` divides MoE
+        experts among them; a draft model loads whole on rank 0.
         """
         config = (config or EngineConfig()).replace(**options)
-        load, speculative = config.load, config.speculative
+        size = config.parallel.tensor_parallel_size
+        if size == 1:
+            return cls._load_rank(path, config, SINGLE_LOCKSTEP)
+        device = _resolve_device(config.load.device).type
+        threads = config.parallel.num_threads or max(1, torch.get_num_threads() // size)
+        group = RankGroup.start(LoadSpec(path, config, device, threads), cls)
+        try:
+            runner = cls._load_rank(path, config, group.lockstep)
+        except BaseException:
+            group.close()
+            raise
+        runner._rank_group = group
+        return runner
+
+    @classmethod
+    def _load_rank(cls, path: str, config: EngineConfig, lockstep: Lockstep) -> ModelRunner:
+        """Load this rank's shard and wrap it; rank 0 also loads the tokenizer and a draft model (unsharded, on
+        rank 0 alone: its drafts reach the followers as decisions)."""
+        speculative = config.speculative
         mtp = speculative is not None and speculative.proposer_class.drafts_from_hidden
-        checkpoint = load_checkpoint(
-            path,
-            _resolve_device(load.device),
-            load.dtype,
-            load.linear_backend,
-            load.decode_kernel,
-            mtp,
-            load.revision,
-            load.quantization,
-        )
-        eos = set(checkpoint.config.eos_token_ids)
-        generation_eos = checkpoint.generation_config.get("eos_token_id")
-        if generation_eos is not None:
-            eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        checkpoint = _load_target(path, config, lockstep, mtp)
+        needs_draft = speculative is not None and speculative.proposer_class.needs_draft_model
+        if lockstep.follows:
+            proposer = ReplayProposer() if needs_draft else None
+            return cls(checkpoint.model, None, (), config, None, proposer, lockstep=lockstep)
         tokenizer = load_tokenizer(checkpoint.directory)
-        draft_model = None
-        if speculative is not None and speculative.proposer_class.needs_draft_model:
-            device_used = checkpoint.model.embed_tokens.weight.device
-            draft = load_checkpoint(
-                speculative.draft_model,
-                device_used,
-                load.dtype,
-                load.linear_backend,
-                load.decode_kernel,
-                revision=speculative.draft_revision,
-                quantization=load.quantization,
-            )
-            check_same_tokenizer(tokenizer, load_tokenizer(draft.directory), speculative.draft_model)
-            draft_model = draft.model
-        return cls(checkpoint.model, tokenizer, sorted(eos), config, draft_model)
+        draft_model = _load_draft(config, tokenizer, checkpoint.model) if needs_draft else None
+        return cls(checkpoint.model, tokenizer, _eos_token_ids(checkpoint), config, draft_model, lockstep=lockstep)
 
     def prepare_thread(self) -> None:
         """Set up the calling thread to run this runner's steps: on CPU, denormal floats flushed to zero (they are
@@ -267,7 +321,9 @@ class ModelRunner(RequestEngine):
                 results[i] = ScoreResult([], problem.replace("prompt", "sequence", 1))
             else:
                 valid.append(i)
-        scored = self._scorer.score([list(token_ids[i]) for i in valid], on_forward)
+        sequences = [list(token_ids[i]) for i in valid]
+        self._lockstep.publish("score", sequences)  # followers run the same forwards (their collectives)
+        scored = self._scorer.score(sequences, on_forward)
         for i, logprobs in zip(valid, scored):
             results[i] = ScoreResult(logprobs)
         return results  # type: ignore[return-value]

@@ -9,6 +9,7 @@ which is the next model input. A speculative step keeps that invariant through s
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from workers.config import EngineConfig
+from workers.distributed.lockstep import SINGLE_LOCKSTEP, Lockstep, ReplayApplier, fingerprint, without_probs
 from workers.executors import MODULE, ModuleExecutor, build_plan, choose_executor, extra_slots, make_executor
 from workers.grammar_masks import legal_drafts
 from workers.model import HybridModel
@@ -47,20 +49,30 @@ class Scheduler(RequestSlots):
         num_kv_blocks: int | None = None,
         num_prefix_checkpoints: int = 0,
         workspace: Workspace | None = None,
+        lockstep: Lockstep = SINGLE_LOCKSTEP,
     ):
         """`config` sizes the batch (`scheduler`), picks the executor (`execution`) and bounds the drafts
         (`speculative`, used with `proposer`). `policy` decides each step's number of drafts (default: always
         num_speculative_tokens). `num_kv_blocks` bounds the KV cache (blocks of `DEFAULT_BLOCK_SIZE` positions, the
         null block included; None: room for every slot's longest request); requests wait for room, and one that
         could never fit finishes with an error. `num_prefix_checkpoints` > 0 turns on prefix caching
-        (`workers/prefix_sharing.py`). `workspace` (an earlier scheduler's `.workspace`) is reused when it fits."""
+        (`workers/prefix_sharing.py`). `workspace` (an earlier scheduler's `.workspace`) is reused when it fits.
+        `lockstep`: this rank's place in a tensor-parallel group (`workers/distributed/lockstep.py`): the leader
+        decides the executor, the drafts and the tokens, the followers replay them."""
         execution = config.execution
         k = config.num_speculative_tokens if proposer else 0
         policy = policy if policy is not None else FixedPolicy()
         super().__init__(model, config.scheduler, proposer, k, num_kv_blocks, num_prefix_checkpoints)
-        self.tokenizer, self.policy = tokenizer, policy
-        self.executor_kind = choose_executor(model, execution.decode_plan, bool(execution.cuda_graphs), self.mtp)
-        self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler(), config.sampler.logprobs_mode)
+        self.tokenizer, self.policy, self.lockstep = tokenizer, policy, lockstep
+        self.executor_kind = lockstep.decide(
+            "executor", lambda: choose_executor(model, execution.decode_plan, bool(execution.cuda_graphs), self.mtp)
+        )
+        mode = config.sampler.logprobs_mode
+        if lockstep.follows:
+            self.apply = ReplayApplier(proposer, lockstep, mode)
+        else:
+            publish = lockstep.publish if lockstep.leads else None
+            self.apply = StepApplier(tokenizer, proposer, policy, RejectionSampler(), mode, publish)
         self.workspace = workspace
         self.executor: ModuleExecutor | None = None  # set with each workspace
         self.add(requests)
@@ -96,6 +108,8 @@ class Scheduler(RequestSlots):
             param = self.model.embed_tokens.weight
             pool = StatePool(self.model.config, total, capacity, self.device, param.dtype, blocks)
             plan, failure = build_plan(kind, self.model, pool, tokens_per_row)
+            failure = self.lockstep.agree_failure(failure)  # one rank's failed capture: every rank runs eagerly
+            plan = None if failure else plan
             workspace = Workspace(pool, plan, MODULE if failure else kind, failure)
         elif workspace is self.workspace and self.pool is workspace.pool:
             return  # this scheduler's own workspace, as it left it
@@ -136,7 +150,11 @@ class Scheduler(RequestSlots):
         self.num_slot_steps += len(self.prefilling) + len(self.running)
         chunks = self.budget.prefill_chunks([r.next_prefill_stop() - r.num_computed for r in self.prefilling])
         generating = list(self.running)
-        drafts = self._decide_drafts(generating) if generating and self.proposer is not None else None
+        drafts = self.lockstep.decide(
+            "drafts",
+            lambda: self._decide_drafts(generating) if generating and self.proposer is not None else None,
+            fingerprint=lambda: fingerprint(self.prefilling + self.running),
+        )
         return StepPlan(self.prefilling[: len(chunks)], chunks, generating, drafts)
 
     def _decide_drafts(self, requests: list[Request]) -> DraftPlan:
@@ -192,9 +210,15 @@ class Scheduler(RequestSlots):
         if drafts is None:
             self.apply.decoded(requests, *self.executor.decode(requests))
             return None
-        proposal = self._propose(requests, drafts) if any(drafts.num_drafts) else None  # else not asked
-        if proposal is not None:  # structured outputs: only drafts the grammar allows are verified
-            proposal = legal_drafts(requests, proposal)
+        proposal = None
+        if any(drafts.num_drafts):  # else not asked; structured outputs: only drafts the grammar allows are verified
+            self._reserve_drafts(requests)
+            replay = None  # followers of an MTP head run it too: its forward holds collectives
+            if drafts.looked_up is None and self.proposer.drafts_from_hidden:
+                replay = functools.partial(self.proposer.propose, requests, drafts.num_drafts)
+            proposal = self.lockstep.decide(
+                "proposal", lambda: legal_drafts(requests, self._propose(requests, drafts)), None, replay, without_probs
+            )
         request_ids = [r.index for r in requests]
         if proposal is None or proposal.token_ids.shape[1] == 0:  # a plain step
             self.apply.decoded(requests, *self.executor.decode(requests))
@@ -212,11 +236,14 @@ class Scheduler(RequestSlots):
         width = proposal.token_ids.shape[1]
         return StepOutcome(request_ids, drafts.num_drafts, [n - 1 for n in accepted], width, not proposal.caught_up)
 
-    def _propose(self, requests: list[Request], drafts: DraftPlan) -> Proposal:
-        """The step's drafts: the looked-up ones cut to the decision, or the proposer's. KV room first for k + 1
-        positions (a draft model writes its drafts' KV; padded rows of a planned verification write them all)."""
+    def _reserve_drafts(self, requests: list[Request]) -> None:
+        """KV room for k + 1 positions before drafting (a draft model writes its drafts' KV; padded rows of a
+        planned verification write them all); on every rank, so the block tables stay alike."""
         for r in requests:
             self.blocks.ensure(r.slot, min(r.num_tokens + self.num_speculative_tokens, r.num_reserved))
+
+    def _propose(self, requests: list[Request], drafts: DraftPlan) -> Proposal:
+        """The step's drafts: the looked-up ones cut to the decision, or the proposer's."""
         if drafts.looked_up is not None:
             return Proposal.from_lists([d[:k] for d, k in zip(drafts.looked_up, drafts.num_drafts)], None)
         return self.proposer.propose(requests, drafts.num_drafts)

@@ -7,6 +7,7 @@ them after every target forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,10 +32,14 @@ class StepApplier:
         policy: AdaptivePolicy | FixedPolicy,
         rejection_sampler: RejectionSampler,
         logprobs_mode: str = RAW,
+        publish: Callable[[str, Any], None] | None = None,
     ):
-        """`logprobs_mode`: which distribution the rows that ask for logprobs get them from (`workers/logprobs.py`)."""
+        """`logprobs_mode`: which distribution the rows that ask for logprobs get them from (`workers/logprobs.py`).
+        `publish`: the leader of a tensor-parallel group sends each step's outcome through it (tokens and finishes,
+        accepted counts) for its followers to replay (`workers/distributed/lockstep.py`)."""
         self.tokenizer, self.proposer, self.policy = tokenizer, proposer, policy
         self.rejection_sampler, self.logprobs_mode = rejection_sampler, logprobs_mode
+        self.publish = publish
         self.drafts_from_hidden = proposer is not None and proposer.drafts_from_hidden
 
     def observe(
@@ -58,6 +63,8 @@ class StepApplier:
             request.append(token, self.tokenizer)
             if logprobs is not None:
                 logprobs.record(request, row, 1)
+        if self.publish is not None:
+            self.publish("sampled", [(token, r.finish_reason) for token, r in zip(tokens, requests)])
 
     def decoded(self, requests: list[Request], logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """A plain decode step's output: the hidden states to the proposer, then a sampled token each."""
@@ -86,11 +93,16 @@ class StepApplier:
         self.observe(requests, hidden, verification.cache_lens, accepted)
         # 3. Append: the proposer shifts its own state; each request takes its valid tokens.
         self.proposer.accepted(requests, accepted)
+        appended = []
         for i, (request, row, k) in enumerate(zip(requests, rows, proposal.num_draft_tokens)):
             num_before = len(request.output)
             request.append_verified(row, k, self.tokenizer)
             if logprobs is not None:  # only for the tokens appended: a stop inside the accepted run drops the rest
                 logprobs.record(request, i, len(request.output) - num_before)
+            if self.publish is not None:
+                appended.append((request.output[num_before:], request.finish_reason))
+        if self.publish is not None:
+            self.publish("verified", (accepted, appended))
         return accepted
 
     def shadow_drafts(self, requests: list[Request], shadow: dict[int, tuple[int, int]]) -> None:

@@ -101,6 +101,13 @@ class ModelConfig:
         "GPU workers: fraction of the device's memory a worker may use (vLLM's name and meaning)",
         default=CacheConfig.gpu_memory_utilization,
     )
+    gpu_memory: str | None = _doc(
+        "GPU workers: memory of one GPU, e.g. 80GB or 80GiB, for the preflight's sizing (default: from the "
+        "accelerator type, --accelerator-type or the cluster's GPU nodes; unknown: the preflight skips sizing). "
+        "A model whose weights, state slots, KV and activations exceed --gpu-memory-utilization of it per rank is "
+        "refused before any worker starts, naming the --tensor-parallel-size or --max-num-seqs that fits",
+        default=None,
+    )
     enforce_eager: bool = _doc(
         "GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
         "by default on CUDA and never used on CPU)",
@@ -139,6 +146,20 @@ class ModelConfig:
                 parse_memory_size(self.max_memory)
             except ValueError:
                 _fail("ModelConfig", "max_memory", self.max_memory, "give bytes or a size like 8GB, 8GiB, 512MiB")
+        if self.gpu_memory is not None:
+            from workers.memory import parse_memory_size
+
+            try:
+                parse_memory_size(self.gpu_memory)
+            except ValueError:
+                _fail("ModelConfig", "gpu_memory", self.gpu_memory, "give bytes or a size like 80GB, 80GiB")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """`--gpu-memory` in bytes (None: not given)."""
+        from workers.memory import parse_memory_size
+
+        return None if self.gpu_memory is None else parse_memory_size(self.gpu_memory)
 
 
 STRUCTURED_OUTPUT_FLAGS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's constraint fields
@@ -245,8 +266,9 @@ class ScalingConfig:
     )
     max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
     cpus_per_worker: int | None = _doc(
-        "CPUs per worker; a CPU worker also runs this many torch threads (default: GPU workers 1; CPU workers the "
-        "most that lets every worker fit on the nodes that can hold one, or 1 when no such node is up yet)",
+        "CPUs per worker (per rank with --tensor-parallel-size: a worker asks for T times this); a CPU worker (rank) "
+        "also runs this many torch threads (default: GPU workers 1; CPU workers the most that lets every worker fit "
+        "on the nodes that can hold one, or 1 when no such node is up yet)",
         default=None,
     )
     worker_resources: dict[str, float] | None = _doc(
@@ -258,6 +280,17 @@ class ScalingConfig:
         "place workers on nodes with this accelerator (Ray's accelerator_type:NAME resource, e.g. L4, A100, H100); "
         "asked of the autoscaler too",
         default=None,
+    )
+    tensor_parallel_size: int = _doc(
+        "ranks per worker (vLLM's name): each worker splits the model over this many GPUs of one node (one Ray "
+        "bundle {GPU: T, CPU: T × --cpus-per-worker}), or on CPU workers over this many processes (T × "
+        "--cpus-per-worker CPUs, --cpus-per-worker threads each); the driver still sees one worker",
+        default=1,
+    )
+    enable_expert_parallel: bool = _doc(
+        "MoE models with --tensor-parallel-size > 1 (vLLM's name): each rank holds whole experts (num_experts / T) "
+        "instead of a slice of every expert",
+        default=False,
     )
     rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
     max_shard_retries: int = _doc(
@@ -297,6 +330,11 @@ class ScalingConfig:
             )
         if self.cpus_per_worker is not None and (not isinstance(self.cpus_per_worker, int) or self.cpus_per_worker < 1):
             _fail("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, "must be an integer ≥ 1")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            _fail("ScalingConfig", "tensor_parallel_size", size, "must be an integer ≥ 1")
+        if not isinstance(self.enable_expert_parallel, bool):
+            _fail("ScalingConfig", "enable_expert_parallel", self.enable_expert_parallel, "must be true or false")
         self._check_resources()
         if self.rows_per_shard is not None and (not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1):
             _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")

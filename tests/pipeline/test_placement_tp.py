@@ -157,3 +157,24 @@ def test_kill_rank_during_shard_kills_the_named_rank_once(monkeypatch, tmp_path:
     assert worker.runner.killed == [1] and marker.exists()
     worker._maybe_inject_fault(ShardTask(3, 0, rows))  # the retried shard runs on
     assert worker.runner.killed == [1]
+
+
+def test_a_score_job_carries_the_layout_and_is_refused_when_it_does_not_split(
+    checkpoint_dir, dataset, tmp_path, no_ray
+):
+    from pipeline.config import ModelConfig, OutputConfig
+    from pipeline.score import build_score_job
+    from pipeline.score_config import ScoreInputConfig, ScoreJobConfig
+
+    def config(size: int) -> ScoreJobConfig:
+        return ScoreJobConfig(
+            input=ScoreInputConfig(input=str(dataset), text_column="text", id_column="key"),
+            model=ModelConfig(model=str(checkpoint_dir("qwen3_next")), max_model_len=64),
+            scaling=ScalingConfig(tensor_parallel_size=size, enable_expert_parallel=True),
+            output=OutputConfig(output=str(tmp_path / "out")),
+        )
+
+    engine = build_score_job(config(2)).worker.engine
+    assert (engine.parallel.tensor_parallel_size, engine.parallel.enable_expert_parallel) == (2, True)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3: tensor_parallel_size=3 does not divide"):
+        build_score_job(config(3))

@@ -85,7 +85,7 @@ class ModelConfig:
         "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
         "divided among the workers its CPUs hold; 80 percent of the memory available when "
         "the worker starts if no node was up to measure); rows wait for KV room, a row that "
-        "can never fit gets an error",
+        "can never fit gets an error; a worker's --tensor-parallel-size ranks share it equally",
         default=None,
     )
     gpu_memory_utilization: float = doc(

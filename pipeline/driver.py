@@ -113,7 +113,7 @@ class Fleet:
         engine = engine.replace(
             device=self.placement.device,
             num_threads=self.placement.num_threads,
-            max_memory=self.placement.memory or engine.cache.max_memory,
+            max_memory=self.placement.rank_memory or engine.cache.max_memory,  # the group's memory, per rank
         )
         self.spec = dataclasses.replace(job.worker, engine=engine)
         # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py);

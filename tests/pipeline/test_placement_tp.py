@@ -46,6 +46,7 @@ def test_a_cpu_worker_of_two_ranks_asks_for_both_ranks_cpus_and_memory():
     assert (placement.num_cpus, placement.num_threads, placement.num_gpus) == (4, 2, 0)
     assert placement.memory == 8 * GiB
     assert placement.bundle == {"CPU": 4, "memory": 8 * GiB}
+    assert placement.rank_memory == 4 * GiB  # each rank's engine plans within its share
     one = plan_placement("cpu", ScalingConfig(tensor_parallel_size=2), [node], 1)
     assert (one.num_cpus, one.num_threads, one.memory) == (8, 4, 16 * GiB)
     assert plan_placement("cpu", ScalingConfig(tensor_parallel_size=2), [], 3).num_cpus == 2  # no node up yet

@@ -130,10 +130,11 @@ def run_job_cli(
 ) -> int:
     """The whole life of a job command: flags → config → job → run → printed summary.
 
-    A bad flag, config file, input, column, model or output directory exits with status 2 and a one-line message,
-    before any worker starts; a job that cannot finish (workers fail to start, a shard keeps failing) exits with
+    A bad flag, config file, input, column, model or output directory, or a model that does not fit the GPUs
+    (`pipeline/fit.py`), exits with status 2 and a one-line message, before any worker starts; a job that cannot finish (workers fail to start, a shard keeps failing) exits with
     status 1 and a one-line message.
     """
+    from pipeline.fit import ModelDoesNotFit
     from pipeline.output import OutputRefused
 
     try:
@@ -145,7 +146,7 @@ def run_job_cli(
 
     try:
         totals = run(job)
-    except OutputRefused as error:  # --output is not this job's, or another run holds it
+    except (OutputRefused, ModelDoesNotFit) as error:  # --output is not this job's (or is held); the model is too big
         return _fail(error, 2)
     except JobFailed as error:  # no worker could start, a shard kept failing, no cluster answered
         return _fail(error, 1)

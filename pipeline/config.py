@@ -1,7 +1,7 @@
 """Typed job configuration, one frozen dataclass per concern; every default is written here, once.
 
 The CLI (`pipeline/cli.py`) builds its flags from these fields, so a flag's default and help text come from the
-field that defines it.
+field that defines it. The scaling section is `pipeline/scaling_config.py`'s, the score job's `pipeline/score_config.py`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.liveness import MIN_STALL_TIMEOUT_S, STALL_FACTOR
+from pipeline.fields import doc, fail
+from pipeline.scaling_config import ScalingConfig
 from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
 from workers.logprobs import LOGPROBS_MODES, logprobs_mode_name
@@ -25,27 +26,17 @@ SPECULATIVE_METHODS = ("none", *registry.method_names())
 SPECULATIVE_POLICIES = POLICIES
 
 
-def _doc(text: str, **kwargs: Any) -> Any:
-    """A dataclass field carrying its CLI help text."""
-    return field(metadata={"help": text}, **kwargs)
-
-
-def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
-    flag = "--" + name.replace("_", "-")
-    raise ValueError(f"{flag} ({cls}.{name}) = {value!r} is invalid: {allowed}")
-
-
 @dataclass(frozen=True)
 class InputConfig:
     """Where the rows come from and which columns hold what."""
 
-    input: str = _doc(
+    input: str = doc(
         "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
     )
-    split: str = _doc("dataset split to read", default="train")
-    prompt_column: str | None = _doc("column with raw prompt text", default=None)
-    messages_column: str | None = _doc("column with chat messages (list of {role, content})", default=None)
-    id_column: str | None = _doc(
+    split: str = doc("dataset split to read", default="train")
+    prompt_column: str | None = doc("column with raw prompt text", default=None)
+    messages_column: str | None = doc("column with chat messages (list of {role, content})", default=None)
+    id_column: str | None = doc(
         "column whose values become the output `id` (default: the input's `id` column if it "
         "has one, else the row index)",
         default=None,
@@ -53,28 +44,28 @@ class InputConfig:
 
     def __post_init__(self) -> None:
         if not self.input:
-            _fail("InputConfig", "input", self.input, "give a dataset name, file, directory or glob")
+            fail("InputConfig", "input", self.input, "give a dataset name, file, directory or glob")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model each worker loads and how."""
 
-    model: str = _doc("local HF model directory or hub repo id (safetensors only)", default="")
-    revision: str | None = _doc(
+    model: str = doc("local HF model directory or hub repo id (safetensors only)", default="")
+    revision: str | None = doc(
         "hub repo ids: the branch, tag or commit to load (vLLM's name); the driver resolves it "
         "to a commit once and every worker loads that commit (default: main)",
         default=None,
     )
-    device: str = _doc(
+    device: str = doc(
         f"worker device: {', '.join(DEVICES)} (auto: GPU actors when the cluster has GPUs)", default="auto"
     )
-    dtype: str = _doc(
+    dtype: str = doc(
         f"weight dtype: {', '.join(DTYPES)} (auto: float32 on CPU, the checkpoint's on GPU; bfloat16 on CPU: bf16 "
         "linear weights on the AMX / AVX512-BF16 kernels, float32 activations and states)",
         default="auto",
     )
-    quantization: str = _doc(
+    quantization: str = doc(
         "weight quantization (vLLM's name): none, int8 (CPU workers: linear weights quantized "
         "at load, per output channel, the LM head per group; ~4× less to read per decode step; "
         "log-probs move slightly, see docs), int8_weight_only (the same, the LM head float32) or w8a8 "
@@ -82,31 +73,38 @@ class ModelConfig:
         "(any device; docs/models.md)",
         default="none",
     )
-    max_num_seqs: int = _doc("requests decoded together per worker", default=SchedulerConfig.max_num_seqs)
-    max_model_len: int | None = _doc("prompt + generated tokens per row (default: the model's limit)", default=None)
-    max_num_batched_tokens: int = _doc(
+    max_num_seqs: int = doc("requests decoded together per worker", default=SchedulerConfig.max_num_seqs)
+    max_model_len: int | None = doc("prompt + generated tokens per row (default: the model's limit)", default=None)
+    max_num_batched_tokens: int = doc(
         "new tokens one forward may take (vLLM's name): long prompts are prefilled "
         "and long rows scored in chunks of this many",
         default=SchedulerConfig.max_num_batched_tokens,
     )
-    max_memory: str | None = _doc(
+    max_memory: str | None = doc(
         "CPU workers: memory each worker's model, activations and KV cache may use, e.g. "
         "8GB or 8GiB, asked of Ray as its `memory` resource (default: the node's Ray memory "
         "divided among the workers its CPUs hold; 80 percent of the memory available when "
         "the worker starts if no node was up to measure); rows wait for KV room, a row that "
-        "can never fit gets an error",
+        "can never fit gets an error; a worker's --tensor-parallel-size ranks share it equally",
         default=None,
     )
-    gpu_memory_utilization: float = _doc(
+    gpu_memory_utilization: float = doc(
         "GPU workers: fraction of the device's memory a worker may use (vLLM's name and meaning)",
         default=CacheConfig.gpu_memory_utilization,
     )
-    enforce_eager: bool = _doc(
+    gpu_memory: str | None = doc(
+        "GPU workers: memory of one GPU, e.g. 80GB or 80GiB, for the preflight's sizing (default: from the "
+        "accelerator type, --accelerator-type or the cluster's GPU nodes; unknown: the preflight skips sizing). "
+        "A model whose weights, state slots, KV and activations exceed --gpu-memory-utilization of it per rank is "
+        "refused before any worker starts, naming the --tensor-parallel-size or --max-num-seqs that fits",
+        default=None,
+    )
+    enforce_eager: bool = doc(
         "GPU workers: run every step eagerly, without CUDA graphs (vLLM's name; graphs are on "
         "by default on CUDA and never used on CPU)",
         default=False,
     )
-    enable_prefix_caching: bool = _doc(
+    enable_prefix_caching: bool = doc(
         "rows that share a prompt prefix (a template, a system prompt) compute it once: "
         "its recurrent states are checkpointed and its KV blocks shared (vLLM's name; "
         "with every speculative method)",
@@ -115,30 +113,44 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            _fail("ModelConfig", "model", self.model, "give a model directory or hub repo id")
+            fail("ModelConfig", "model", self.model, "give a model directory or hub repo id")
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
-            _fail("ModelConfig", "revision", self.revision, "give a branch, tag or commit of the hub repo")
+            fail("ModelConfig", "revision", self.revision, "give a branch, tag or commit of the hub repo")
         if self.device not in DEVICES:
-            _fail("ModelConfig", "device", self.device, f"must be one of {', '.join(DEVICES)}")
+            fail("ModelConfig", "device", self.device, f"must be one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
-            _fail("ModelConfig", "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+            fail("ModelConfig", "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
-            _fail("ModelConfig", "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
+            fail("ModelConfig", "quantization", self.quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            _fail("ModelConfig", "max_num_seqs", self.max_num_seqs, "must be an integer ≥ 1")
+            fail("ModelConfig", "max_num_seqs", self.max_num_seqs, "must be an integer ≥ 1")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            _fail("ModelConfig", "max_model_len", self.max_model_len, "must be an integer ≥ 1")
+            fail("ModelConfig", "max_model_len", self.max_model_len, "must be an integer ≥ 1")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
-            _fail("ModelConfig", "max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer ≥ 1")
+            fail("ModelConfig", "max_num_batched_tokens", self.max_num_batched_tokens, "must be an integer ≥ 1")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            _fail("ModelConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+            fail("ModelConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.max_memory is not None:
             from workers.memory import parse_memory_size  # the workers' own rule
 
             try:
                 parse_memory_size(self.max_memory)
             except ValueError:
-                _fail("ModelConfig", "max_memory", self.max_memory, "give bytes or a size like 8GB, 8GiB, 512MiB")
+                fail("ModelConfig", "max_memory", self.max_memory, "give bytes or a size like 8GB, 8GiB, 512MiB")
+        if self.gpu_memory is not None:
+            from workers.memory import parse_memory_size
+
+            try:
+                parse_memory_size(self.gpu_memory)
+            except ValueError:
+                fail("ModelConfig", "gpu_memory", self.gpu_memory, "give bytes or a size like 80GB, 80GiB")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """`--gpu-memory` in bytes (None: not given)."""
+        from workers.memory import parse_memory_size
+
+        return None if self.gpu_memory is None else parse_memory_size(self.gpu_memory)
 
 
 STRUCTURED_OUTPUT_FLAGS = ("json_schema", "regex", "choice", "grammar")  # SamplingConfig's constraint fields
@@ -148,37 +160,37 @@ STRUCTURED_OUTPUT_FLAGS = ("json_schema", "regex", "choice", "grammar")  # Sampl
 class SamplingConfig:
     """vLLM's sampling names; validated again by `workers.SamplingParams`."""
 
-    max_tokens: int = _doc("tokens to generate per row at most", default=SamplingParams.max_tokens)
-    temperature: float = _doc("0 = greedy", default=SamplingParams.temperature)
-    top_p: float = _doc("nucleus sampling mass, in (0, 1]", default=SamplingParams.top_p)
-    top_k: int = _doc("sample among the k most likely tokens (0 = off)", default=SamplingParams.top_k)
-    seed: int | None = _doc(
+    max_tokens: int = doc("tokens to generate per row at most", default=SamplingParams.max_tokens)
+    temperature: float = doc("0 = greedy", default=SamplingParams.temperature)
+    top_p: float = doc("nucleus sampling mass, in (0, 1]", default=SamplingParams.top_p)
+    top_k: int = doc("sample among the k most likely tokens (0 = off)", default=SamplingParams.top_k)
+    seed: int | None = doc(
         "base seed: row i samples with seed + i (modulo 2^64), so results do not depend on "
         "sharding; without it the job draws one, recorded in the manifest as sampling_seed",
         default=None,
     )
-    stop: tuple[str, ...] = _doc("stop strings (repeat the flag for several)", default=())
-    ignore_eos: bool = _doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
-    logprobs: int | None = _doc(
+    stop: tuple[str, ...] = doc("stop strings (repeat the flag for several)", default=())
+    ignore_eos: bool = doc("keep generating past the model's end-of-sequence token", default=SamplingParams.ignore_eos)
+    logprobs: int | None = doc(
         f"write each generated token's log-probability and the K most likely tokens' at its position (0 … "
         f"{MAX_LOGPROBS}; columns logprobs and top_logprobs), from the target's own distribution, speculation or not",
         default=SamplingParams.logprobs,
     )
-    logprobs_mode: str = _doc(
+    logprobs_mode: str = doc(
         "with --logprobs: raw (raw_logprobs: the model's log-softmax) or processed (processed_logprobs: of the "
         "distribution each row samples from, after temperature, top-k and top-p; tokens it excludes at -inf)",
         default=SamplerConfig.logprobs_mode,
     )
-    n: int = _doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
-    json_schema: str | None = _doc(
+    n: int = doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
+    json_schema: str | None = doc(
         "structured outputs: every row's output is JSON valid against this schema (a file, or inline JSON)",
         default=None,
     )
-    regex: str | None = _doc("structured outputs: every row's output matches this regular expression", default=None)
-    choice: tuple[str, ...] = _doc(
+    regex: str | None = doc("structured outputs: every row's output matches this regular expression", default=None)
+    choice: tuple[str, ...] = doc(
         "structured outputs: every row's output is one of these strings (repeat the flag for each)", default=()
     )
-    grammar: str | None = _doc(
+    grammar: str | None = doc(
         "structured outputs: every row's output follows this EBNF (GBNF) grammar file (start rule `root`)",
         default=None,
     )
@@ -186,7 +198,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         name = logprobs_mode_name(self.logprobs_mode)
         if name is None:
-            _fail("SamplingConfig", "logprobs_mode", self.logprobs_mode, f"must be raw, processed or {LOGPROBS_MODES}")
+            fail("SamplingConfig", "logprobs_mode", self.logprobs_mode, f"must be raw, processed or {LOGPROBS_MODES}")
         object.__setattr__(self, "logprobs_mode", name)  # one spelling in the manifest and the resume fingerprint
         object.__setattr__(self, "choice", (self.choice,) if isinstance(self.choice, str) else tuple(self.choice))
         given = [flag for flag in STRUCTURED_OUTPUT_FLAGS if getattr(self, flag)]
@@ -199,30 +211,28 @@ class SamplingConfig:
 class SpeculativeOptions:
     """Speculative decoding flags (see `workers.SpeculativeConfig`)."""
 
-    speculative: str = _doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
-    draft_model: str | None = _doc("draft model directory or hub id (with --speculative draft)", default=None)
-    num_speculative_tokens: int = _doc(
-        "draft tokens per step at most", default=SpeculativeConfig.num_speculative_tokens
-    )
-    speculative_policy: str = _doc(
+    speculative: str = doc(f"speculative decoding: {', '.join(SPECULATIVE_METHODS)}", default="none")
+    draft_model: str | None = doc("draft model directory or hub id (with --speculative draft)", default=None)
+    num_speculative_tokens: int = doc("draft tokens per step at most", default=SpeculativeConfig.num_speculative_tokens)
+    speculative_policy: str = doc(
         "adaptive: each step verifies the number of drafts (0 … --num-speculative-tokens) "
         "that this run's measured step times and acceptance say pays best; fixed: always "
         "--num-speculative-tokens",
         default=SpeculativeConfig.policy,
     )
-    prompt_lookup_min: int = _doc("shortest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_min)
-    prompt_lookup_max: int = _doc("longest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_max)
+    prompt_lookup_min: int = doc("shortest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_min)
+    prompt_lookup_max: int = doc("longest n-gram to look up (ngram)", default=SpeculativeConfig.prompt_lookup_max)
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:
-            _fail(
+            fail(
                 "SpeculativeOptions",
                 "speculative",
                 self.speculative,
                 f"must be one of {', '.join(SPECULATIVE_METHODS)}",
             )
         if self.speculative_policy not in SPECULATIVE_POLICIES:
-            _fail(
+            fail(
                 "SpeculativeOptions",
                 "speculative_policy",
                 self.speculative_policy,
@@ -230,131 +240,12 @@ class SpeculativeOptions:
             )
 
 
-RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-@dataclass(frozen=True)
-class ScalingConfig:
-    """How many workers, where they go, how rows are cut into shards, how failures are retried."""
-
-    num_workers: int | None = _doc("fixed number of workers (default: autoscale between min and max)", default=None)
-    min_workers: int = _doc(
-        "autoscaling: fewest workers asked of the cluster (fewer only when there are fewer "
-        "shards); work starts as soon as one is ready",
-        default=1,
-    )
-    max_workers: int = _doc("autoscaling: workers to ask the cluster for at most", default=4)
-    cpus_per_worker: int | None = _doc(
-        "CPUs per worker; a CPU worker also runs this many torch threads (default: GPU workers 1; CPU workers the "
-        "most that lets every worker fit on the nodes that can hold one, or 1 when no such node is up yet)",
-        default=None,
-    )
-    worker_resources: dict[str, float] | None = _doc(
-        "extra Ray resources per worker as JSON, e.g. '{\"spot_node\": 1}' (a custom resource of a node type); "
-        "asked of the autoscaler too",
-        default=None,
-    )
-    accelerator_type: str | None = _doc(
-        "place workers on nodes with this accelerator (Ray's accelerator_type:NAME resource, e.g. L4, A100, H100); "
-        "asked of the autoscaler too",
-        default=None,
-    )
-    rows_per_shard: int | None = _doc("rows per output file (default: from the dataset size)", default=None)
-    max_shard_retries: int = _doc(
-        "times a shard is retried after it failed (its worker raised, died or passed the shard's deadline)", default=3
-    )
-    shard_timeout_s: float | None = _doc(
-        "seconds a shard may take before its worker is stopped (whatever its progress) and the shard retried; 0 = "
-        "never stop a worker. Default (auto): a worker is stopped when it makes no progress (it reports the forwards "
-        f"its engine finishes) for {STALL_FACTOR:g} times its longest forward, at least {MIN_STALL_TIMEOUT_S:g} s, "
-        "however long its shards take",
-        default=None,
-    )
-    max_worker_start_failures: int = _doc(
-        "fail the job once this many workers failed to start (each is printed)", default=3
-    )
-    ray_address: str = _doc(
-        "Ray cluster: 'auto' (the submitting cluster, else one running here, else a new local "
-        "Ray), 'local' (always a new local Ray) or an address",
-        default="auto",
-    )
-    worker_startup_timeout_s: float = _doc(
-        "fail when no worker has started after this many seconds, naming what the pending workers wait for",
-        default=1800.0,
-    )
-
-    def __post_init__(self) -> None:
-        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
-            _fail("ScalingConfig", "num_workers", self.num_workers, "must be an integer ≥ 1")
-        if not isinstance(self.min_workers, int) or self.min_workers < 1:
-            _fail("ScalingConfig", "min_workers", self.min_workers, "must be an integer ≥ 1")
-        if not isinstance(self.max_workers, int) or self.max_workers < self.min_workers:
-            _fail(
-                "ScalingConfig",
-                "max_workers",
-                self.max_workers,
-                f"must be an integer ≥ min_workers ({self.min_workers})",
-            )
-        if self.cpus_per_worker is not None and (not isinstance(self.cpus_per_worker, int) or self.cpus_per_worker < 1):
-            _fail("ScalingConfig", "cpus_per_worker", self.cpus_per_worker, "must be an integer ≥ 1")
-        self._check_resources()
-        if self.rows_per_shard is not None and (not isinstance(self.rows_per_shard, int) or self.rows_per_shard < 1):
-            _fail("ScalingConfig", "rows_per_shard", self.rows_per_shard, "must be an integer ≥ 1")
-        if not isinstance(self.max_shard_retries, int) or self.max_shard_retries < 0:
-            _fail("ScalingConfig", "max_shard_retries", self.max_shard_retries, "must be an integer ≥ 0")
-        if self.shard_timeout_s is not None and (
-            not isinstance(self.shard_timeout_s, (int, float))
-            or isinstance(self.shard_timeout_s, bool)
-            or self.shard_timeout_s < 0
-        ):
-            _fail("ScalingConfig", "shard_timeout_s", self.shard_timeout_s, "must be a number ≥ 0 (0 = no deadline)")
-        if not isinstance(self.max_worker_start_failures, int) or self.max_worker_start_failures < 1:
-            _fail(
-                "ScalingConfig", "max_worker_start_failures", self.max_worker_start_failures, "must be an integer ≥ 1"
-            )
-        if not isinstance(self.worker_startup_timeout_s, (int, float)) or self.worker_startup_timeout_s <= 0:
-            _fail("ScalingConfig", "worker_startup_timeout_s", self.worker_startup_timeout_s, "must be a number > 0")
-
-    def _check_resources(self) -> None:
-        resources = self.worker_resources
-        if resources is not None:
-            if not isinstance(resources, dict) or not all(
-                isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for k, v in resources.items()
-            ):
-                _fail(
-                    "ScalingConfig",
-                    "worker_resources",
-                    resources,
-                    'must be a JSON object of resource names to positive amounts, e.g. {"spot_node": 1}',
-                )
-            reserved = sorted(set(resources) & set(RESERVED_RESOURCES))
-            if reserved or any(k.startswith("accelerator_type:") for k in resources):
-                _fail(
-                    "ScalingConfig",
-                    "worker_resources",
-                    resources,
-                    f"{', '.join(RESERVED_RESOURCES)} and accelerator_type:* are set by --cpus-per-worker, "
-                    "--device and --accelerator-type",
-                )
-        accelerator = self.accelerator_type
-        if accelerator is not None and (
-            not isinstance(accelerator, str) or not accelerator or " " in accelerator or ":" in accelerator
-        ):
-            _fail("ScalingConfig", "accelerator_type", accelerator, "must be an accelerator name such as L4 or A100")
-
-    @property
-    def worker_range(self) -> tuple[int, int]:
-        """(fewest, most) workers the job runs with."""
-        return (self.num_workers, self.num_workers) if self.num_workers else (self.min_workers, self.max_workers)
-
-
 @dataclass(frozen=True)
 class OutputConfig:
     """Where results go."""
 
-    output: str = _doc("output directory: local path or a URI pyarrow.fs understands (s3://, gs://)", default="output")
-    overwrite: bool = _doc("replace an existing output written with a different job config", default=False)
+    output: str = doc("output directory: local path or a URI pyarrow.fs understands (s3://, gs://)", default="output")
+    overwrite: bool = doc("replace an existing output written with a different job config", default=False)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from pipeline.address import answers, recorded_address
 from pipeline.fault_injection import maybe_kill_driver
+from pipeline.fit import check_on_cluster
 from pipeline.job import Job
 from pipeline.liveness import Watch
 from pipeline.manifest import finalize_output, open_output, prepare_output
@@ -112,7 +113,7 @@ class Fleet:
         engine = engine.replace(
             device=self.placement.device,
             num_threads=self.placement.num_threads,
-            max_memory=self.placement.memory or engine.cache.max_memory,
+            max_memory=self.placement.rank_memory or engine.cache.max_memory,  # the group's memory, per rank
         )
         self.spec = dataclasses.replace(job.worker, engine=engine)
         # A threaded actor: its SHARDS_PER_WORKER shards in flight stream through one engine (workers/stream.py);
@@ -153,6 +154,10 @@ class ShardLoop:
         self.job, self.out, self.progress = job, out, progress
         self.num_workers = min(job.scaling.worker_range[1], len(todo))  # never more workers than shards
         self.fleet = Fleet(job, self.num_workers)
+        if job.fit is not None and self.fleet.placement.device == "cuda":  # the GPU types are known only now
+            skipped = check_on_cluster(job.fit, _alive_nodes())
+            if skipped:
+                say(skipped)
         self.queue: deque[Shard] = deque(todo)
         self.ready: set[Any] = set()  # workers alive and ready now, idle or busy
         self.load: Counter[Any] = Counter()  # ready worker → shards it holds (at most SHARDS_PER_WORKER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import GenerateJobConfig
+from pipeline.fit import check_job_fit
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
 from pipeline.structured import check_constraint, resolve_constraint, sampling_fields
@@ -49,10 +50,13 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
         draft_revision = check_model(config.speculative.draft_model, "draft model", need_tokenizer=False)
     model, columns = config.model, config.input
     speculative = speculative_config(config, draft_revision)
+    num_drafts = 0 if speculative is None else speculative.num_speculative_tokens
+    fit = check_job_fit(model, config.scaling, revision, config.speculative.speculative == "mtp", num_drafts)
     prompt = PromptSource(columns.prompt_column, columns.messages_column)
-    worker = worker_spec("generate", model, revision, speculative, prompt=prompt, sampling=sampling)
+    worker = worker_spec("generate", model, revision, speculative, config.scaling, prompt=prompt, sampling=sampling)
     worker = dataclasses.replace(worker, engine=worker.engine.replace(logprobs_mode=logprobs_mode))
     fields = GENERATE_FIELDS + (LOGPROBS_FIELDS if sampling.logprobs is not None else [])
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
-    return build_job("generate", config, (columns.input, columns.split), flags, columns.id_column, worker, fields)
+    source = (columns.input, columns.split)
+    return build_job("generate", config, source, flags, columns.id_column, worker, fields, fit=fit)

@@ -9,9 +9,10 @@ import datasets
 import pyarrow as pa
 
 from pipeline.config import ModelConfig, OutputConfig, ScalingConfig
+from pipeline.fit import FitRequest
 from pipeline.sharding import Shard
 from workers.actor import ShardOutput, WorkerSpec
-from workers.config import CacheConfig, EngineConfig, ExecutionConfig, LoadConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ExecutionConfig, LoadConfig, ParallelConfig, SchedulerConfig
 from workers.spec_decode import SpeculativeConfig
 
 
@@ -30,6 +31,7 @@ class Job:
     config: dict[str, Any]  # the full job config, for the manifest
     fingerprint: dict[str, Any]  # what must match for a rerun to resume
     ids: pa.ChunkedArray | None = None  # the id column as written (`pipeline/ids.py`); None: the row index
+    fit: FitRequest | None = None  # the sizing the driver checks on the cluster's GPU types (None: done or CPU)
 
     @property
     def input_columns(self) -> list[str]:
@@ -73,16 +75,23 @@ class Job:
 
 
 def engine_config(
-    model: ModelConfig, revision: str | None = None, speculative: SpeculativeConfig | None = None
+    model: ModelConfig,
+    revision: str | None = None,
+    speculative: SpeculativeConfig | None = None,
+    scaling: ScalingConfig | None = None,
 ) -> EngineConfig:
     """The workers' engine config, built once from the job's model section (a hub model at the commit `revision`,
-    resolved by the driver) and its speculative config."""
+    resolved by the driver), its speculative config and the scaling section's tensor / expert parallelism."""
     quantization = None if model.quantization == "none" else model.quantization
+    scaling = scaling or ScalingConfig()
     return EngineConfig(
         load=LoadConfig(device=model.device, dtype=model.dtype, quantization=quantization, revision=revision),
         scheduler=SchedulerConfig(model.max_num_seqs, model.max_num_batched_tokens, model.max_model_len),
         cache=CacheConfig(model.enable_prefix_caching, model.max_memory, model.gpu_memory_utilization),
         execution=ExecutionConfig(cuda_graphs=False if model.enforce_eager else None),
+        parallel=ParallelConfig(
+            tensor_parallel_size=scaling.tensor_parallel_size, enable_expert_parallel=scaling.enable_expert_parallel
+        ),
         speculative=speculative,
     )
 
@@ -92,11 +101,13 @@ def worker_spec(
     model: ModelConfig,
     revision: str | None = None,
     speculative: SpeculativeConfig | None = None,
+    scaling: ScalingConfig | None = None,
     **task_fields: Any,
 ) -> WorkerSpec:
-    """The `WorkerSpec` of a job's workers (generate and score alike): the engine config built from the model section
-    and the speculative config, plus the task's typed options (`prompt`, `sampling` or `scoring`)."""
-    return WorkerSpec(task, model.model, engine_config(model, revision, speculative), **task_fields)
+    """The `WorkerSpec` of a job's workers (generate and score alike): the engine config built from the model and
+    scaling sections and the speculative config, plus the task's typed options (`prompt`, `sampling` or
+    `scoring`)."""
+    return WorkerSpec(task, model.model, engine_config(model, revision, speculative, scaling), **task_fields)
 
 
 def readable(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -139,11 +150,13 @@ def build_job(
     id_column: str | None,
     worker: WorkerSpec,
     task_fields: list[pa.Field],
+    fit: FitRequest | None = None,
 ) -> Job:
     """Read and check the input (before any worker starts), plan the shards and describe the job.
 
     `config` is the job's config dataclass (with `model`, `scaling` and `output` sections); `source` is
-    (input, split); `columns` maps each column flag to the column it names.
+    (input, split); `columns` maps each column flag to the column it names; `fit`: the preflight sizing left for the
+    driver (`pipeline/fit.py`).
     """
     from pipeline.identity import model_identity
     from pipeline.ids import read_ids
@@ -159,6 +172,9 @@ def build_job(
     ids = read_ids(rows, id_column, flag)
     fingerprint = config.to_dict()
     fingerprint.pop("output")
+    # --tensor-parallel-size and --enable-expert-parallel are left out, as --device and --max-num-seqs are: they
+    # change the order of float sums (a rank-ordered all-reduce), not what is computed, so a resumed job may run on
+    # another layout (the manifest's config records each run's). docs/tensor_parallel.md says why.
     fingerprint["scaling"] = {"rows_per_shard": config.scaling.rows_per_shard}
     fingerprint["model"].pop("revision")  # the files at the commit it resolved to are in model_identity
     for performance_only in (
@@ -167,6 +183,7 @@ def build_job(
         "max_num_batched_tokens",
         "max_memory",
         "gpu_memory_utilization",
+        "gpu_memory",
         "enforce_eager",
         "enable_prefix_caching",
     ):
@@ -189,4 +206,5 @@ def build_job(
         config=config.to_dict(),
         fingerprint=fingerprint,
         ids=ids,
+        fit=fit,
     )

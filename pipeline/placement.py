@@ -23,8 +23,14 @@ class Placement:
     num_cpus: int
     num_gpus: int
     resources: dict[str, float] = field(default_factory=dict)  # custom ones, accelerator_type:NAME included
-    num_threads: int | None = None  # torch threads of a CPU worker
+    num_threads: int | None = None  # torch threads of a CPU worker (of each of its ranks)
     memory: int | None = None  # CPU workers: bytes asked of Ray's `memory` resource, and the worker's memory budget
+    num_ranks: int = 1  # tensor-parallel ranks of the worker (processes on one node, GPUs on CUDA)
+
+    @property
+    def rank_memory(self) -> int | None:
+        """Each rank's share of a CPU worker's memory budget (the engine's `max_memory`: every rank plans its own)."""
+        return None if self.memory is None else self.memory // self.num_ranks
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -56,22 +62,28 @@ def plan_placement(
     up yet, e.g. on an autoscaling cluster that starts with no worker node). A CPU worker's memory budget is
     `max_memory` (`--max-memory`), else its share of a node's Ray `memory` (see `memory_share`); it asks Ray for
     that much `memory`, so Ray places no more workers on a node than its memory holds.
+
+    With `--tensor-parallel-size` T a worker is still one actor, asking for one bundle of T ranks: {GPU: T, CPU: T·c}
+    on GPUs, {CPU: T·c, memory} on CPUs, where c is the CPUs (and threads) of one rank. A bundle never spans nodes,
+    so the ranks share a node (STRICT_PACK with one bundle; docs/tensor_parallel.md). A CPU worker's `memory` covers
+    all its ranks; each plans within `rank_memory`.
     """
+    size = scaling.tensor_parallel_size
     resources = dict(scaling.worker_resources or {})
     if scaling.accelerator_type:
         resources[f"accelerator_type:{scaling.accelerator_type}"] = ACCELERATOR_AMOUNT
     use_gpu = device == "cuda" or (device == "auto" and any(node.get("GPU", 0) > 0 for node in nodes))
     if use_gpu:
-        return Placement("cuda", scaling.cpus_per_worker or 1, 1, resources)
-    eligible = [node.get("CPU", 0) for node in nodes if _holds(node, resources)]
-    cpus = scaling.cpus_per_worker or fitting_cpus(eligible, num_workers)
+        return Placement("cuda", size * (scaling.cpus_per_worker or 1), size, resources, num_ranks=size)
+    eligible = [node.get("CPU", 0) / size for node in nodes if _holds(node, resources)]
+    cpus = scaling.cpus_per_worker or fitting_cpus(eligible, num_workers)  # per rank
     if max_memory is not None:
         from workers.memory import parse_memory_size  # the workers' own rule
 
         memory = parse_memory_size(max_memory)
     else:
-        memory = memory_share([node for node in nodes if _holds(node, resources)], cpus, num_workers)
-    return Placement("cpu", cpus, 0, resources, num_threads=cpus, memory=memory)
+        memory = memory_share([node for node in nodes if _holds(node, resources)], size * cpus, num_workers)
+    return Placement("cpu", size * cpus, 0, resources, num_threads=cpus, memory=memory, num_ranks=size)
 
 
 def fitting_cpus(node_cpus: list[float], num_workers: int) -> int:

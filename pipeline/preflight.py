@@ -29,7 +29,7 @@ def check_model(
     checked at the commit `revision` (branch, tag or commit; default main) points to now, which is returned, so
     that every worker loads what was checked; a local directory returns None."""
     try:
-        if not _looks_local(model):
+        if not looks_local(model):
             return _check_hub_repo(model, need_mtp, revision)
         if revision is not None:
             raise ValueError(f"--revision {revision!r} is for hub repo ids, not a local model directory")
@@ -39,7 +39,7 @@ def check_model(
         raise ValueError(f"{role} {model!r}: {_one_line(str(error))}") from None
 
 
-def _looks_local(model: str) -> bool:
+def looks_local(model: str) -> bool:
     """A path (existing, or written like one) rather than a hub repo id 'org/name'."""
     return os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") != 1
 
@@ -74,10 +74,10 @@ def _parse_config(path: Path) -> HybridConfig:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"config.json does not parse: {error}") from None
-    return _hybrid_config(raw)
+    return hybrid_config(raw)
 
 
-def _hybrid_config(raw: Any) -> HybridConfig:
+def hybrid_config(raw: Any) -> HybridConfig:
     if not isinstance(raw, dict):
         raise ValueError("config.json is not a JSON object")
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
@@ -176,7 +176,7 @@ def _check_hub_repo(repo: str, need_mtp: bool, revision: str | None) -> str:
     try:
         commit = huggingface_hub.HfApi().model_info(repo, revision=revision).sha
         raw = json.loads(Path(huggingface_hub.hf_hub_download(repo, "config.json", revision=commit)).read_text())
-        config = _hybrid_config(raw)
+        config = hybrid_config(raw)
         metadata = huggingface_hub.get_safetensors_metadata(repo, revision=commit)
     except ValueError:
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipeline.fit import check_job_fit
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
 from pipeline.score_config import ScoreJobConfig
@@ -21,9 +22,11 @@ def build_score_job(config: ScoreJobConfig) -> Job:
         messages_column=columns.messages_column,
         **dataclasses.asdict(config.scoring),
     )
-    worker = worker_spec("score", model, revision, scoring=spec)
+    fit = check_job_fit(model, config.scaling, revision)
+    worker = worker_spec("score", model, revision, scaling=config.scaling, scoring=spec)
     flags = {"--text-column": columns.text_column, "--prompt-column": columns.prompt_column,
              "--completion-column": columns.completion_column, "--messages-column": columns.messages_column,
              "--id-column": columns.id_column}  # fmt: skip
     fields = SCORE_FIELDS + ([TOKEN_LOGPROBS_FIELD] if config.scoring.token_logprobs else [])
-    return build_job("score", config, (columns.input, columns.split), flags, columns.id_column, worker, fields)
+    source = (columns.input, columns.split)
+    return build_job("score", config, source, flags, columns.id_column, worker, fields, fit=fit)

@@ -7,22 +7,23 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ModelConfig, OutputConfig, ScalingConfig, _doc, _fail
+from pipeline.config import ModelConfig, OutputConfig, ScalingConfig
+from pipeline.fields import doc, fail
 
 
 @dataclass(frozen=True)
 class ScoreInputConfig:
     """Where the rows come from and which columns to score."""
 
-    input: str = _doc(
+    input: str = doc(
         "hub dataset name, local Parquet/JSONL/CSV file, directory or glob, or a save_to_disk directory", default=""
     )
-    split: str = _doc("dataset split to read", default="train")
-    text_column: str | None = _doc("score every token of this text after the first", default=None)
-    prompt_column: str | None = _doc("with --completion-column: the conditioning prompt (not scored)", default=None)
-    completion_column: str | None = _doc("with --prompt-column: the text whose tokens are scored", default=None)
-    messages_column: str | None = _doc("chat messages; the last assistant turn is scored", default=None)
-    id_column: str | None = _doc(
+    split: str = doc("dataset split to read", default="train")
+    text_column: str | None = doc("score every token of this text after the first", default=None)
+    prompt_column: str | None = doc("with --completion-column: the conditioning prompt (not scored)", default=None)
+    completion_column: str | None = doc("with --prompt-column: the text whose tokens are scored", default=None)
+    messages_column: str | None = doc("chat messages; the last assistant turn is scored", default=None)
+    id_column: str | None = doc(
         "column whose values become the output `id` (default: the input's `id` column if it "
         "has one, else the row index)",
         default=None,
@@ -30,7 +31,7 @@ class ScoreInputConfig:
 
     def __post_init__(self) -> None:
         if not self.input:
-            _fail("ScoreInputConfig", "input", self.input, "give a dataset name, file, directory or glob")
+            fail("ScoreInputConfig", "input", self.input, "give a dataset name, file, directory or glob")
         modes = [
             self.text_column is not None,
             self.messages_column is not None,
@@ -46,13 +47,13 @@ class ScoreInputConfig:
 class ScoreOptions:
     """How rows are scored."""
 
-    add_bos: bool | None = _doc(
+    add_bos: bool | None = doc(
         "prepend the tokenizer's special tokens (default: the tokenizer's own choice)", default=None
     )
-    truncate: bool = _doc(
+    truncate: bool = doc(
         "keep the first --max-model-len tokens of longer rows (else the row gets an error)", default=False
     )
-    token_logprobs: bool = _doc("also write each scored token's log-probability (list<float32>)", default=False)
+    token_logprobs: bool = doc("also write each scored token's log-probability (list<float32>)", default=False)
 
 
 @dataclass(frozen=True)

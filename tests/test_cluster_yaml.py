@@ -49,3 +49,26 @@ def test_gpu_batch_cluster_shape():
 def test_dashboard_bound_to_localhost():
     head_start = " ".join(_config()["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_start
+
+
+def _commented_node_type(name: str) -> dict:
+    """The node type `name` that cluster.yaml carries commented out, uncommented and parsed."""
+    lines = (ROOT / "cluster.yaml").read_text().splitlines()
+    start = lines.index(f"  # {name}:")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("  #"):
+            break
+        block.append(line.removeprefix("  #").removeprefix(" "))
+    return yaml.safe_load("\n".join(block))[name]
+
+
+def test_the_commented_multi_gpu_node_type_parses_and_validates():
+    node_type = _commented_node_type("gpu_worker_8xh100")
+    assert node_type["resources"] == {"CPU": 192, "GPU": 8}
+    assert node_type["node_config"]["InstanceType"] == "p5.48xlarge"
+    config = _config()
+    config["available_node_types"]["gpu_worker_8xh100"] = node_type  # what uncommenting it gives
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    test_dashboard_bound_to_localhost()

@@ -12,16 +12,18 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 import torch
 
 from workers.columns import decode_rows
 from workers.config import EngineConfig
+from workers.model.distributed.group import RankFailure
 from workers.rows import PromptSource, generation_columns, shard_requests
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
@@ -36,7 +38,9 @@ from workers.stream import ShardStream
 # shard N write its process id into the marker and raise on shard N and on every shard after it, as a worker with
 # a broken CUDA context does. On the engine's steps: {"slow_step_s": S} sleeps S seconds before each step (a slow
 # CPU worker); {"fail_step": N, "marker": path} makes the Nth step of the first worker to reach it raise once (a
-# transient out-of-memory); {"freeze_step": N, "marker": path} makes it never return (a frozen engine).
+# transient out-of-memory); {"freeze_step": N, "marker": path} makes it never return (a frozen engine). Tensor
+# parallel workers: {"kill_rank_during_shard": N, "rank": R, "marker": path} kills rank R (default 1) of the worker
+# that processes shard N, once; the rank watch then takes the whole worker down (`die`).
 FAULT_INJECTION_ENV = "HYBRIDGEN_FAULT_INJECTION"
 
 
@@ -140,6 +144,8 @@ class ShardWorker:
             if self.runner.tokenizer is None:
                 raise ValueError(f"model {spec.model!r} has no tokenizer files: cannot turn text into tokens")
             _inject_step_faults(self.runner)
+            if spec.engine.parallel.tensor_parallel_size > 1:  # a dead rank takes its group down: the driver
+                self.runner.watch_ranks(die)  # sees a dead worker, requeues its shards and starts another
             self.stream.runner = self.runner
         except Exception as error:  # reported by ready(); the driver decides
             self.start_error = f"{type(error).__name__}: {error}"
@@ -171,6 +177,14 @@ class ShardWorker:
             raise RuntimeError(f"this worker failed to start: {self.start_error}")
         start = time.perf_counter()
         self._maybe_inject_fault(task)
+        try:
+            columns, stats = self._process(task)
+        except RankFailure as error:  # a peer rank is gone: the group cannot go on, and a retry here cannot help
+            die(f"{type(error).__name__}: {error}")
+        return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
+
+    def _process(self, task: ShardTask) -> tuple[dict[str, list[Any]], dict[str, float]]:
+        """The shard's output columns and counters."""
         if self.spec.task == "generate":
             rows = decode_rows(task.rows, self.spec.input_columns)
             sampling = self.spec.sampling
@@ -187,10 +201,9 @@ class ShardWorker:
 
             columns = self.stream.call(score).result()
             stats = shard_stats(columns)
-        return ShardOutput(task.index, columns, time.perf_counter() - start, stats)
+        return columns, stats
 
-    @staticmethod
-    def _maybe_inject_fault(task: ShardTask) -> None:
+    def _maybe_inject_fault(self, task: ShardTask) -> None:
         plan = os.environ.get(FAULT_INJECTION_ENV)
         if not plan:
             return
@@ -199,6 +212,10 @@ class ShardWorker:
         if task.index == plan.get("kill_during_shard") and not marker.exists():
             marker.write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)
+        if task.index == plan.get("kill_rank_during_shard") and not marker.exists():
+            rank = int(plan.get("rank", 1))
+            marker.write_text(f"rank {rank} of process {os.getpid()} killed once")
+            self.runner.kill_rank(rank)
         if task.index == plan.get("break_during_shard") and not marker.exists():
             marker.write_text(str(os.getpid()))
         if "break_during_shard" in plan and marker.exists() and marker.read_text() == str(os.getpid()):
@@ -210,6 +227,14 @@ class ShardWorker:
             partial.write_text(ray.get_runtime_context().get_node_id())
             partial.rename(marker)
             time.sleep(3600)  # until the test takes this node away
+
+
+def die(reason: str) -> NoReturn:
+    """End this worker's process at once (SIGKILL), as a crashed worker ends: called when a rank of its
+    tensor-parallel group died, so that the driver's dead-worker path replaces the whole group and requeues its
+    shards (a group missing a rank cannot compute, and no in-process recovery could rebuild it)."""
+    print(f"tensor-parallel worker {os.getpid()} stops: {reason}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _inject_step_faults(runner: ModelRunner) -> None:

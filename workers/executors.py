@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from workers.model import ForwardBatch, HybridModel, StatePool
-from workers.model.distributed import SINGLE_TP
 from workers.model.steps import cuda_graph, decode_plan
 from workers.model.steps.cuda_graph import GraphCaptureError, GraphPlan
 from workers.model.steps.decode_plan import DecodePlan
@@ -151,7 +150,7 @@ def _compacted(requests: list[Request]) -> bool:
 
 def tensor_parallel_size(model: HybridModel) -> int:
     """The ranks `model` is split over (1: the whole model on this rank)."""
-    return getattr(model, "tp", SINGLE_TP).size  # `HybridModel.tp` arrives with the split layers; until then, whole
+    return model.tp.size
 
 
 def choose_executor(model: HybridModel, decode_plan_on: bool, cuda_graphs: bool, drafts_from_hidden: bool) -> str:

@@ -32,7 +32,7 @@ from workers.model.layers.fp8_experts import FP8_EXPERTS_GRAPH_REASON, Fp8Expert
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.moe import static_form_reason
 from workers.model.state import DeltaScanInputs, ForwardBatch, ScanInputs, StatePool
-from workers.model.steps.decode_plan import check_step
+from workers.model.steps.decode_plan import TENSOR_PARALLEL_REASON, check_step
 
 DECODE, VERIFY, KEEP = "decode", "verify", "keep"
 
@@ -51,6 +51,8 @@ def unsupported_reason(model: HybridModel, drafts_from_hidden: bool = False) -> 
     Every family's blocks have a static form (Mamba2, Gated DeltaNet, Mamba1, Kimi Delta Attention, short conv,
     attention with latent caches, sliding windows, post-norms or shared blocks); the reasons left are MoE experts
     where neither `torch._grouped_mm` nor Triton runs, and MTP drafting."""
+    if model.tp.parallel:
+        return TENSOR_PARALLEL_REASON
     weight = model.embed_tokens.weight
     if any(isinstance(m, Fp8Experts) for m in model.modules()):
         return FP8_EXPERTS_GRAPH_REASON

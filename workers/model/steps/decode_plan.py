@@ -68,8 +68,15 @@ def check_step(token_ids: list[list[int]], positions: list[int], max_rows: int, 
     return b, length
 
 
+TENSOR_PARALLEL_REASON = (
+    "the model is split over tensor-parallel ranks: plans and graphs hold no collectives yet (the module path runs)"
+)
+
+
 def unsupported_reason(model: HybridModel) -> str | None:
     """Why `model` cannot run as a decode plan, or None when it can."""
+    if model.tp.parallel:
+        return TENSOR_PARALLEL_REASON
     if any(isinstance(m, (Fp8BlockLinear, Fp8Experts)) for m in model.modules()):
         return FP8_KEPT_REASON
     if (reason := shared_block_unsupported_reason(model)) is not None:

@@ -37,6 +37,7 @@ from workers.model.layers.fp8_linear import FP8_KEPT_REASON, Fp8BlockLinear
 from workers.model.layers.hybrid import HybridModel
 from workers.model.layers.linear import NativeLinear
 from workers.model.state import KVCache
+from workers.model.steps.decode_plan import TENSOR_PARALLEL_REASON
 from workers.model.steps.feed_forward_records import MoeScratch, moe_unsupported_reason, record_mlp, record_moe
 from workers.model.steps.plan_records import (
     RECORD_WORDS,
@@ -54,6 +55,8 @@ def unsupported_reason(model: HybridModel) -> str | None:
     head = model.mtp
     if head is None:
         return "the model has no MTP head"
+    if model.tp.parallel:
+        return TENSOR_PARALLEL_REASON
     if any(isinstance(m, (Fp8BlockLinear, Fp8Experts)) for m in [*head.modules(), model.lm_head]):
         return FP8_KEPT_REASON
     norms = [head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm, *(block.norm for block in head.blocks)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.fields import doc, fail
+from pipeline.sampling_options import logit_bias_flag, token_ids_flag
 from pipeline.scaling_config import ScalingConfig
 from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
@@ -182,6 +183,35 @@ class SamplingConfig:
         default=SamplerConfig.logprobs_mode,
     )
     n: int = doc("samples per row: an output row each (sample_index), one prefill", default=SamplingParams.n)
+    presence_penalty: float = doc(
+        "subtract this from the logit of every token the output already holds, in [-2, 2] (vLLM's)",
+        default=SamplingParams.presence_penalty,
+    )
+    frequency_penalty: float = doc(
+        "subtract this times its count in the output so far from every token's logit, in [-2, 2] (vLLM's)",
+        default=SamplingParams.frequency_penalty,
+    )
+    repetition_penalty: float = doc(
+        "> 0: divide the positive logits and multiply the negative ones of every token in the prompt or the output "
+        "(1 = off)",
+        default=SamplingParams.repetition_penalty,
+    )
+    min_p: float = doc(
+        "drop tokens less likely than min_p times the most likely one, in [0, 1] (0 = off)",
+        default=SamplingParams.min_p,
+    )
+    min_tokens: int = doc(
+        "no eos or --stop-token-ids before this many tokens are generated", default=SamplingParams.min_tokens
+    )
+    logit_bias: dict[str, float] | None = doc(
+        'JSON object {"token id": bias}: each bias is added to that token\'s logit', default=None, hash=False
+    )
+    bad_words: tuple[str, ...] = doc(
+        "words never generated (repeat the flag for several; tokenized with and without a leading space)", default=()
+    )
+    allowed_token_ids: tuple[int, ...] | None = doc(
+        "sample only among these token ids (repeat the flag, or give a JSON list)", default=None
+    )
     json_schema: str | None = doc(
         "structured outputs: every row's output is JSON valid against this schema (a file, or inline JSON)",
         default=None,
@@ -201,6 +231,11 @@ class SamplingConfig:
             fail("SamplingConfig", "logprobs_mode", self.logprobs_mode, f"must be raw, processed or {LOGPROBS_MODES}")
         object.__setattr__(self, "logprobs_mode", name)  # one spelling in the manifest and the resume fingerprint
         object.__setattr__(self, "choice", (self.choice,) if isinstance(self.choice, str) else tuple(self.choice))
+        object.__setattr__(
+            self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        )
+        object.__setattr__(self, "allowed_token_ids", token_ids_flag(self.allowed_token_ids))
+        object.__setattr__(self, "logit_bias", logit_bias_flag(self.logit_bias))
         given = [flag for flag in STRUCTURED_OUTPUT_FLAGS if getattr(self, flag)]
         if len(given) > 1:
             flags = ", ".join("--" + flag.replace("_", "-") for flag in given)

@@ -4,9 +4,11 @@ runs one scheduler step and returns the requests that finished; `generate` is a 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from workers.executors import tensor_parallel_size
+from workers.logits_processors import admit_options
 from workers.requests import GenerationResult, Request
 from workers.samples import group_requests, sample_generators
 from workers.sampling import SamplingParams
@@ -66,6 +68,8 @@ class RequestEngine:
             return
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
         grammars, problem = self._request_grammars(sampling, stop_ids)
+        options, option_problem = admit_options(sampling, self.tokenizer, self.config.vocab_size)
+        problem = problem or option_problem or None
         if problem:
             errors = [
                 GenerationResult([], "error", problem, None, len(prompt_token_ids), sample_index=j)
@@ -81,6 +85,7 @@ class RequestEngine:
             request = Request(
                 index, prompt, sampling, stop_ids, generator, self.max_model_len, sample_index=j, grammar=grammars[j]
             )
+            request.options = None if options is None else replace(options)  # each sample counts its own tokens
             samples.append(request)
         # Followers build the same requests (no grammar: the leader samples and masks) and admit them alike.
         specs = [(r.index, r.prompt, r.params, r.stop_token_ids, r.max_model_len, r.sample_index) for r in samples]

@@ -70,6 +70,7 @@ class Request:
     sample_index: int = 0  # which of its prompt's n samples (`workers/samples.py`)
     group: Any | None = None  # the `SampleGroup` of a prompt with n > 1 samples (None: n = 1)
     grammar: RequestGrammar | None = None  # its structured-outputs matcher (`workers/structured_outputs.py`)
+    options: Any | None = None  # its logits options' state (`workers.logits_processors.RowOptions`), made on first use
 
     @property
     def num_tokens(self) -> int:

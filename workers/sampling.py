@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +29,15 @@ class SamplingParams:
     generated (its prompt prefilled once, `workers/samples.py`); sample j > 0 of a seeded request draws from
     `sample_seed(seed, j)`. `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
     (`workers/structured_outputs.py`).
+
+    The logits options, vLLM's meanings (`workers/logits_processors.py`, applied at every verification position
+    with the drafts before it as if generated): `presence_penalty` / `frequency_penalty` (in [-2, 2]) subtract
+    presence · [count > 0] + frequency · count over the output tokens so far; `repetition_penalty` (> 0) divides
+    positive logits and multiplies negative ones of every token in the prompt or the output; `min_p` (in [0, 1])
+    drops tokens whose probability is below min_p · the top one's (after temperature); `min_tokens` masks eos and
+    `stop_token_ids` until that many tokens are out; `logit_bias` {token id: bias} adds to the logits;
+    `bad_words` are banned (tokenized with and without a leading space; a word's last token is banned when the
+    output ends with its other tokens); `allowed_token_ids` restricts sampling to these tokens.
     """
 
     max_tokens: int = 256
@@ -40,12 +51,21 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _normalize_options(self)
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer ≥ 1"),
             ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
@@ -69,6 +89,7 @@ class SamplingParams:
                 self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                 "a StructuredOutputsParams or None",
             ),
+            *_option_checks(self),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -78,6 +99,72 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax token."""
         return self.temperature == 0
+
+    @property
+    def has_logits_options(self) -> bool:
+        """Whether any option that reads the request's tokens or edits its logits is set (min_p aside: it is part of
+        `sampling_logits`); rows without one sample exactly as before these options existed."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words
+            or self.allowed_token_ids is not None
+        )
+
+
+def _normalize_options(params: SamplingParams) -> None:
+    """Tuples for the sequence options (a single bad word string stands for one), a plain dict for logit_bias (JSON
+    keys are strings: "42" stands for token 42)."""
+    if isinstance(params.bad_words, str):
+        object.__setattr__(params, "bad_words", (params.bad_words,))
+    object.__setattr__(params, "bad_words", tuple(params.bad_words))
+    if params.allowed_token_ids is not None:
+        object.__setattr__(params, "allowed_token_ids", tuple(params.allowed_token_ids))
+    if isinstance(params.logit_bias, dict):
+        try:
+            bias = {int(k): v for k, v in params.logit_bias.items()}
+        except (TypeError, ValueError):
+            return  # the check below names the field
+        object.__setattr__(params, "logit_bias", bias)
+
+
+def _option_checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
+    """The logits options' checks (vLLM's ranges); token ids beyond the vocabulary are refused at admission."""
+    bias = p.logit_bias
+    return [
+        ("presence_penalty", _is_number(p.presence_penalty) and -2 <= p.presence_penalty <= 2, "a number in [-2, 2]"),
+        (
+            "frequency_penalty",
+            _is_number(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
+            "a number in [-2, 2]",
+        ),
+        ("repetition_penalty", _is_number(p.repetition_penalty) and p.repetition_penalty > 0, "a number > 0 (1 = off)"),
+        ("min_p", _is_number(p.min_p) and 0 <= p.min_p <= 1, "a number in [0, 1] (0 = off)"),
+        (
+            "min_tokens",
+            _is_integer(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens,
+            "an integer in [0, max_tokens]",
+        ),
+        (
+            "logit_bias",
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(_is_integer(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in bias.items())
+            ),
+            "None or a dict {token id ≥ 0: finite bias}",
+        ),
+        ("bad_words", all(isinstance(w, str) and w.strip() for w in p.bad_words), "non-blank strings"),
+        (
+            "allowed_token_ids",
+            p.allowed_token_ids is None
+            or (len(p.allowed_token_ids) > 0 and all(_is_integer(t) and t >= 0 for t in p.allowed_token_ids)),
+            "None or a non-empty list of token ids ≥ 0",
+        ),
+    ]
 
 
 def _is_integer(value: object) -> bool:
@@ -104,9 +191,12 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., v] → the logits a sampled request draws from (float32): temperature, then top-k, then top-p, the
-    tokens they exclude at -inf."""
+    """Logits [..., v] → the logits a sampled request draws from (float32): temperature, then min-p, top-k, top-p
+    (vLLM's order), the tokens they exclude at -inf."""
     logits = logits.float() / max(params.temperature, 1e-6)
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), -torch.inf)
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
@@ -140,10 +230,10 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
 
 def _sample_rows_of(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One sampled token per row of logits [r, v] (row i with params[i], generators[i]); rows with the same
-    temperature, top-k and top-p share one `target_probs` call (a batch job's rows usually all do)."""
-    groups: dict[tuple[float, int, float], list[int]] = {}
+    temperature, min-p, top-k and top-p share one `target_probs` call (a batch job's rows usually all do)."""
+    groups: dict[tuple[float, float, int, float], list[int]] = {}
     for row, p in enumerate(params):
-        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(row)
+        groups.setdefault((p.temperature, p.min_p, p.top_k, p.top_p), []).append(row)
     tokens = [0] * len(params)
     for rows in groups.values():
         index = torch.tensor(rows, device=logits.device)
@@ -165,6 +255,9 @@ class SamplingBatch:
     # sampled step, [b, k + 1, words] for a verification; rows without a constraint allow every token. None: no row
     # of the step has a constraint.
     masks: torch.Tensor | None = None
+    # The step's logits options (`workers.logits_processors.StepOptions`: penalties, biases, bans at every position
+    # a token is chosen at); None: no row of the step has one.
+    options: Any | None = None
 
     @property
     def all_greedy(self) -> bool:

@@ -8,18 +8,28 @@ them after every target forward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from workers.executors import ModuleExecutor, Verification
 from workers.grammar_masks import step_masks
-from workers.logprobs import RAW, step_logprobs
+from workers.logits_processors import apply_options, step_options
+from workers.logprobs import PROCESSED, RAW, step_logprobs
 from workers.requests import Request, sampling_batch
-from workers.sampling import PLACEHOLDER_TOKEN_ID, apply_masks, sample
+from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, apply_masks, sample
 from workers.spec_decode.policy import AdaptivePolicy, FixedPolicy, observe_shadow_drafts
 from workers.spec_decode.proposal import Proposal, Proposer
 from workers.spec_decode.rejection_sampler import RejectionSampler, num_accepted_tokens
+
+
+def with_options(
+    batch: SamplingBatch, requests: list[Request], drafts: torch.Tensor | None, logits: torch.Tensor
+) -> SamplingBatch:
+    """The batch with the step's logits options (`workers/logits_processors.py`) when any row has one."""
+    options = step_options(requests, drafts, logits.shape[-1], logits.device)
+    return batch if options is None else replace(batch, options=options)
 
 
 class StepApplier:
@@ -54,11 +64,13 @@ class StepApplier:
         where asked."""
         masks = step_masks(requests)
         batch = sampling_batch(requests, None if masks is None else masks[:, 0])
-        tokens = sample(logits, batch)
+        batch = with_options(batch, requests, None, logits)
+        processed = apply_options(logits[:, None], batch)  # [b, 1, v]: the logits themselves without options
+        tokens = sample(processed[:, 0], batch)
         logprobs = None
         if batch.logprob_rows:
             taken = torch.tensor(tokens, device=logits.device)[:, None]  # [b, 1]
-            logprobs = step_logprobs(logits[:, None], taken, batch, self.logprobs_mode)
+            logprobs = step_logprobs(self._logprob_logits(logits[:, None], processed), taken, batch, self.logprobs_mode)
         for row, (request, token) in enumerate(zip(requests, tokens)):
             request.append(token, self.tokenizer)
             if logprobs is not None:
@@ -78,7 +90,9 @@ class StepApplier:
         # 1. Accept: the count of valid tokens drives everything that follows (one device→host copy, the rows).
         drafts = proposal.token_ids.to(executor.device)  # [num_reqs, max_k]
         batch = sampling_batch(requests, step_masks(requests, proposal))
-        target_logits = apply_masks(verification.logits, batch)  # each row's grammar, at every position
+        batch = with_options(batch, requests, proposal.token_ids, verification.logits)
+        # Each row's grammar and options at every position, the drafts before it counted as generated.
+        target_logits = apply_options(apply_masks(verification.logits, batch), batch)
         output_token_ids = self.rejection_sampler(
             drafts, target_logits, proposal.probs, batch.params, batch.generators
         )  # [num_reqs, max_k + 1], on the device
@@ -86,7 +100,9 @@ class StepApplier:
         accepted = [sum(t != PLACEHOLDER_TOKEN_ID for t in row) for row in rows]  # num_accepted_tokens
         # The target's own logprobs at every position, read before the shift (a plan's logits are a view of a buffer
         # its later calls overwrite).
-        logprobs = step_logprobs(verification.logits, output_token_ids, batch, self.logprobs_mode)
+        logprobs = step_logprobs(
+            self._logprob_logits(verification.logits, target_logits), output_token_ids, batch, self.logprobs_mode
+        )
         # 2. Shift: keep each layer's state after input num_accepted_tokens − 1; KV length follows the token count.
         counts = num_accepted_tokens(output_token_ids) if verification.old_states is not None else None
         hidden = executor.keep(requests, verification, accepted, counts)
@@ -104,6 +120,12 @@ class StepApplier:
         if self.publish is not None:
             self.publish("verified", (accepted, appended))
         return accepted
+
+    def _logprob_logits(self, raw: torch.Tensor, with_options: torch.Tensor) -> torch.Tensor:
+        """What logprobs are read from: the raw logits, or in processed mode the logits with the options applied
+        (vLLM's processed logprobs come after every logits processor; `step_logprobs` then applies the grammar mask
+        again — idempotent — and the sampling transforms)."""
+        return with_options if self.logprobs_mode == PROCESSED else raw
 
     def shadow_drafts(self, requests: list[Request], shadow: dict[int, tuple[int, int]]) -> None:
         """Tell the policy whether the step's tokens confirm the looked-up drafts it did not verify."""

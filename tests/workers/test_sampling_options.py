@@ -133,7 +133,9 @@ def vllm_penalties_greedy(hf, prompt: list[int], presence: float, frequency: flo
     return output
 
 
-@pytest.mark.parametrize("presence, frequency, repetition", [(1.5, 0.0, 1.0), (0.0, 1.2, 1.0), (-0.5, 0.8, 1.3)])
+@pytest.mark.parametrize(
+    "presence, frequency, repetition", [(1.5, 0.0, 1.0), (0.0, 1.2, 1.0), (-0.5, 0.8, 1.3), (0.3, 0.0, 0.6)]
+)
 def test_presence_and_frequency_match_a_float64_reference(runner, hf, presence, frequency, repetition):
     prompts = _prompts()
     params = dataclasses.replace(

@@ -56,6 +56,7 @@ def _speculative(method: str, family: str, checkpoint_dir) -> SpeculativeConfig:
     return SpeculativeConfig("mtp", 2, policy="fixed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, executor",
     [

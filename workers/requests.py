@@ -126,6 +126,8 @@ class Request:
         # character whose UTF-8 bytes span tokens decodes as trailing U+FFFD until its last byte arrives, so the
         # settled text is the decode without its trailing replacement characters.
         tail, self.decoded_chars = self.decoded_chars, len(text.rstrip(REPLACEMENT_CHARACTER))
+        if len(self.output) <= self.params.min_tokens:  # vLLM: no stop string before min_tokens (text kept settled)
+            return False
         for stop in self.params.stop:
             start = text.find(stop, max(0, tail - len(stop) + 1))
             if start != -1:

@@ -221,3 +221,54 @@ def test_job_flags_reach_sampling_params():
         SamplingConfig(allowed_token_ids=("five",))
     with pytest.raises(ValueError, match="--logit-bias"):
         SamplingConfig(logit_bias="[1, 2]")
+
+
+def test_min_tokens_holds_stop_strings_back(runner):
+    """vLLM's detokenizer checks stop strings only once the output is longer than min_tokens, and only in the text
+    that is new then: the row stops at the first stop word after min_tokens tokens."""
+    allowed = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=tuple(WORD_IDS))
+    prompt = _prompts()[1]
+    words = runner.tokenizer.convert_ids_to_tokens(runner.generate([prompt], allowed)[0].token_ids)
+    stop = words[0]
+    lengths = []
+    for min_tokens in (0, 2, 6):
+        result = runner.generate([prompt], dataclasses.replace(allowed, stop=(stop,), min_tokens=min_tokens))[0]
+        expected = next((i + 1 for i, w in enumerate(words) if w == stop and i + 1 > min_tokens), MAX_TOKENS)
+        assert len(result.token_ids) == expected, (min_tokens, words)
+        assert result.finish_reason == ("stop" if expected < MAX_TOKENS or words[-1] == stop else "length")
+        lengths.append(expected)
+    assert len(set(lengths)) == 3, words  # each min_tokens changed where the row stops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculative", [False, True])
+def test_processed_logprobs_include_the_penalties(checkpoint_dir, hf, speculative):
+    """processed_logprobs (vLLM: after every logits processor) are the log-softmax of the penalised logits, at every
+    position, plain or speculative (verified positions after accepted drafts included); raw ones are not."""
+    from workers import SpeculativeConfig
+
+    spec = (
+        SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(FAMILY)), policy="fixed") if speculative else None
+    )
+    path = str(checkpoint_dir(FAMILY))
+    prompt = _prompts()[0]
+    params = dataclasses.replace(
+        GREEDY, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.3, logprobs=2
+    )
+    for mode in ("processed", "raw"):
+        runner = ModelRunner.from_pretrained(path, max_num_seqs=2, logprobs_mode=mode, speculative=spec)
+        result = runner.generate([prompt], params)[0]
+        assert result.token_ids == vllm_penalties_greedy(hf, prompt, 0.4, 0.7, 1.3)
+        output = result.token_ids
+        for position, (token, entry) in enumerate(zip(output, result.logprobs)):
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + output[:position]])).logits[0, -1].double()
+            if mode == "processed":
+                counts = torch.bincount(torch.tensor(output[:position], dtype=torch.long), minlength=128).double()
+                seen = (counts > 0) | torch.bincount(torch.tensor(prompt), minlength=128).bool()
+                penalty = torch.where(seen, 1.3, 1.0).double()
+                logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+                logits = logits - 0.7 * counts - 0.4 * (counts > 0).double()
+            assert entry[token] == pytest.approx(float(logits.log_softmax(-1)[token]), abs=1e-4), (mode, position)
+        if speculative:
+            assert runner.spec_stats()["num_accepted_draft_tokens"] > 0

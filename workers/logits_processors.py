@@ -190,19 +190,23 @@ def apply_options(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     options: StepOptions | None = batch.options
     if options is None:
         return logits
-    index = torch.tensor(options.rows, device=logits.device)
-    mine = logits.index_select(0, index).float()  # [r, t, v]
+    every_row = len(options.rows) == logits.shape[0]  # a job's rows usually share their options: no gather
+    index = None if every_row else torch.tensor(options.rows, device=logits.device)
+    mine = logits.float() if every_row else logits.index_select(0, index).float()  # [r, t, v]
+    if mine is logits:  # the raw logits stay as they are for whoever reads them after (raw logprobs)
+        mine = mine.clone()
     if options.static is not None:
         mine = mine + options.static[:, None]
     if options.bans:
         rows, positions, tokens = zip(*[(i, j, t) for i, j, ts in options.bans for t in ts])
         mine[list(rows), list(positions), list(tokens)] = -torch.inf
     mine = _penalize(mine, options)
+    if every_row:
+        return mine
     processed = logits.float()
-    if processed is logits:  # the raw logits stay as they are for whoever reads them after (raw logprobs)
+    if processed is logits:
         processed = processed.clone()
-    processed.index_copy_(0, index, mine)
-    return processed
+    return processed.index_copy_(0, index, mine)
 
 
 def _penalize(logits: torch.Tensor, options: StepOptions) -> torch.Tensor:
@@ -212,7 +216,8 @@ def _penalize(logits: torch.Tensor, options: StepOptions) -> torch.Tensor:
     temporaries (each ~10× an arithmetic pass on CPU): for p ≥ 1 the repetition rule is min(x / p, x · p), for p < 1
     the max, i.e. s · min(s·x / p, s·x · p) with s = ±1 per row (exact: a sign flip rounds nothing)."""
     params, counts, device = options.params, options.counts, logits.device
-    seen = counts.clamp(max=1)  # [r, t, v]: 1 where the output holds the token
+    presence_or_repetition = options.prompt_seen is not None or any(p.presence_penalty for p in params)
+    seen = counts.clamp(max=1) if presence_or_repetition else None  # [r, t, v]: 1 where the output holds the token
     if options.prompt_seen is not None:
         repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None, None]
         penalties = torch.maximum(seen, options.prompt_seen[:, None]).mul_(repetition - 1).add_(1)

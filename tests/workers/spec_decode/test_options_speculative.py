@@ -81,6 +81,7 @@ def test_greedy_speculative_equals_greedy_plain_with_every_option(method, execut
     assert all(expected[i] != without[i] for i in range(NUM_ROWS) if params[i].has_logits_options), (
         "every option row must change the output, or the comparison proves nothing"
     )
+    assert expected[5] == without[5]  # the row without options is untouched by its neighbours' options
     spec = _speculative(method, family, checkpoint_dir)
     runner = ModelRunner.from_pretrained(path, max_num_seqs=NUM_ROWS, speculative=spec, **options)
     results = runner.generate(prompts, params)

@@ -7,8 +7,9 @@ the draft's). One batched op per step over the rows that asked — log-softmax, 
 copy.
 
 Modes (vLLM's names): "raw_logprobs" (default) is the log-softmax of the model's logits; "processed_logprobs" that
-of the logits the row samples from (`workers.sampling.processed_logits`: the grammar mask, temperature, top-k and
-top-p applied, the excluded tokens at -inf; greedy rows unscaled).
+of the logits the row samples from (`workers.sampling.processed_logits`: the grammar mask, the logits options of
+`workers/logits_processors.py` — penalties, biases, bans — temperature, min-p, top-k and top-p applied, the excluded
+tokens at -inf; greedy rows unscaled).
 """
 
 from __future__ import annotations

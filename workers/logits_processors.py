@@ -219,13 +219,16 @@ def _penalize(logits: torch.Tensor, options: StepOptions) -> torch.Tensor:
     presence_or_repetition = options.prompt_seen is not None or any(p.presence_penalty for p in params)
     seen = counts.clamp(max=1) if presence_or_repetition else None  # [r, t, v]: 1 where the output holds the token
     if options.prompt_seen is not None:
+        # Few temporaries, in place where possible: each fresh [r, t, v] tensor costs more than its arithmetic.
         repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None, None]
         penalties = torch.maximum(seen, options.prompt_seen[:, None]).mul_(repetition - 1).add_(1)
-        if any(p.repetition_penalty < 1 for p in params):
-            sign = torch.where(repetition < 1, -1.0, 1.0)
-            logits = torch.minimum(logits * sign / penalties, logits * sign * penalties).mul_(sign)
-        else:
-            logits = torch.minimum(logits / penalties, logits * penalties)
+        sign = torch.where(repetition < 1, -1.0, 1.0) if any(p.repetition_penalty < 1 for p in params) else None
+        if sign is not None:
+            logits.mul_(sign)
+        divided = logits / penalties
+        torch.minimum(logits.mul_(penalties), divided, out=logits)
+        if sign is not None:
+            logits.mul_(sign)
     if any(p.frequency_penalty for p in params):
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None, None]
         logits.addcmul_(counts, frequency, value=-1)

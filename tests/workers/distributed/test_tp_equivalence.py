@@ -18,7 +18,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 # short conv + MoE, Falcon-H1's parallel block, Zamba2's shared block, OLMo's full-width qk norm, LFM3's gates.
 FAMILIES = ["bamba", "granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe", "jamba_moe", "kimi_linear"]
 FAMILIES += ["lfm2_moe", "lfm3", "falcon_h1", "zamba2_lora", "olmo_hybrid"]
-MOE_FAMILIES = ["granite_moe", "nemotron_moe", "qwen3_next", "jamba_moe", "lfm2_moe"]
+# The other layouts of the tiny fixtures: dense variants, biases, no norm, untied heads, low-rank q, RoPE, ABAB.
+FAMILIES += ["granite_dense", "nemotron_dense", "qwen3_5", "falcon_h1_biases", "falcon_h1_no_norm"]
+FAMILIES += ["kimi_linear_dense", "kimi_linear_qlora", "kimi_linear_wide", "lfm2", "lfm2_untied", "jamba_dense"]
+FAMILIES += ["olmo_hybrid_rope", "zamba2_abab"]
+MOE_FAMILIES = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe", "jamba_moe", "lfm2_moe", "kimi_linear"]
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:

@@ -17,10 +17,9 @@ from workers.reasoning import check_reasoning_parser, split_reasoning
 
 # Arguments of `apply_chat_template` that the options set themselves, so a template variable cannot.
 RESERVED_KWARGS = frozenset(
-    {"conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
-     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-     "return_assistant_tokens_mask"}
-)  # fmt: skip
+    "conversation messages chat_template add_generation_prompt continue_final_message tokenize return_dict "
+    "return_tensors padding truncation max_length tokenizer_kwargs return_assistant_tokens_mask".split()
+)
 
 
 @dataclass(frozen=True)

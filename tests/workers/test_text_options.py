@@ -90,6 +90,7 @@ def test_the_options_take_booleans_only(name):
         SamplingParams(**{name: 1})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "kept"])
 def test_runner_stops_at_a_stop_string_spanning_tokens_plain_and_speculative(checkpoint_dir, include):
     from workers import ModelRunner, SpeculativeConfig

@@ -204,12 +204,9 @@ def bench_tp(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Build or load the model, run the requested measurements, print and save them."""
     args = parse_args(argv, __doc__.splitlines()[0])
-    if args.task == "resume":
-        return bench_bookkeeping(args)
-    if args.task == "shards":
-        return bench_job_shards(args)
-    if args.task == "tp":
-        return bench_tp(args)
+    standalone = {"resume": bench_bookkeeping, "shards": bench_job_shards, "tp": bench_tp}  # they load their own
+    if args.task in standalone:
+        return standalone[args.task](args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")

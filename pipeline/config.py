@@ -12,9 +12,11 @@ from typing import Any
 
 from pipeline.fields import doc, fail
 from pipeline.scaling_config import ScalingConfig
+from workers.chat import check_chat_options
 from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
 from workers.logprobs import LOGPROBS_MODES, logprobs_mode_name
+from workers.reasoning import REASONING_PARSERS
 from workers.sampling import MAX_LOGPROBS, SamplingParams
 from workers.spec_decode import SpeculativeConfig, registry
 from workers.spec_decode.policy import POLICIES
@@ -194,6 +196,18 @@ class SamplingConfig:
         "structured outputs: every row's output follows this EBNF (GBNF) grammar file (start rule `root`)",
         default=None,
     )
+    include_stop_str_in_output: bool = doc(
+        "keep a matched stop string (and a final stop token's text) in generated_text instead of cutting it",
+        default=SamplingParams.include_stop_str_in_output,
+    )
+    skip_special_tokens: bool = doc(
+        "leave special tokens out of generated_text", default=SamplingParams.skip_special_tokens
+    )
+    spaces_between_special_tokens: bool = doc(
+        "with --no-skip-special-tokens: off writes adjacent added tokens without the space the decoder puts "
+        "between them",
+        default=SamplingParams.spaces_between_special_tokens,
+    )
 
     def __post_init__(self) -> None:
         name = logprobs_mode_name(self.logprobs_mode)
@@ -205,6 +219,46 @@ class SamplingConfig:
         if len(given) > 1:
             flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
             raise ValueError(f"give at most one of --json-schema, --regex, --choice, --grammar (got {flags})")
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How chat (--messages-column) rows are rendered, and the reasoning parser (`workers/chat.py`)."""
+
+    chat_template: str | None = doc(
+        "a Jinja chat template file used instead of the tokenizer's (rendered sandboxed by transformers; its "
+        "content, not its path, is in the resume fingerprint)",
+        default=None,
+    )
+    chat_template_kwargs: dict[str, Any] | None = doc(
+        "variables for the chat template, a JSON object, e.g. '{\"enable_thinking\": false}'", default=None
+    )
+    add_generation_prompt: bool = doc(
+        "end each chat prompt with the assistant turn's opening (vLLM's default)", default=True
+    )
+    continue_final_message: bool = doc(
+        "leave the conversation's final (assistant) message open for the model to continue; needs "
+        "--no-add-generation-prompt",
+        default=False,
+    )
+    reasoning_parser: str | None = doc(
+        f"split each output into reasoning_text and generated_text (the answer): {', '.join(REASONING_PARSERS)}",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        kwargs = {} if self.chat_template_kwargs is None else self.chat_template_kwargs
+        try:
+            check_chat_options(kwargs, self.add_generation_prompt, self.continue_final_message)
+        except ValueError as error:
+            raise ValueError(f"ChatConfig: {error}") from None
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            fail(
+                "ChatConfig",
+                "reasoning_parser",
+                self.reasoning_parser,
+                f"must be one of {', '.join(REASONING_PARSERS)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -255,6 +309,7 @@ class GenerateJobConfig:
     input: InputConfig
     model: ModelConfig
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

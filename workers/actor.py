@@ -191,7 +191,7 @@ class ShardWorker:
             requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row)
             num_rows, num_samples = task.rows.num_rows, sampling.n  # one output row per sample, row-major
             results = self.stream.submit(task.index, requests, num_rows, num_samples).result()
-            columns = generation_columns(results, sampling.logprobs)
+            columns = generation_columns(results, sampling.logprobs, self.spec.prompt.chat)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
+from workers.chat import ChatOptions
 from workers.requests import GenerationResult
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
@@ -37,6 +38,8 @@ LOGPROBS_FIELDS = [
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
 ]
+# With a reasoning parser (`workers/reasoning.py`): the reasoning part; generated_text then holds the answer part.
+REASONING_FIELDS = [pa.field("reasoning_text", pa.string())]
 
 
 def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
@@ -60,10 +63,11 @@ def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class PromptSource:
-    """Which input column holds the prompt, and in which form."""
+    """Which input column holds the prompt, in which form, and how chat rows are rendered (`workers/chat.py`)."""
 
     prompt_column: str | None = None
     messages_column: str | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     @property
     def columns(self) -> list[str]:
@@ -79,12 +83,7 @@ class PromptSource:
             if not text.strip():
                 raise ValueError("prompt text is empty")
             return list(tokenizer.encode(text))
-        messages = chat_messages(row[self.messages_column], self.messages_column)
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as error:  # the template itself rejected the messages
-            raise ValueError(f"chat template failed: {type(error).__name__}: {error}") from error
-        return list(ids)
+        return self.chat.render(tokenizer, chat_messages(row[self.messages_column], self.messages_column))
 
 
 def error_result(error: str, sample_index: int = 0) -> GenerationResult:
@@ -92,12 +91,24 @@ def error_result(error: str, sample_index: int = 0) -> GenerationResult:
     return GenerationResult([], "error", error, None, 0, sample_index=sample_index)
 
 
-def generation_columns(results: list[GenerationResult], num_logprobs: int | None = None) -> dict[str, list[Any]]:
-    """Output columns (GENERATE_FIELDS order, then LOGPROBS_FIELDS when `num_logprobs` is set), one row per
-    result."""
+def generation_fields(num_logprobs: int | None, chat: ChatOptions) -> list[pa.Field]:
+    """The output schema's task fields: GENERATE_FIELDS, then LOGPROBS_FIELDS and REASONING_FIELDS when asked."""
+    logprobs = LOGPROBS_FIELDS if num_logprobs is not None else []
+    return GENERATE_FIELDS + logprobs + (REASONING_FIELDS if chat.reasoning_parser is not None else [])
+
+
+def generation_columns(
+    results: list[GenerationResult], num_logprobs: int | None = None, chat: ChatOptions | None = None
+) -> dict[str, list[Any]]:
+    """Output columns (`generation_fields` order), one row per result; with `chat`'s reasoning parser,
+    generated_text is each text's answer part and reasoning_text its reasoning part."""
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
     if num_logprobs is not None:
         columns.update(logprobs_columns(results, num_logprobs))
+    if chat is not None and chat.reasoning_parser is not None:
+        splits = [chat.split(result.text) for result in results]
+        columns["reasoning_text"] = [reasoning for reasoning, _ in splits]
+        results = [dataclasses.replace(r, text=answer) for r, (_, answer) in zip(results, splits)]
     for result in results:
         values = [
             result.sample_index,
@@ -166,4 +177,4 @@ def generate_shard(
     for prompt, params in requests:
         for j in range(sampling.n):
             results.append(next(generated) if params is not None else error_result(prompt, j))
-    return generation_columns(results, sampling.logprobs)
+    return generation_columns(results, sampling.logprobs, source.chat)

@@ -26,7 +26,10 @@ class SamplingParams:
     (None: no logprobs; see `workers/logprobs.py`). `n` samples of the prompt are
     generated (its prompt prefilled once, `workers/samples.py`); sample j > 0 of a seeded request draws from
     `sample_seed(seed, j)`. `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
-    (`workers/structured_outputs.py`).
+    (`workers/structured_outputs.py`). The text: `include_stop_str_in_output` keeps a matched stop string (and a
+    final stop token's text) instead of cutting it; `skip_special_tokens` leaves special tokens out of the text;
+    `spaces_between_special_tokens` False writes two adjacent added tokens without the space the decoder puts
+    between them (`workers/detokenize.py`).
     """
 
     max_tokens: int = 256
@@ -40,6 +43,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +76,8 @@ class SamplingParams:
                 "a StructuredOutputsParams or None",
             ),
         ]
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            checks.append((name, isinstance(getattr(self, name), bool), "True or False"))
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}")

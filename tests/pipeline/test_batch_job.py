@@ -18,6 +18,7 @@ from jobs.run_batch import main as run_batch_main
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
 from tests.pipeline.conftest import job_config, read_output
+from tests.pipeline.test_object_storage import BUCKET, s3  # noqa: F401 (the moto S3 server fixture)
 from workers import ModelRunner, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -281,3 +282,18 @@ def _split_floats(value):
         return None if key == "created" else item
 
     return walk(value), floats
+
+
+def test_batch_files_and_work_directory_on_s3(batch_output, s3, model, tmp_path):  # noqa: F811 (fixture)
+    data = Path(batch_output[0][1])
+    s3.put_object(Bucket=BUCKET, Key="in/batch.jsonl", Body=data.read_bytes())
+    argv = list(batch_output[0])
+    argv[1], argv[3] = f"s3://{BUCKET}/in/batch.jsonl", f"s3://{BUCKET}/out/results.jsonl"
+    assert run_batch_main(argv) == 0
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="out/")["Contents"]}
+    assert "out/results.jsonl.parts/requests.parquet" in keys and "out/results.jsonl.parts/shards/_SUCCESS" in keys
+    text = s3.get_object(Bucket=BUCKET, Key="out/results.jsonl")["Body"].read().decode()
+    written = [_split_floats(json.loads(line)) for line in text.splitlines()]
+    reference = [_split_floats(json.loads(line)) for line in batch_output[1].read_text().splitlines()]
+    assert [line for line, _ in written] == [line for line, _ in reference]
+    assert [floats for _, floats in written] == [pytest.approx(floats, abs=1e-4) for _, floats in reference]

@@ -112,14 +112,14 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """Chat: `logprobs` true (+ `top_logprobs` k) → k; completions: `logprobs` k → k."""
     value = body["logprobs"]
     if not chat:
-        return {} if value is None else {"logprobs": value}
+        return {"logprobs": value}  # null: none, whatever --logprobs says
     if not isinstance(value, bool):
         raise LineError(f"body.logprobs={value!r} is invalid: must be true or false")
     top = body.get("top_logprobs")
     if not value:
         if top:
             raise LineError("body.top_logprobs needs body.logprobs = true")
-        return {}
+        return {"logprobs": None}
     return {"logprobs": 0 if top is None else top}
 
 

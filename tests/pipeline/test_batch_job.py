@@ -4,6 +4,7 @@ shape, one line per input line in input order; a driver killed mid-job and rerun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from jobs.run_batch import main as run_batch_main
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
+from pipeline.output import OutputRefused
 from tests.pipeline.conftest import job_config, read_output
 from tests.pipeline.test_object_storage import BUCKET, s3  # noqa: F401 (the moto S3 server fixture)
 from workers import ModelRunner, SamplingParams
@@ -53,7 +55,7 @@ def test_rows_with_their_own_parameters_equal_each_row_run_alone(model, runner, 
     ]
     texts = ["the cat sat", "hello world", "a big dog", "red mat", "the dog", "cat on a mat"]
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"text": t, "params": p}) + "\n" for t, (p, _) in zip(texts, rows)))
+    data.write_text("".join(json.dumps({"text": t, "params": p, "same": p}) + "\n" for t, (p, _) in zip(texts, rows)))
     config = job_config(
         model,
         data,
@@ -67,6 +69,10 @@ def test_rows_with_their_own_parameters_equal_each_row_run_alone(model, runner, 
     )
     run(build_generate_job(config))
     out = read_output(tmp_path / "out")
+    # The column's name is in the resume fingerprint (its values are input data): another name is another job.
+    other = dataclasses.replace(config, input=dataclasses.replace(config.input, sampling_params_column="same"))
+    with pytest.raises(OutputRefused, match="input.sampling_params_column"):
+        run(build_generate_job(other))
     for i, (text, (_, params)) in enumerate(zip(texts, rows)):
         if params is None:
             assert "SamplingParams.temperature=-1.0 is invalid" in out[i]["error"]

@@ -4,8 +4,8 @@
     python jobs/run_batch.py -i s3://bucket/in.jsonl -o s3://bucket/out.jsonl --model MODEL --num-workers 8
 
 Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}; each
-output line answers one input line, in input order. The model, sampling (defaults a body overrides), speculative
-and scaling flags are the generate job's. Rerunning the same command resumes from the work directory.
+output line answers one input line, in input order. The model, sampling (defaults a body overrides), chat,
+speculative and scaling flags are the generate job's. Rerunning the same command resumes from the work directory.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 
 from pipeline.batch_job import BatchFileConfig
-from pipeline.config import ModelConfig, SamplingConfig, ScalingConfig, SpeculativeOptions
+from pipeline.config import ChatConfig, ModelConfig, SamplingConfig, ScalingConfig, SpeculativeOptions
 
 SECTIONS = {
     "batch": BatchFileConfig,
     "model": ModelConfig,
     "sampling": SamplingConfig,
+    "chat": ChatConfig,
     "speculative": SpeculativeOptions,
     "scaling": ScalingConfig,
 }

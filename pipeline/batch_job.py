@@ -118,7 +118,7 @@ def requests_table(requests: list[BatchRequest]) -> pa.Table:
 
 def prepare_batch(batch: BatchFileConfig, sections: dict[str, Any]) -> BatchPlan:
     """Parse the input, write WORK/requests.parquet and build the generate job over it (`sections`: the model,
-    sampling, speculative and scaling sections; the sampling flags are the defaults a line's body overrides)."""
+    sampling, chat, speculative and scaling sections; the sampling flags are the defaults a line's body overrides)."""
     from pipeline.generate import build_generate_job
     from pipeline.structured import model_tokenizer
 
@@ -140,6 +140,7 @@ def prepare_batch(batch: BatchFileConfig, sections: dict[str, Any]) -> BatchPlan
             ),
             model=model,
             sampling=dataclasses.replace(sampling, n=max(r.n for r in requests)),
+            chat=sections["chat"],
             speculative=sections["speculative"],
             scaling=sections["scaling"],
             output=OutputConfig(output=f"{batch.work_dir}/shards", overwrite=batch.overwrite),

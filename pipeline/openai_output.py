@@ -66,9 +66,12 @@ def response_line(
 def _choice(index: int, sample: dict[str, Any], chat: bool, decode: Callable[[int], str]) -> dict[str, Any]:
     text = sample["generated_text"] or ""
     if chat:
+        message = {"role": "assistant", "content": text}
+        if "reasoning_text" in sample:  # --reasoning-parser: the thinking part apart, as vLLM's reasoning_content
+            message["reasoning_content"] = sample["reasoning_text"]
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": _chat_logprobs(sample, decode),
             "finish_reason": sample["finish_reason"],
         }

@@ -26,9 +26,13 @@ GUIDED_ALIASES = {f"guided_{kind}": kind for kind in KINDS}  # vLLM's pre-0.10 n
 
 @cache
 def _field_types() -> dict[str, Any]:
-    """`SamplingParams` field name → its annotation (resolved)."""
-    hints = typing.get_type_hints(SamplingParams)
-    return {f.name: hints[f.name] for f in dataclasses.fields(SamplingParams) if f.init}
+    """`SamplingParams` field name → its annotation (resolved; as written when a name in it cannot be resolved at
+    run time, and its values are then left to `SamplingParams` to judge as they come)."""
+    try:
+        hints = typing.get_type_hints(SamplingParams)
+    except NameError:
+        hints = {}
+    return {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(SamplingParams) if f.init}
 
 
 def row_overrides(value: Any, column: str) -> dict[str, Any]:

@@ -38,6 +38,12 @@ class InputConfig:
     split: str = doc("dataset split to read", default="train")
     prompt_column: str | None = doc("column with raw prompt text", default=None)
     messages_column: str | None = doc("column with chat messages (list of {role, content})", default=None)
+    sampling_params_column: str | None = doc(
+        "column whose values (a struct, or JSON text of an object) override the sampling flags for that row: any "
+        "SamplingParams field by its vLLM name (temperature, seed, max_tokens, stop, logprobs, structured_outputs "
+        '{"json"|"regex"|"choice"|"grammar": …}, …); a bad value is that row\'s error; a row\'s seed replaces seed + i',
+        default=None,
+    )
     id_column: str | None = doc(
         "column whose values become the output `id` (default: the input's `id` column if it "
         "has one, else the row index)",

@@ -53,11 +53,15 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     speculative = speculative_config(config, draft_revision)
     num_drafts = 0 if speculative is None else speculative.num_speculative_tokens
     fit = check_job_fit(model, config.scaling, revision, config.speculative.speculative == "mtp", num_drafts)
-    prompt = PromptSource(columns.prompt_column, columns.messages_column, chat_options(config.chat))
+    prompt = PromptSource(
+        columns.prompt_column, columns.messages_column, chat_options(config.chat), columns.sampling_params_column
+    )
     worker = worker_spec("generate", model, revision, speculative, config.scaling, prompt=prompt, sampling=sampling)
     worker = dataclasses.replace(worker, engine=worker.engine.replace(logprobs_mode=logprobs_mode))
-    fields = generation_fields(sampling.logprobs, prompt.chat)
+    fields = generation_fields(
+        sampling.logprobs, prompt.chat, per_row_params=columns.sampling_params_column is not None
+    )
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
-             "--id-column": columns.id_column}  # fmt: skip
+             "--id-column": columns.id_column, "--sampling-params-column": columns.sampling_params_column}  # fmt: skip
     source = (columns.input, columns.split)
     return build_job("generate", config, source, flags, columns.id_column, worker, fields, fit=fit)

@@ -188,6 +188,19 @@ class GenerateStage:
 Row = dict[str, Any]
 
 
+def actor_options(config: HybridgenProcessorConfig, spec: WorkerSpec) -> dict[str, Any]:
+    """What each actor asks of Ray: `num_cpus` per rank, and one GPU per rank on CUDA (a worker with
+    `tensor_parallel_size` T starts its own T - 1 follower rank processes, on the GPUs Ray gives the actor)."""
+    ranks = spec.engine.parallel.tensor_parallel_size
+    options: dict[str, Any] = {
+        "num_cpus": config.num_cpus * ranks,
+        "num_gpus": ranks if spec.engine.load.device.startswith("cuda") else 0,
+    }
+    if config.runtime_env:
+        options["runtime_env"] = config.runtime_env
+    return options
+
+
 class Processor:
     """A built stage: `processor(ds)` is `ds` with `preprocess` mapped over its rows, the generation columns added
     by the actor pool, then `postprocess` mapped (lazily, as every Ray Data transform)."""
@@ -222,16 +235,13 @@ class Processor:
             max_concurrent_calls_per_actor=depth,
             enable_true_multi_threading=True,  # the calls share one engine thread (`ShardStream`), not the device
         )
-        ranks = spec.engine.parallel.tensor_parallel_size
         dataset = dataset.map_batches(
             GenerateStage,
             fn_constructor_args=(spec, config.index_column),
             batch_size=config.batch_size,
             batch_format="pyarrow",
             compute=compute,
-            num_cpus=config.num_cpus * ranks,
-            num_gpus=ranks if spec.engine.load.device.startswith("cuda") else 0,
-            **({"runtime_env": config.runtime_env} if config.runtime_env else {}),
+            **actor_options(config, spec),
         )
         if self.postprocess is not None:
             dataset = dataset.map(self.postprocess, **self.postprocess_map_kwargs)

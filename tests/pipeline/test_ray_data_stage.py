@@ -3,6 +3,7 @@ the same rows (greedy, and seeded sampling), `preprocess` / `postprocess` applie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from pipeline import HybridgenProcessorConfig, build_processor
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
+from pipeline.ray_data import actor_options, stage_spec
 from tests.pipeline.conftest import job_config, read_output
 from tests.tiny_models import WORDS
 
@@ -62,13 +64,13 @@ def job_output(model: Path, data: Path, output: Path, **sampling) -> dict[str, d
     return {row["id"]: row for row in read_output(output)}
 
 
-def stage_output(model: Path, sampling: dict, **options) -> list[dict]:
+def stage_output(model: Path, sampling: dict, engine_kwargs: dict | None = None, **options) -> list[dict]:
     """The stage's output rows over {index, key, question} rows, `preprocess` naming the prompt column."""
     import ray
 
     config = HybridgenProcessorConfig(
         model_source=str(model),
-        engine_kwargs={"max_model_len": 40, "max_num_seqs": 8},
+        engine_kwargs={"max_model_len": 40, "max_num_seqs": 8, **(engine_kwargs or {})},
         sampling_params={"max_tokens": 6, "ignore_eos": True, **sampling},
         prompt_column="text",
         batch_size=5,
@@ -118,10 +120,14 @@ def test_a_bad_config_is_refused_when_the_processor_is_built(model, options, mes
     assert not ray.is_initialized()
 
 
-def test_every_row_once_equal_to_the_generate_job_with_pre_and_postprocess(model, dataset, tmp_path, local_ray):
-    job = job_output(model, dataset, tmp_path / "job", temperature=0.0)
+@pytest.fixture(scope="module")
+def greedy_job(model, dataset, tmp_path_factory, local_ray) -> dict[str, dict]:
+    return job_output(model, dataset, tmp_path_factory.mktemp("job"), temperature=0.0)
+
+
+def test_every_row_once_equal_to_the_generate_job_with_pre_and_postprocess(model, greedy_job):
     stage = stage_output(model, {"temperature": 0.0}, concurrency=(1, 2))
-    assert_same_as_job(stage, job)
+    assert_same_as_job(stage, greedy_job)
     errors = {row["index"]: row["error"] for row in stage if row["error"]}
     assert set(errors) == set(BAD_ROWS)
     assert errors[4] == "prompt text is empty"
@@ -133,9 +139,28 @@ def test_every_row_once_equal_to_the_generate_job_with_pre_and_postprocess(model
     assert all(row["finish_reason"] == "length" and row["num_generated_tokens"] == 6 for row in good)
 
 
-def test_seeded_sampling_uses_the_index_column_as_the_job_uses_the_row_number(model, dataset, tmp_path, local_ray):
+def test_seeded_sampling_uses_the_index_column_as_the_job_uses_the_row_number(model, dataset, tmp_path, greedy_job):
     job = job_output(model, dataset, tmp_path / "job", temperature=1.0, seed=7)
     stage = stage_output(model, {"temperature": 1.0, "seed": 7}, concurrency=2, index_column="index")
     assert_same_as_job(stage, job)
-    other = stage_output(model, {"temperature": 1.0, "seed": 8}, index_column="index")
-    assert [r["generated_token_ids"] for r in other] != [r["generated_token_ids"] for r in stage]
+    sampled = {row["key"]: _plain(row["generated_token_ids"]) for row in stage}
+    assert sampled != {key: row["generated_token_ids"] for key, row in greedy_job.items()}  # it did sample
+
+
+def test_a_worker_split_over_two_ranks_writes_what_the_job_writes(model, greedy_job):
+    """`tensor_parallel_size` 2 on CPU: the actor's runner starts its follower rank process itself."""
+    stage = stage_output(model, {"temperature": 0.0}, engine_kwargs={"tensor_parallel_size": 2})
+    assert_same_as_job(stage, greedy_job)
+
+
+def test_actors_ask_for_a_gpu_and_the_cpus_of_each_rank(model):
+    config = HybridgenProcessorConfig(
+        model_source=str(model), engine_kwargs={"device": "cuda", "tensor_parallel_size": 2}, num_cpus=3
+    )
+    assert actor_options(config, stage_spec(config)) == {"num_cpus": 6, "num_gpus": 2}
+    config = dataclasses.replace(config, engine_kwargs={"device": "cpu"}, runtime_env={"env_vars": {"A": "1"}})
+    assert actor_options(config, stage_spec(config)) == {
+        "num_cpus": 3,
+        "num_gpus": 0,
+        "runtime_env": {"env_vars": {"A": "1"}},
+    }

@@ -231,7 +231,9 @@ class Processor:
         compute = ActorPoolStrategy(
             min_size=low,
             max_size=high,
-            max_tasks_in_flight_per_actor=depth,
+            # Twice the batches an actor runs: the next ones wait at the actor (their blocks fetched), and the
+            # pool's utilization (tasks / slots) can pass Ray Data's upscaling threshold, 175 %, so (min, max) scales.
+            max_tasks_in_flight_per_actor=2 * depth,
             max_concurrent_calls_per_actor=depth,
             enable_true_multi_threading=True,  # the calls share one engine thread (`ShardStream`), not the device
         )

@@ -21,7 +21,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         model = sys.argv[1]
     else:
-        from examples.quickstart import build_tiny_checkpoint
+        from quickstart import build_tiny_checkpoint  # examples/, the script's own directory
 
         directory = Path("output/tiny-granite-4.0-h")
         model = str(directory if (directory / "config.json").exists() else build_tiny_checkpoint(directory))

@@ -23,16 +23,16 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.preflight import check_model
-from workers.actor import ShardWorker, WorkerSpec
+from workers.actor import ShardWorker, WorkerSpec, die
 from workers.columns import decode_rows
 from workers.config import EngineConfig
+from workers.model.distributed.group import RankFailure
 from workers.rows import GENERATE_FIELDS, LOGPROBS_FIELDS, PromptSource, generation_columns, shard_requests
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 from workers.stream import SHARDS_PER_WORKER
 
-# engine_kwargs that are vLLM's names for something `EngineConfig.replace` spells otherwise.
-VLLM_ENGINE_KWARGS = ("speculative_config", "enforce_eager")
+Row = dict[str, Any]
 
 
 def _refuse(name: str, value: Any, allowed: str) -> None:
@@ -160,7 +160,10 @@ class GenerateStage:
             if name not in batch.column_names:
                 raise KeyError(f"the hybridgen stage reads column {name!r}; the batch has {batch.column_names}")
         requests = self._requests(batch)
-        results = self.worker.stream.submit(next(self._batch_ids), requests, batch.num_rows, sampling.n).result()
+        try:
+            results = self.worker.stream.submit(next(self._batch_ids), requests, batch.num_rows, sampling.n).result()
+        except RankFailure as error:  # a split model lost a rank: the actor dies, Ray Data restarts it and retries
+            die(f"{type(error).__name__}: {error}")
         columns = generation_columns(results, sampling.logprobs)
         schema = output_schema(sampling)
         if sampling.n > 1:
@@ -183,9 +186,6 @@ class GenerateStage:
                 yield f"{self.index_column!r} must hold an integer row index to seed this row, got {index!r}", None
                 continue
             yield next(shard_requests(tokenizer, [row], prompt, sampling, index))
-
-
-Row = dict[str, Any]
 
 
 def actor_options(config: HybridgenProcessorConfig, spec: WorkerSpec) -> dict[str, Any]:

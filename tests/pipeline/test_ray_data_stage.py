@@ -16,6 +16,7 @@ from pipeline.generate import build_generate_job
 from pipeline.ray_data import actor_options, stage_spec
 from tests.pipeline.conftest import job_config, read_output
 from tests.tiny_models import WORDS
+from workers import ModelRunner, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def job_output(model: Path, data: Path, output: Path, **sampling) -> dict[str, dict]:
-    """The generate job's output rows by id (2 workers, 8-row shards)."""
+    """The generate job's output rows by id (8-row shards)."""
     assert run(build_generate_job(job_config(model, data, output, **sampling)))["rows"] == NUM_ROWS
     return {row["id"]: row for row in read_output(output)}
 
@@ -122,7 +123,7 @@ def test_a_bad_config_is_refused_when_the_processor_is_built(model, options, mes
 
 @pytest.fixture(scope="module")
 def greedy_job(model, dataset, tmp_path_factory, local_ray) -> dict[str, dict]:
-    return job_output(model, dataset, tmp_path_factory.mktemp("job"), temperature=0.0)
+    return job_output(model, dataset, tmp_path_factory.mktemp("job"), temperature=0.0, num_workers=1)
 
 
 def test_every_row_once_equal_to_the_generate_job_with_pre_and_postprocess(model, greedy_job):
@@ -139,12 +140,20 @@ def test_every_row_once_equal_to_the_generate_job_with_pre_and_postprocess(model
     assert all(row["finish_reason"] == "length" and row["num_generated_tokens"] == 6 for row in good)
 
 
-def test_seeded_sampling_uses_the_index_column_as_the_job_uses_the_row_number(model, dataset, tmp_path, greedy_job):
-    job = job_output(model, dataset, tmp_path / "job", temperature=1.0, seed=7)
+def test_seeded_sampling_uses_the_index_column_as_the_job_uses_the_row_number(model, greedy_job):
+    """Row i of the generate job samples with seed + i (its `shard_requests`): here the runner runs that rule itself,
+    one request per good row; the stage, given the row number as `index_column`, must sample the same."""
     stage = stage_output(model, {"temperature": 1.0, "seed": 7}, concurrency=2, index_column="index")
-    assert_same_as_job(stage, job)
-    sampled = {row["key"]: _plain(row["generated_token_ids"]) for row in stage}
-    assert sampled != {key: row["generated_token_ids"] for key, row in greedy_job.items()}  # it did sample
+    runner = ModelRunner.from_pretrained(str(model), max_model_len=40, max_num_seqs=8)
+    good = [i for i, text in enumerate(texts()) if i not in BAD_ROWS]
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6, ignore_eos=True) for i in good]
+    direct = runner.generate([runner.tokenizer.encode(texts()[i]) for i in good], params)
+    by_index = {row["index"]: row for row in stage}
+    assert sorted(by_index) == list(range(NUM_ROWS)) and len(stage) == NUM_ROWS
+    assert [_plain(by_index[i]["generated_token_ids"]) for i in good] == [r.token_ids for r in direct]
+    assert [by_index[i]["generated_text"] for i in good] == [r.text for r in direct]
+    greedy = [greedy_job[f"row-{i:03d}"]["generated_token_ids"] for i in good]
+    assert [r.token_ids for r in direct] != greedy  # it did sample
 
 
 def test_a_worker_split_over_two_ranks_writes_what_the_job_writes(model, greedy_job):

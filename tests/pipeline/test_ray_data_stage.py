@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from pipeline import HybridgenProcessorConfig, build_processor
 from pipeline.driver import run
 from pipeline.generate import build_generate_job
-from pipeline.ray_data import actor_options, stage_spec
+from pipeline.ray_data import GenerateStage, actor_options, stage_spec
 from tests.pipeline.conftest import job_config, read_output
 from tests.tiny_models import WORDS
 from workers import ModelRunner, SamplingParams
@@ -173,3 +176,34 @@ def test_actors_ask_for_a_gpu_and_the_cpus_of_each_rank(model):
         "num_gpus": 0,
         "runtime_env": {"env_vars": {"A": "1"}},
     }
+
+
+def test_overlapping_batches_of_one_actor_share_its_engine_steps(model):
+    """The UDF class without Ray, called on two threads as Ray Data's threaded actor calls it: two 4-row batches
+    run in the same engine steps as one 8-row batch (the actor does not drain one batch before the next), and each
+    call gets its own rows back."""
+    config = HybridgenProcessorConfig(
+        model_source=str(model),
+        engine_kwargs={"max_model_len": 40, "max_num_seqs": 8},
+        sampling_params={"max_tokens": 6, "ignore_eos": True, "temperature": 0.0},
+    )
+    spec = stage_spec(config)
+    table = pa.table({"prompt": [text for i, text in enumerate(texts()) if i not in BAD_ROWS][:8]})
+    whole = GenerateStage(spec)
+    expected = whole(table)
+    split = GenerateStage(spec)
+    stream, holding, release = split.worker.stream, threading.Event(), threading.Event()
+    submitted, submit = threading.Semaphore(0), stream.submit
+    stream.submit = lambda *args, **kwargs: (submit(*args, **kwargs), submitted.release())[0]
+    stream.call(lambda: (holding.set(), release.wait()))  # holds the engine thread until both batches are queued
+    assert holding.wait(30)
+    with ThreadPoolExecutor(2) as pool:
+        halves = pool.map(split, [table.slice(0, 4), table.slice(4)])
+        try:
+            both = submitted.acquire(timeout=10) and submitted.acquire(timeout=10)
+            assert both, "the second batch was not submitted while the first one was waiting for the engine"
+        finally:
+            release.set()
+        got = pa.concat_tables(list(halves))
+    assert got.to_pylist() == expected.to_pylist()
+    assert stream.heartbeat.num_beats == whole.worker.stream.heartbeat.num_beats

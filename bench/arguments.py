@@ -105,15 +105,21 @@ def _path_arguments(p: argparse.ArgumentParser) -> None:
 def _task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
-        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "logprobs", "n", "structured"],
+        choices=["generate", "prefill", "score", "shards", "prefix", "resume", "logprobs", "n", "structured", "tp"],
         default="generate",
         help="what to measure (prefill: long prompts that generate one token, prompt tokens/s; logprobs: tokens/s "
         "with --logprobs 5 against none; shards: a job's rows streamed through one worker against one call per "
         "shard and one call over every row; prefix: a shared-prefix job with the prefix cache on and off, "
         "and distinct prompts; resume: the driver's shard bookkeeping, no model; n: --n samples per prompt against "
         "duplicated rows, for each --batch-sizes prompts; structured: JSON-schema constrained vs unconstrained "
-        "tokens/s, plain and with n-gram and draft speculation)",
+        "tokens/s, plain and with n-gram and draft speculation; tp: collective calls, bytes and seconds per decode "
+        "step at each --tensor-parallel-sizes beside the unsplit model's)",
     )
+    p.add_argument(
+        "--tensor-parallel-sizes", type=int, nargs="+", default=[2, 4], help="--task tp: ranks to split over"
+    )
+    p.add_argument("--link-gbs", type=float, default=360.0, help="--task tp: GPU link bandwidth on paper (GB/s)")
+    p.add_argument("--link-latency-us", type=float, default=8.0, help="--task tp: latency per collective on paper")
     p.add_argument("--n", type=int, default=8, help="--task n: samples per prompt")
     p.add_argument("--num-rows", type=int, default=192, help="--task shards: rows of the job")
     p.add_argument(

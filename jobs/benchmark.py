@@ -10,6 +10,7 @@ python jobs/benchmark.py --task resume --num-shards 2000 100000  # driver bookke
 python jobs/benchmark.py --task logprobs  # tokens/s with --logprobs 5 against none, same run
 python jobs/benchmark.py --task n --n 8 --prompt-len 1500 --batch-sizes 4  # n samples vs duplicated rows
 python jobs/benchmark.py --task structured --model examples/models/demo-target --batch-sizes 32  # JSON schema vs free
+python jobs/benchmark.py --task tp --preset qwen3-next-bench --tensor-parallel-sizes 2 4  # collectives per step
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from bench.logprobs import bench_logprobs
 from bench.samples import bench_samples_per_batch
 from bench.speculative import bench_speculative
 from bench.structured import bench_structured
+from bench.tensor_parallel import bench_tensor_parallel
 from workers import ModelRunner, SamplingParams
 from workers.model.kernels import native
 from workers.model.steps import cuda_graph
@@ -186,13 +188,25 @@ def bench_job_shards(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_tp(args: argparse.Namespace) -> int:
+    """`--task tp`: the decode step split over ranks (`bench/tensor_parallel.py`); prints a table, writes JSON."""
+    path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")
+    rows = bench_tensor_parallel(args, str(path))
+    print_table(
+        f"tensor parallel decode step ({args.preset if not args.model else path}, {args.prompt_len}-token prompts, "
+        f"{args.new_tokens} tokens; on paper: {args.link_gbs:.0f} GB/s, {args.link_latency_us:.0f} µs per call)",
+        rows,
+    )
+    Path(args.json).write_text(json.dumps({"tp": rows, "model": str(path), "args": vars(args)}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build or load the model, run the requested measurements, print and save them."""
     args = parse_args(argv, __doc__.splitlines()[0])
-    if args.task == "resume":
-        return bench_bookkeeping(args)
-    if args.task == "shards":
-        return bench_job_shards(args)
+    standalone = {"resume": bench_bookkeeping, "shards": bench_job_shards, "tp": bench_tp}  # they load their own
+    if args.task in standalone:
+        return standalone[args.task](args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or build_preset(args.preset, Path(tempfile.gettempdir()) / f"hybridgen-{args.preset}")

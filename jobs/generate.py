@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.cli import run_job_cli
 from pipeline.config import (
+    ChatConfig,
     GenerateJobConfig,
     InputConfig,
     ModelConfig,
@@ -28,7 +29,7 @@ from pipeline.config import (
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
 
-SECTIONS = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig,
+SECTIONS = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig, "chat": ChatConfig,
             "speculative": SpeculativeOptions, "scaling": ScalingConfig, "output": OutputConfig}  # fmt: skip
 
 

@@ -13,9 +13,11 @@ from typing import Any
 from pipeline.fields import doc, fail
 from pipeline.sampling_options import logit_bias_flag, token_ids_flag
 from pipeline.scaling_config import ScalingConfig
+from workers.chat import check_chat_options
 from workers.config import DEVICES, LOAD_DTYPES, CacheConfig, SamplerConfig, SchedulerConfig
 from workers.config import QUANTIZATIONS as WORKER_QUANTIZATIONS
 from workers.logprobs import LOGPROBS_MODES, logprobs_mode_name
+from workers.reasoning import REASONING_PARSERS
 from workers.sampling import MAX_LOGPROBS, SamplingParams
 from workers.spec_decode import SpeculativeConfig, registry
 from workers.spec_decode.policy import POLICIES
@@ -37,6 +39,12 @@ class InputConfig:
     split: str = doc("dataset split to read", default="train")
     prompt_column: str | None = doc("column with raw prompt text", default=None)
     messages_column: str | None = doc("column with chat messages (list of {role, content})", default=None)
+    sampling_params_column: str | None = doc(
+        "column whose values (a struct, or JSON text of an object) override the sampling flags for that row: any "
+        "SamplingParams field by its vLLM name (temperature, seed, max_tokens, stop, logprobs, structured_outputs "
+        '{"json"|"regex"|"choice"|"grammar": …}, …); a bad value is that row\'s error; a row\'s seed replaces seed + i',
+        default=None,
+    )
     id_column: str | None = doc(
         "column whose values become the output `id` (default: the input's `id` column if it "
         "has one, else the row index)",
@@ -224,6 +232,18 @@ class SamplingConfig:
         "structured outputs: every row's output follows this EBNF (GBNF) grammar file (start rule `root`)",
         default=None,
     )
+    include_stop_str_in_output: bool = doc(
+        "keep a matched stop string (and a final stop token's text) in generated_text instead of cutting it",
+        default=SamplingParams.include_stop_str_in_output,
+    )
+    skip_special_tokens: bool = doc(
+        "leave special tokens out of generated_text", default=SamplingParams.skip_special_tokens
+    )
+    spaces_between_special_tokens: bool = doc(
+        "with --no-skip-special-tokens: off writes adjacent added tokens without the space the decoder puts "
+        "between them",
+        default=SamplingParams.spaces_between_special_tokens,
+    )
 
     def __post_init__(self) -> None:
         name = logprobs_mode_name(self.logprobs_mode)
@@ -240,6 +260,46 @@ class SamplingConfig:
         if len(given) > 1:
             flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
             raise ValueError(f"give at most one of --json-schema, --regex, --choice, --grammar (got {flags})")
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How chat (--messages-column) rows are rendered, and the reasoning parser (`workers/chat.py`)."""
+
+    chat_template: str | None = doc(
+        "a Jinja chat template file used instead of the tokenizer's (rendered sandboxed by transformers; its "
+        "content, not its path, is in the resume fingerprint)",
+        default=None,
+    )
+    chat_template_kwargs: dict[str, Any] | None = doc(
+        "variables for the chat template, a JSON object, e.g. '{\"enable_thinking\": false}'", default=None
+    )
+    add_generation_prompt: bool = doc(
+        "end each chat prompt with the assistant turn's opening (vLLM's default)", default=True
+    )
+    continue_final_message: bool = doc(
+        "leave the conversation's final (assistant) message open for the model to continue; needs "
+        "--no-add-generation-prompt",
+        default=False,
+    )
+    reasoning_parser: str | None = doc(
+        f"split each output into reasoning_text and generated_text (the answer): {', '.join(REASONING_PARSERS)}",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        kwargs = {} if self.chat_template_kwargs is None else self.chat_template_kwargs
+        try:
+            check_chat_options(kwargs, self.add_generation_prompt, self.continue_final_message)
+        except ValueError as error:
+            raise ValueError(f"ChatConfig: {error}") from None
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            fail(
+                "ChatConfig",
+                "reasoning_parser",
+                self.reasoning_parser,
+                f"must be one of {', '.join(REASONING_PARSERS)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -290,6 +350,7 @@ class GenerateJobConfig:
     input: InputConfig
     model: ModelConfig
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipeline.chat import chat_options, resolve_chat_template
 from pipeline.config import GenerateJobConfig
 from pipeline.fit import check_job_fit
 from pipeline.job import Job, build_job, worker_spec
 from pipeline.preflight import check_model
 from pipeline.structured import check_constraint, resolve_constraint, sampling_fields
-from workers.rows import GENERATE_FIELDS, LOGPROBS_FIELDS, PromptSource
+from workers.rows import PromptSource, generation_fields
 from workers.sampling import SamplingParams
 from workers.spec_decode import SpeculativeConfig
 
@@ -34,7 +35,7 @@ def speculative_config(config: GenerateJobConfig, draft_revision: str | None = N
 def build_generate_job(config: GenerateJobConfig) -> Job:
     """Validate everything that can be checked before a worker starts, then describe the job."""
     resolved, constraint = resolve_constraint(config.sampling)  # the config carries the constraint, not its file
-    config = dataclasses.replace(config, sampling=resolved)
+    config = dataclasses.replace(config, sampling=resolved, chat=resolve_chat_template(config.chat))
     options = sampling_fields(config.sampling)
     logprobs_mode = options.pop("logprobs_mode")  # the engine's (`SamplerConfig`), not a request's
     # The same validation the workers apply, now.
@@ -52,11 +53,15 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     speculative = speculative_config(config, draft_revision)
     num_drafts = 0 if speculative is None else speculative.num_speculative_tokens
     fit = check_job_fit(model, config.scaling, revision, config.speculative.speculative == "mtp", num_drafts)
-    prompt = PromptSource(columns.prompt_column, columns.messages_column)
+    prompt = PromptSource(
+        columns.prompt_column, columns.messages_column, chat_options(config.chat), columns.sampling_params_column
+    )
     worker = worker_spec("generate", model, revision, speculative, config.scaling, prompt=prompt, sampling=sampling)
     worker = dataclasses.replace(worker, engine=worker.engine.replace(logprobs_mode=logprobs_mode))
-    fields = GENERATE_FIELDS + (LOGPROBS_FIELDS if sampling.logprobs is not None else [])
+    fields = generation_fields(
+        sampling.logprobs, prompt.chat, per_row_params=columns.sampling_params_column is not None
+    )
     flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
-             "--id-column": columns.id_column}  # fmt: skip
+             "--id-column": columns.id_column, "--sampling-params-column": columns.sampling_params_column}  # fmt: skip
     source = (columns.input, columns.split)
     return build_job("generate", config, source, flags, columns.id_column, worker, fields, fit=fit)

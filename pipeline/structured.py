@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import STRUCTURED_OUTPUT_FLAGS, SamplingConfig
 from workers.structured_outputs import GrammarCompilerCache, StructuredOutputsParams
@@ -62,12 +63,7 @@ def sampling_fields(sampling: SamplingConfig) -> dict[str, object]:
 def check_constraint(constraint: StructuredOutputsParams, model: str, revision: str | None) -> None:
     """Compile the constraint as the workers will, over the model's tokenizer (a hub model's at `revision`, the
     commit `check_model` resolved); `ValueError` naming the flag when it cannot compile."""
-    if Path(model).expanduser().is_dir():
-        tokenizer = load_tokenizer(Path(model).expanduser())
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=False)
+    tokenizer = model_tokenizer(model, revision)
     if tokenizer is None:
         raise ValueError("structured outputs need the model's tokenizer, and the model ships none")
     try:
@@ -75,3 +71,12 @@ def check_constraint(constraint: StructuredOutputsParams, model: str, revision: 
     except ValueError as error:
         flag = {"json": "--json-schema"}.get(constraint.kind, f"--{constraint.kind}")
         raise ValueError(f"{flag}: {error}") from None
+
+
+def model_tokenizer(model: str, revision: str | None) -> Any:
+    """The model's tokenizer as the workers load it (a hub model's at the commit `revision`), or None."""
+    if Path(model).expanduser().is_dir():
+        return load_tokenizer(Path(model).expanduser())
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, revision=revision, trust_remote_code=False)

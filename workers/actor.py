@@ -24,7 +24,7 @@ import torch
 from workers.columns import decode_rows
 from workers.config import EngineConfig
 from workers.model.distributed.group import RankFailure
-from workers.rows import PromptSource, generation_columns, shard_requests
+from workers.rows import PromptSource, generation_columns, per_result_logprobs, shard_requests
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.scoring import ScoreSpec, score_shard
@@ -188,10 +188,13 @@ class ShardWorker:
         if self.spec.task == "generate":
             rows = decode_rows(task.rows, self.spec.input_columns)
             sampling = self.spec.sampling
-            requests = shard_requests(self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row)
+            per_row = None if self.spec.prompt.sampling_params_column is None else []  # rows' own logprobs
+            requests = shard_requests(
+                self.runner.tokenizer, rows, self.spec.prompt, sampling, task.first_row, row_logprobs=per_row
+            )
             num_rows, num_samples = task.rows.num_rows, sampling.n  # one output row per sample, row-major
             results = self.stream.submit(task.index, requests, num_rows, num_samples).result()
-            columns = generation_columns(results, sampling.logprobs)
+            columns = generation_columns(results, per_result_logprobs(sampling, per_row), self.spec.prompt.chat)
             stats = {**shard_stats(columns), "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in results)}
         else:
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from workers.detokenize import decode_text, find_stop
 from workers.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, SamplingParams
 from workers.spec_stats import SpecStats
 from workers.structured_outputs import RequestGrammar
@@ -121,26 +122,27 @@ class Request:
         self.cumulative_logprob += token_logprob
 
     def _hit_stop_string(self, tokenizer: Any) -> bool:
-        text = tokenizer.decode(self.output, skip_special_tokens=True)
+        text = decode_text(tokenizer, self.output, self.params)
         # Only a stop string that ends after the previously settled text can be new (one decode per token). A
         # character whose UTF-8 bytes span tokens decodes as trailing U+FFFD until its last byte arrives, so the
         # settled text is the decode without its trailing replacement characters.
         tail, self.decoded_chars = self.decoded_chars, len(text.rstrip(REPLACEMENT_CHARACTER))
         if len(self.output) <= self.params.min_tokens:  # vLLM: no stop string before min_tokens (text kept settled)
             return False
-        for stop in self.params.stop:
-            start = text.find(stop, max(0, tail - len(stop) + 1))
-            if start != -1:
-                self.text = text[:start]
-                return True
-        return False
+        end = find_stop(text, self.params.stop, tail, self.params.include_stop_str_in_output)
+        if end is not None:
+            self.text = text[:end]
+        return end is not None
 
     def result(self, tokenizer: Any | None) -> GenerationResult:
-        """Freeze into a `GenerationResult`; the text leaves out a final stop token and special tokens."""
+        """Freeze into a `GenerationResult`; the text leaves out a final stop token (unless
+        `include_stop_str_in_output`, as vLLM) and, by default, special tokens."""
         text = self.text
         if text is None and tokenizer is not None:
-            visible = self.output[:-1] if self.output and self.output[-1] in self.stop_token_ids else self.output
-            text = tokenizer.decode(visible, skip_special_tokens=True)
+            visible = self.output
+            if visible and visible[-1] in self.stop_token_ids and not self.params.include_stop_str_in_output:
+                visible = visible[:-1]
+            text = decode_text(tokenizer, visible, self.params)
         asked = self.params.logprobs is not None
         return GenerationResult(
             list(self.output),

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
+from workers.chat import ChatOptions
 from workers.requests import GenerationResult
+from workers.row_params import row_sampling
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -37,6 +39,8 @@ LOGPROBS_FIELDS = [
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
 ]
+# With a reasoning parser (`workers/reasoning.py`): the reasoning part; generated_text then holds the answer part.
+REASONING_FIELDS = [pa.field("reasoning_text", pa.string())]
 
 
 def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
@@ -60,31 +64,30 @@ def chat_messages(value: Any, column: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class PromptSource:
-    """Which input column holds the prompt, and in which form."""
+    """Which input column holds the prompt, in which form, and how chat rows are rendered (`workers/chat.py`)."""
 
     prompt_column: str | None = None
     messages_column: str | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    # A struct or JSON-text column whose fields override the job's SamplingParams per row (`workers/row_params.py`).
+    sampling_params_column: str | None = None
 
     @property
     def columns(self) -> list[str]:
         """The input columns a worker reads."""
-        return [c for c in (self.prompt_column, self.messages_column) if c is not None]
+        return [c for c in (self.prompt_column, self.messages_column, self.sampling_params_column) if c is not None]
 
     def token_ids(self, row: dict[str, Any], tokenizer: Any) -> list[int]:
-        """The row's prompt as token ids; `ValueError` with a readable message for a bad row."""
-        if self.prompt_column is not None:
+        """The row's prompt as token ids; `ValueError` with a readable message for a bad row. With both columns
+        (an OpenAI batch file's mix of completions and chats), a row whose prompt is null is a chat."""
+        if self.prompt_column is not None and (self.messages_column is None or row[self.prompt_column] is not None):
             text = row[self.prompt_column]
             if not isinstance(text, str):
                 raise ValueError(f"{self.prompt_column!r} must be a string, got {type(text).__name__}")
             if not text.strip():
                 raise ValueError("prompt text is empty")
             return list(tokenizer.encode(text))
-        messages = chat_messages(row[self.messages_column], self.messages_column)
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as error:  # the template itself rejected the messages
-            raise ValueError(f"chat template failed: {type(error).__name__}: {error}") from error
-        return list(ids)
+        return self.chat.render(tokenizer, chat_messages(row[self.messages_column], self.messages_column))
 
 
 def error_result(error: str, sample_index: int = 0) -> GenerationResult:
@@ -92,12 +95,28 @@ def error_result(error: str, sample_index: int = 0) -> GenerationResult:
     return GenerationResult([], "error", error, None, 0, sample_index=sample_index)
 
 
-def generation_columns(results: list[GenerationResult], num_logprobs: int | None = None) -> dict[str, list[Any]]:
-    """Output columns (GENERATE_FIELDS order, then LOGPROBS_FIELDS when `num_logprobs` is set), one row per
-    result."""
+def generation_fields(num_logprobs: int | None, chat: ChatOptions, per_row_params: bool = False) -> list[pa.Field]:
+    """The output schema's task fields: GENERATE_FIELDS, then LOGPROBS_FIELDS and REASONING_FIELDS when asked
+    (LOGPROBS_FIELDS always with `per_row_params`: rows may ask for logprobs themselves)."""
+    logprobs = LOGPROBS_FIELDS if num_logprobs is not None or per_row_params else []
+    return GENERATE_FIELDS + logprobs + (REASONING_FIELDS if chat.reasoning_parser is not None else [])
+
+
+def generation_columns(
+    results: list[GenerationResult],
+    num_logprobs: int | list[int | None] | None = None,
+    chat: ChatOptions | None = None,
+) -> dict[str, list[Any]]:
+    """Output columns (`generation_fields` order), one row per result; `num_logprobs`: the job's k, or one k per
+    result when rows set their own. With `chat`'s reasoning parser, generated_text is each text's answer part and
+    reasoning_text its reasoning part."""
     columns: dict[str, list[Any]] = {f.name: [] for f in GENERATE_FIELDS}
     if num_logprobs is not None:
         columns.update(logprobs_columns(results, num_logprobs))
+    if chat is not None and chat.reasoning_parser is not None:
+        splits = [chat.split(result.text) for result in results]
+        columns["reasoning_text"] = [reasoning for reasoning, _ in splits]
+        results = [dataclasses.replace(r, text=answer) for r, (_, answer) in zip(results, splits)]
     for result in results:
         values = [
             result.sample_index,
@@ -116,19 +135,21 @@ def generation_columns(results: list[GenerationResult], num_logprobs: int | None
     return columns
 
 
-def logprobs_columns(results: list[GenerationResult], num_logprobs: int) -> dict[str, list[Any]]:
-    """The LOGPROBS_FIELDS columns: each token's logprob, and the first `num_logprobs` entries of its position (the
-    top k, in rank order: `GenerationResult.logprobs`); null for a row without logprobs (an error)."""
+def logprobs_columns(results: list[GenerationResult], num_logprobs: int | list[int | None]) -> dict[str, list[Any]]:
+    """The LOGPROBS_FIELDS columns: each token's logprob, and the first k entries of its position (the top k, in rank
+    order: `GenerationResult.logprobs`; k = `num_logprobs`, or its entry for the result when a list); null for a row
+    without logprobs (an error, or a row that asked for none)."""
     columns: dict[str, list[Any]] = {f.name: [] for f in LOGPROBS_FIELDS}
-    for result in results:
+    ks = num_logprobs if isinstance(num_logprobs, list) else [num_logprobs] * len(results)
+    for result, k in zip(results, ks):
         entries = result.logprobs
-        if entries is None:
+        if entries is None or k is None:
             columns["logprobs"].append(None)
             columns["top_logprobs"].append(None)
             continue
         columns["logprobs"].append([entry[token] for token, entry in zip(result.token_ids, entries)])
         columns["top_logprobs"].append(
-            [[{"token_id": t, "logprob": lp} for t, lp in list(entry.items())[:num_logprobs]] for entry in entries]
+            [[{"token_id": t, "logprob": lp} for t, lp in list(entry.items())[:k]] for entry in entries]
         )
     return columns
 
@@ -139,19 +160,31 @@ def shard_requests(
     source: PromptSource,
     sampling: SamplingParams,
     first_row: int,
+    row_logprobs: list[int | None] | None = None,
 ) -> Iterator[tuple[list[int] | str, SamplingParams | None]]:
     """Per row, lazily: (prompt token ids, its sampling) or (why it cannot run, None). A row given as a string is
-    one that could not be decoded. Row i of the dataset samples with seed + i when a seed is set."""
-    seed = sampling.seed
+    one that could not be decoded. Row i of the dataset samples with seed + i when a seed is set, unless its
+    `sampling_params_column` value sets a seed; that value's other fields override the job's too. `row_logprobs`:
+    each row's `logprobs` is appended to it as the row is read (None for a row that cannot run)."""
+    seed, column = sampling.seed, source.sampling_params_column
     for i, row in enumerate(rows):
+        row_seed = None if seed is None else seed + first_row + i
         try:
             if isinstance(row, str):
                 raise ValueError(row)
             ids = source.token_ids(row, tokenizer)
+            if column is None:
+                params = dataclasses.replace(sampling, seed=row_seed)
+            else:
+                params = row_sampling(sampling, row[column], column, row_seed)
         except (ValueError, TypeError) as error:
+            if row_logprobs is not None:
+                row_logprobs.append(None)
             yield str(error), None
             continue
-        yield ids, dataclasses.replace(sampling, seed=None if seed is None else seed + first_row + i)
+        if row_logprobs is not None:
+            row_logprobs.append(params.logprobs)
+        yield ids, params
 
 
 def generate_shard(
@@ -159,11 +192,22 @@ def generate_shard(
 ) -> dict[str, list[Any]]:
     """Generate for every row of a shard in one `generate` call (the streaming worker feeds `shard_requests` to
     its stream instead): `sampling.n` output rows per input row, row-major."""
-    requests = list(shard_requests(runner.tokenizer, rows, source, sampling, first_row))
+    per_row: list[int | None] | None = None if source.sampling_params_column is None else []
+    requests = list(shard_requests(runner.tokenizer, rows, source, sampling, first_row, per_row))
     runnable = [(prompt, params) for prompt, params in requests if params is not None]
     generated = iter(runner.generate([p for p, _ in runnable], [s for _, s in runnable]) if runnable else [])
     results = []
     for prompt, params in requests:
         for j in range(sampling.n):
             results.append(next(generated) if params is not None else error_result(prompt, j))
-    return generation_columns(results, sampling.logprobs)
+    return generation_columns(results, per_result_logprobs(sampling, per_row), source.chat)
+
+
+def per_result_logprobs(
+    sampling: SamplingParams, row_logprobs: list[int | None] | None
+) -> int | list[int | None] | None:
+    """`generation_columns`' `num_logprobs`: the job's k, or (rows with their own parameters) each row's k repeated
+    for its `sampling.n` results."""
+    if row_logprobs is None:
+        return sampling.logprobs
+    return [k for k in row_logprobs for _ in range(sampling.n)]

@@ -28,7 +28,10 @@ class SamplingParams:
     (None: no logprobs; see `workers/logprobs.py`). `n` samples of the prompt are
     generated (its prompt prefilled once, `workers/samples.py`); sample j > 0 of a seeded request draws from
     `sample_seed(seed, j)`. `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
-    (`workers/structured_outputs.py`).
+    (`workers/structured_outputs.py`). The text: `include_stop_str_in_output` keeps a matched stop string (and a
+    final stop token's text) instead of cutting it; `skip_special_tokens` leaves special tokens out of the text;
+    `spaces_between_special_tokens` False writes two adjacent added tokens without the space the decoder puts
+    between them (`workers/detokenize.py`).
 
     The logits options, vLLM's meanings (`workers/logits_processors.py`, applied at every verification position
     with the drafts before it as if generated): `presence_penalty` / `frequency_penalty` (in [-2, 2]) subtract
@@ -51,6 +54,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -91,6 +97,8 @@ class SamplingParams:
             ),
             *_option_checks(self),
         ]
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            checks.append((name, isinstance(getattr(self, name), bool), "True or False"))
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}")

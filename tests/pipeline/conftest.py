@@ -10,6 +10,7 @@ import pyarrow.dataset as pads
 import pytest
 
 from pipeline.config import (
+    ChatConfig,
     GenerateJobConfig,
     InputConfig,
     ModelConfig,
@@ -55,10 +56,11 @@ def job_config(model: Path, data: Path, output: Path, **overrides) -> GenerateJo
         "model": dict(model=str(model), max_model_len=40, max_num_seqs=8),
         "sampling": dict(max_tokens=6, temperature=0.0, ignore_eos=True),
         "scaling": dict(num_workers=2, rows_per_shard=8, ray_address="local"),
+        "chat": dict(),
         "speculative": dict(),
         "output": dict(output=str(output)),
     }
-    classes = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig,
+    classes = {"input": InputConfig, "model": ModelConfig, "sampling": SamplingConfig, "chat": ChatConfig,
                "speculative": SpeculativeOptions, "scaling": ScalingConfig, "output": OutputConfig}  # fmt: skip
     for key, value in overrides.items():
         section = next(name for name, cls in classes.items() if key in cls.__dataclass_fields__)

@@ -18,9 +18,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(DEMO))
 
 
-def _feed(tokenizer, text: str, stop: tuple[str, ...]) -> Request:
+def _feed(tokenizer, text: str, stop: tuple[str, ...], include: bool = False) -> Request:
     """Append the tokens of `text` one by one, as decoding would, until the request stops."""
-    params = SamplingParams(max_tokens=1000, stop=stop)
+    params = SamplingParams(max_tokens=1000, stop=stop, include_stop_str_in_output=include)
     request = Request(0, [1], params, frozenset(), make_generator(params, "cpu", 0), 10_000)
     for token in tokenizer.encode(text, add_special_tokens=False):
         if request.append(token, tokenizer):
@@ -38,6 +38,15 @@ def test_stop_strings_with_multibyte_characters_fire(tokenizer, stop):
     assert request.text == text[: text.index(stop)]
     # It stopped at the first token whose text completes the stop string, not later.
     assert stop not in tokenizer.decode(request.output[:-1])
+
+
+@pytest.mark.parametrize("stop", ["é", "😀", "naïve c", "€';"])
+def test_a_kept_stop_string_spanning_tokens_ends_the_text(tokenizer, stop):
+    text = "x = 'naïve café'; y = '€'; z = '。'; w = '😀ü'\nprint(x)\n"
+    cut, kept = _feed(tokenizer, text, (stop,)), _feed(tokenizer, text, (stop,), include=True)
+    assert kept.finish_reason == "stop" and kept.output == cut.output  # the same token completes it
+    assert kept.result(tokenizer).text == text[: text.index(stop) + len(stop)]
+    assert cut.result(tokenizer).text == text[: text.index(stop)]
 
 
 def test_stop_string_that_never_occurs_runs_to_the_end(tokenizer):

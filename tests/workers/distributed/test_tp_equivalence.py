@@ -18,7 +18,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 # short conv + MoE, Falcon-H1's parallel block, Zamba2's shared block, OLMo's full-width qk norm, LFM3's gates.
 FAMILIES = ["bamba", "granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe", "jamba_moe", "kimi_linear"]
 FAMILIES += ["lfm2_moe", "lfm3", "falcon_h1", "zamba2_lora", "olmo_hybrid"]
-MOE_FAMILIES = ["granite_moe", "nemotron_moe", "qwen3_next", "jamba_moe", "lfm2_moe"]
+# The other layouts of the tiny fixtures: dense variants, biases, no norm, untied heads, low-rank q, RoPE, ABAB.
+FAMILIES += ["granite_dense", "nemotron_dense", "qwen3_5", "falcon_h1_biases", "falcon_h1_no_norm"]
+FAMILIES += ["kimi_linear_dense", "kimi_linear_qlora", "kimi_linear_wide", "lfm2", "lfm2_untied", "jamba_dense"]
+FAMILIES += ["olmo_hybrid_rope", "zamba2_abab"]
+MOE_FAMILIES = ["granite_moe", "nemotron_moe", "qwen3_next", "qwen3_5_moe", "jamba_moe", "lfm2_moe", "kimi_linear"]
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -59,14 +63,14 @@ def test_expert_parallel_generates_what_one_rank_does(checkpoint_dir, family: st
     assert_equal_generation(run(path, 2, enable_expert_parallel=True), run(path, 1))
 
 
-@pytest.mark.parametrize(
-    ("family", "speculative"),
-    [
-        ("granite_moe", SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, policy="fixed")),
-        ("qwen3_next", SpeculativeConfig("mtp", 2, policy="fixed")),
-    ],
-)
-def test_speculative_equals_plain_when_split(checkpoint_dir, family: str, speculative: SpeculativeConfig) -> None:
+@pytest.mark.parametrize(("family", "method"), [("granite_moe", "ngram"), ("bamba", "draft"), ("qwen3_next", "mtp")])
+def test_speculative_equals_plain_when_split(checkpoint_dir, family: str, method: str) -> None:
+    """n-gram lookup, a draft model (whole, on rank 0) and the split MTP head."""
+    speculative = {
+        "ngram": SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3, policy="fixed"),
+        "draft": SpeculativeConfig("draft", 3, draft_model=str(checkpoint_dir(family)), policy="fixed"),
+        "mtp": SpeculativeConfig("mtp", 2, policy="fixed"),
+    }[method]
     path = str(checkpoint_dir(family))
     spec = run(path, 2, speculative=speculative)
     assert sum(result.num_accepted_draft_tokens for result in spec) > 0, "drafts were accepted"
@@ -90,3 +94,19 @@ def test_prefix_cache_on_equals_off_when_split(checkpoint_dir, family: str) -> N
             runner.close()
     assert [r.num_cached_tokens for r in results[True]] == [0] + [128] * 4, "every row after the first restores"
     assert_equal_generation(results[True], results[False])
+
+
+@pytest.mark.parametrize("family", ["nemotron_moe", "kimi_linear"])
+def test_split_scores_are_the_unsplit_ones(checkpoint_dir, family: str) -> None:
+    path = str(checkpoint_dir(family))
+    sequences = prompts(100, seed=3)
+    scores = {}
+    for size in (1, 2):
+        runner = ModelRunner.from_pretrained(path, tensor_parallel_size=size)
+        try:
+            scores[size] = runner.score(sequences)
+        finally:
+            runner.close()
+    for split, whole in zip(scores[2], scores[1], strict=True):
+        assert split.error is None and len(split.token_logprobs) == len(whole.token_logprobs)
+        assert split.token_logprobs == pytest.approx(whole.token_logprobs, abs=TOLERANCE)

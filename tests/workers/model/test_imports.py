@@ -27,7 +27,8 @@ LAYERS = (
     ("workers.model.steps",),  # decode plans, CUDA graph plans, draft chains over the layers
     ("workers.model.loader", "workers.model"),  # loading a checkpoint into a model; the package's face
     ("workers.sampling", "workers.structured_outputs", "workers.spec_stats", "workers.requests", "workers.budget",
-     "workers.tokenizer", "workers.columns", "workers.heartbeat", "workers.prefix_cache", "workers.logprobs"),  # a request and how it samples
+     "workers.tokenizer", "workers.columns", "workers.heartbeat", "workers.prefix_cache", "workers.logprobs",
+     "workers.detokenize"),  # a request and how it samples
     ("workers.spec_decode",),  # proposers, policies, rejection sampling
     ("workers",),  # the engine: config, scheduler, executors, runner, scorer, rows, stream
     ("workers.actor",),  # the Ray actor's plain class

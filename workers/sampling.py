@@ -128,9 +128,10 @@ def _normalize_options(params: SamplingParams) -> None:
     keys are strings: "42" stands for token 42)."""
     if isinstance(params.bad_words, str):
         object.__setattr__(params, "bad_words", (params.bad_words,))
-    object.__setattr__(params, "bad_words", tuple(params.bad_words))
-    if params.allowed_token_ids is not None:
-        object.__setattr__(params, "allowed_token_ids", tuple(params.allowed_token_ids))
+    for name in ("bad_words", "allowed_token_ids"):
+        value = getattr(params, name)
+        if isinstance(value, (list, tuple)):  # anything else is left for the checks to name
+            object.__setattr__(params, name, tuple(value))
     if isinstance(params.logit_bias, dict):
         try:
             bias = {int(k): v for k, v in params.logit_bias.items()}
@@ -153,7 +154,9 @@ def _option_checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
         ("min_p", _is_number(p.min_p) and 0 <= p.min_p <= 1, "a number in [0, 1] (0 = off)"),
         (
             "min_tokens",
-            _is_integer(p.min_tokens) and 0 <= p.min_tokens <= p.max_tokens,
+            _is_integer(p.min_tokens)
+            and p.min_tokens >= 0
+            and (not _is_integer(p.max_tokens) or p.min_tokens <= p.max_tokens),
             "an integer in [0, max_tokens]",
         ),
         (
@@ -165,11 +168,19 @@ def _option_checks(p: SamplingParams) -> list[tuple[str, bool, str]]:
             ),
             "None or a dict {token id ≥ 0: finite bias}",
         ),
-        ("bad_words", all(isinstance(w, str) and w.strip() for w in p.bad_words), "non-blank strings"),
+        (
+            "bad_words",
+            isinstance(p.bad_words, tuple) and all(isinstance(w, str) and w.strip() for w in p.bad_words),
+            "a list of non-blank strings",
+        ),
         (
             "allowed_token_ids",
             p.allowed_token_ids is None
-            or (len(p.allowed_token_ids) > 0 and all(_is_integer(t) and t >= 0 for t in p.allowed_token_ids)),
+            or (
+                isinstance(p.allowed_token_ids, tuple)
+                and len(p.allowed_token_ids) > 0
+                and all(_is_integer(t) and t >= 0 for t in p.allowed_token_ids)
+            ),
             "None or a non-empty list of token ids ≥ 0",
         ),
     ]

@@ -177,11 +177,15 @@ def test_min_p_keeps_transformers_warped_distribution():
         ("bad_words", ("",)),
         ("allowed_token_ids", ()),
         ("allowed_token_ids", (3, -2)),
+        ("allowed_token_ids", 5),
+        ("bad_words", 5),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="SamplingParams.max_tokens="):  # a bad neighbour does not break the checks
+        SamplingParams(**{field: value, "max_tokens": "ten"})
 
 
 def test_token_ids_beyond_the_vocabulary_fail_that_row_only(runner):

@@ -12,10 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from tests.tiny_models import draft_for
-from tests.workers.spec_decode.reference import last_position_logits
+from tests.workers.spec_decode.reference import PatternProposer, last_position_logits
 from workers import ModelRunner, SamplingParams, SpeculativeConfig
-from workers.requests import Request
-from workers.spec_decode.proposal import Proposal, Proposer
 
 MAX_TOKENS = 24
 NUM_ROWS = 8
@@ -97,23 +95,6 @@ def _no_options(params: SamplingParams) -> SamplingParams:
     )
 
 
-class ScriptedProposer(Proposer):
-    """Drafts the reference continuation (plain greedy with the options), corrupted from a scripted position on: all
-    drafts accepted, none, or some — the penalties at a position read exactly the drafts accepted before it."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], pattern: str):
-        self.reference, self.pattern, self.step = reference, pattern, 0
-
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
-        self.step += 1
-        drafts = []
-        for request, k in zip(requests, num_drafts):
-            ref = self.reference[tuple(request.prompt)][len(request.output) : len(request.output) + k]
-            correct = {"all": len(ref), "none": 0, "some": min(len(ref), 1 + self.step % 2)}[self.pattern]
-            drafts.append(ref[:correct] + [(t + 1 + self.step % 3) % 128 for t in ref[correct:]])
-        return Proposal.from_lists(drafts, None)
-
-
 @pytest.mark.parametrize("pattern", ["all", "none", "some"])
 def test_options_read_exactly_the_accepted_drafts(pattern, checkpoint_dir):
     path = str(checkpoint_dir("granite_dense"))
@@ -124,7 +105,7 @@ def test_options_read_exactly_the_accepted_drafts(pattern, checkpoint_dir):
         base.model,
         base.tokenizer,
         sorted(base.eos_token_ids),
-        proposer=ScriptedProposer({tuple(p): t for p, t in zip(prompts, plain)}, pattern),
+        proposer=PatternProposer({tuple(p): t for p, t in zip(prompts, plain)}, pattern),
         max_num_seqs=NUM_ROWS,
         speculative=SpeculativeConfig("ngram", 3, policy="fixed"),
     )

@@ -10,13 +10,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tests.workers.spec_decode.reference import last_position_logits
+from tests.workers.spec_decode.reference import PatternProposer, last_position_logits
 from tests.workers.structured_fixtures import ascii_checkpoint, random_regex, random_schema
 from tests.workers.test_structured_outputs import assert_valid, random_prompts
 from workers import ModelRunner, SamplingParams, SpeculativeConfig, StructuredOutputsParams
-from workers.requests import Request
 from workers.sampling import target_probs
-from workers.spec_decode.proposal import Proposal, Proposer
 
 NUM_ROWS = 64
 MAX_TOKENS = 48
@@ -90,24 +88,6 @@ def test_speculative_greedy_equals_plain_and_every_stop_is_valid(method, family,
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_draft_tokens"] > 0
 
 
-class ScriptedProposer(Proposer):
-    """Drafts the plain greedy continuation of each prompt, corrupted from a scripted position on: all accepted,
-    none, or some; the corrupted drafts are legal or illegal under the grammar by turns (illegal ones are cut)."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], pattern: str):
-        self.reference, self.pattern, self.step = reference, pattern, 0
-
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> Proposal:
-        self.step += 1
-        drafts = []
-        for request, k in zip(requests, num_drafts):
-            ref = self.reference[tuple(request.prompt)][len(request.output) : len(request.output) + k]
-            correct = {"all": len(ref), "none": 0, "some": min(len(ref), 1 + self.step % 2)}[self.pattern]
-            wrong = [(t + 1 + self.step % 3) % 128 for t in ref[correct:]]
-            drafts.append(ref[:correct] + wrong)
-        return Proposal.from_lists(drafts, None)
-
-
 @pytest.mark.parametrize("pattern", ["all", "none", "some"])
 def test_the_matcher_follows_the_state_shift(pattern, ascii_models):
     """Whatever is accepted, the output equals plain greedy and stays valid: the matcher advanced by exactly the
@@ -124,7 +104,7 @@ def test_the_matcher_follows_the_state_shift(pattern, ascii_models):
         base.model,
         base.tokenizer,
         sorted(base.eos_token_ids),
-        proposer=ScriptedProposer(reference, pattern),
+        proposer=PatternProposer(reference, pattern),
         max_num_seqs=16,
         speculative=SpeculativeConfig("ngram", 3, policy="fixed"),
     )

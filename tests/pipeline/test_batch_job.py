@@ -291,14 +291,16 @@ def _split_floats(value):
 
 
 def test_batch_files_and_work_directory_on_s3(batch_output, s3, model, tmp_path):  # noqa: F811 (fixture)
+    # Keys of its own: moto's state outlives a module's server, and test_object_storage reads everything under in/.
     data = Path(batch_output[0][1])
-    s3.put_object(Bucket=BUCKET, Key="in/batch.jsonl", Body=data.read_bytes())
+    s3.put_object(Bucket=BUCKET, Key="run-batch/in/batch.jsonl", Body=data.read_bytes())
     argv = list(batch_output[0])
-    argv[1], argv[3] = f"s3://{BUCKET}/in/batch.jsonl", f"s3://{BUCKET}/out/results.jsonl"
+    argv[1], argv[3] = f"s3://{BUCKET}/run-batch/in/batch.jsonl", f"s3://{BUCKET}/run-batch/out/results.jsonl"
     assert run_batch_main(argv) == 0
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="out/")["Contents"]}
-    assert "out/results.jsonl.parts/requests.parquet" in keys and "out/results.jsonl.parts/shards/_SUCCESS" in keys
-    text = s3.get_object(Bucket=BUCKET, Key="out/results.jsonl")["Body"].read().decode()
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="run-batch/out/")["Contents"]}
+    parts = "run-batch/out/results.jsonl.parts"
+    assert f"{parts}/requests.parquet" in keys and f"{parts}/shards/_SUCCESS" in keys
+    text = s3.get_object(Bucket=BUCKET, Key="run-batch/out/results.jsonl")["Body"].read().decode()
     written = [_split_floats(json.loads(line)) for line in text.splitlines()]
     reference = [_split_floats(json.loads(line)) for line in batch_output[1].read_text().splitlines()]
     assert [line for line, _ in written] == [line for line, _ in reference]

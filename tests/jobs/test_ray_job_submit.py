@@ -100,12 +100,12 @@ def _wait_for_job_agent(address: str, env: dict[str, str], head: subprocess.Pope
 def _submit(address: str, env: dict[str, str], job_id: str, *job_args: str) -> subprocess.CompletedProcess:
     submit = [RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--working-dir", str(ROOT),
               "--", "python", "jobs/generate.py", *job_args]  # fmt: skip
-    for _ in range(10):  # the job agent may still be starting: Ray answers "No available agent", try again
+    deadline = time.monotonic() + 120.0  # the job agent may still be starting (slower on a loaded machine)
+    while True:  # Ray answers "No available agent" until it is up: try again
         result = subprocess.run(submit, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-        if "No available agent" not in result.stderr + result.stdout:
+        if "No available agent" not in result.stderr + result.stdout or time.monotonic() > deadline:
             return result
         time.sleep(3.0)
-    return result
 
 
 def test_ray_job_submit_runs_the_generate_job(cluster, machine, checkpoint_dir, tmp_path):

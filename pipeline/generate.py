@@ -61,7 +61,11 @@ def build_generate_job(config: GenerateJobConfig) -> Job:
     fields = generation_fields(
         sampling.logprobs, prompt.chat, per_row_params=columns.sampling_params_column is not None
     )
-    flags = {"--prompt-column": columns.prompt_column, "--messages-column": columns.messages_column,
-             "--id-column": columns.id_column, "--sampling-params-column": columns.sampling_params_column}  # fmt: skip
+    flags = {
+        "--prompt-column": columns.prompt_column,
+        "--messages-column": columns.messages_column,
+        "--id-column": columns.id_column,
+        "--sampling-params-column": columns.sampling_params_column,
+    }
     source = (columns.input, columns.split)
     return build_job("generate", config, source, flags, columns.id_column, worker, fields, fit=fit)
